@@ -1,0 +1,192 @@
+//! The `fantom-sidecar` command line: argument parsing, logging set-up and the one-shot tools
+//! (`embed`, `rerank`, `models`). The binary's `main` only calls [`main`].
+
+mod input;
+mod models;
+mod oneshot;
+mod stream;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::inference::{DTypeSpec, DeviceSpec, EngineConfig, Truncation};
+use crate::manifest::ManifestRegistry;
+use crate::manifest::lock::ModelsLock;
+use crate::model_source::{HubOptions, ModelSelector, SourceOptions, SpecOverrides};
+use crate::model_spec::Pooling;
+
+#[derive(Parser)]
+#[command(
+    name = "fantom-sidecar",
+    version,
+    about = "GPU inference sidecar for Fantom MCP Server"
+)]
+struct Cli {
+    /// Log format on stderr: text for people, json for collectors; auto = text on a terminal.
+    #[arg(long, value_enum, default_value_t = LogFormat::Auto, global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Auto,
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Embed texts: JSON Lines of strings on stdin, {"index", "embedding"} lines on stdout.
+    Embed(oneshot::EmbedArgs),
+    /// Rerank documents against --query: JSON Lines of strings on stdin, {"index", "score"} out.
+    Rerank(oneshot::RerankArgs),
+    /// List, fetch and verify pinned models.
+    #[command(subcommand)]
+    Models(models::ModelsCommand),
+}
+
+/// Which model and how to run it (shared by `embed` and `rerank`).
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// A pinned model id (see `fantom-sidecar models list`).
+    #[arg(long)]
+    model: Option<String>,
+    /// A folder with the model's files: with --model, the pinned files (verified); alone, any
+    /// Hugging Face folder (unpinned).
+    #[arg(long)]
+    model_dir: Option<PathBuf>,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: DeviceSpec,
+    /// auto (f32 on CPU, bf16 on CUDA), f32, f16 or bf16.
+    #[arg(long, default_value = "auto")]
+    dtype: DTypeSpec,
+    /// Pooling for an unpinned --model-dir: mean, cls or last.
+    #[arg(long)]
+    pooling: Option<Pooling>,
+    /// Max input tokens (special tokens included); longer inputs are truncated.
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Refuse inputs longer than the max tokens instead of truncating them.
+    #[arg(long)]
+    no_truncate: bool,
+    /// Padded tokens per batch (longest row × rows).
+    #[arg(long, default_value_t = EngineConfig::default().max_batch_tokens)]
+    max_batch_tokens: usize,
+    /// Rows per batch.
+    #[arg(long, default_value_t = EngineConfig::default().max_batch_rows)]
+    max_batch_rows: usize,
+    #[command(flatten)]
+    pins: PinArgs,
+}
+
+/// Where manifests and the lock file are.
+#[derive(Args, Clone, Debug)]
+pub struct PinArgs {
+    /// The lock file that pins digests the manifests leave empty.
+    #[arg(long, env = "FANTOM_MODELS_LOCK")]
+    lock_file: Option<PathBuf>,
+    /// A folder of extra manifests (*.toml), added to the built-in ones.
+    #[arg(long)]
+    manifests: Option<PathBuf>,
+}
+
+impl PinArgs {
+    fn source_options(&self) -> anyhow::Result<SourceOptions> {
+        let mut registry = ManifestRegistry::built_in();
+        if let Some(dir) = &self.manifests {
+            registry.add_dir(dir)?;
+        }
+        Ok(SourceOptions {
+            registry,
+            lock_path: self
+                .lock_file
+                .clone()
+                .unwrap_or_else(ModelsLock::default_path),
+            hub: HubOptions::from_env(),
+        })
+    }
+}
+
+impl ModelArgs {
+    fn selector(&self) -> anyhow::Result<ModelSelector> {
+        Ok(ModelSelector::from_flags(
+            self.model.clone(),
+            self.model_dir.clone(),
+        )?)
+    }
+
+    fn overrides(&self) -> SpecOverrides {
+        SpecOverrides {
+            pooling: self.pooling,
+            max_tokens: self.max_tokens,
+        }
+    }
+
+    fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            device: self.device,
+            dtype: self.dtype,
+            max_batch_tokens: self.max_batch_tokens,
+            max_batch_rows: self.max_batch_rows,
+            truncation: if self.no_truncate {
+                Truncation::Refuse
+            } else {
+                Truncation::Truncate
+            },
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let json = match format {
+        LogFormat::Json => true,
+        LogFormat::Text => false,
+        LogFormat::Auto => !std::io::stderr().is_terminal(),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if json {
+        builder.json().flatten_event(true).try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// Parses the command line, runs the command, maps errors to exit codes (1: failure).
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        match cli.command {
+            Command::Embed(args) => oneshot::embed(args).await,
+            Command::Rerank(args) => oneshot::rerank(args).await,
+            Command::Models(cmd) => models::run(cmd).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! `embed` and `rerank`: local inference from the command line, JSON Lines in and out.
+
+use std::io::Write;
+
+use anyhow::Context;
+use clap::Args;
+use serde::Serialize;
+
+use super::ModelArgs;
+use super::input::read_json_lines;
+use super::stream::{self, run_in_order, write_json_line};
+use crate::inference::{EmbedOptions, Engine};
+use crate::model_source;
+use crate::model_spec::Task;
+
+#[derive(Args)]
+pub struct EmbedArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Truncate vectors to N dimensions (Matryoshka) and renormalise.
+    #[arg(long)]
+    dimensions: Option<usize>,
+    /// Embed the inputs as queries (applies the model's query template).
+    #[arg(long)]
+    query: bool,
+    /// The instruction for the query template (instruction-aware models).
+    #[arg(long, requires = "query")]
+    task: Option<String>,
+}
+
+#[derive(Args)]
+pub struct RerankArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The query the documents are scored against.
+    #[arg(long)]
+    query: String,
+}
+
+/// One output line of `embed` (field order is part of the format: `index` first).
+#[derive(Serialize)]
+struct EmbeddingLine {
+    index: usize,
+    embedding: Vec<f32>,
+}
+
+/// One output line of `rerank`.
+#[derive(Serialize)]
+struct ScoreLine {
+    index: usize,
+    score: f32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    probability: Option<f32>,
+}
+
+/// Resolves, verifies and loads the model for `task`.
+pub(super) async fn load_engine(args: &ModelArgs, task: Task) -> anyhow::Result<Engine> {
+    let selector = args.selector()?;
+    let opts = args.pins.source_options()?;
+    let resolved = model_source::resolve(&selector, task, &args.overrides(), &opts).await?;
+    let cfg = args.engine_config();
+    let engine = tokio::task::spawn_blocking(move || Engine::start(resolved, cfg))
+        .await
+        .context("the model loader panicked")??;
+    Ok(engine)
+}
+
+fn read_stdin() -> anyhow::Result<Vec<String>> {
+    Ok(read_json_lines(std::io::stdin().lock())?)
+}
+
+pub async fn embed(args: EmbedArgs) -> anyhow::Result<()> {
+    let texts = read_stdin()?;
+    let engine = load_engine(&args.model, Task::Embed).await?;
+    let opts = EmbedOptions {
+        is_query: args.query,
+        task: args.task,
+        dimensions: args.dimensions,
+    };
+    let mut out = stream::stdout();
+    run_in_order(
+        texts,
+        |chunk| {
+            let (engine, opts) = (engine.clone(), opts.clone());
+            async move { engine.embed(chunk, opts).await }
+        },
+        |index, embedding| write_json_line(&mut out, &EmbeddingLine { index, embedding }),
+    )
+    .await?;
+    out.flush()?;
+    Ok(())
+}
+
+pub async fn rerank(args: RerankArgs) -> anyhow::Result<()> {
+    let documents = read_stdin()?;
+    let engine = load_engine(&args.model, Task::Rerank).await?;
+    let query = args.query;
+    let mut out = stream::stdout();
+    run_in_order(
+        documents,
+        |chunk| {
+            let (engine, query) = (engine.clone(), query.clone());
+            async move { engine.rerank(query, chunk).await }
+        },
+        |index, s| {
+            let line = ScoreLine {
+                index,
+                score: s.score,
+                probability: s.probability,
+            };
+            write_json_line(&mut out, &line)
+        },
+    )
+    .await?;
+    out.flush()?;
+    Ok(())
+}

@@ -1,0 +1,496 @@
+//! The engine: request → tokenization → batch queue → the one thread that owns the model.
+//!
+//! The shape is TEI's router → queue → backend split:
+//! * **Tokenization** runs on the caller's blocking pool (`spawn_blocking`), never on the model
+//!   thread.
+//! * The **batcher thread** owns the [`BatchQueue`], forms the next batch by token budget with
+//!   length bucketing, pads it and uploads it. It hands batches over a rendezvous channel, so
+//!   exactly one batch is prepared while the model runs the current one.
+//! * The **model thread** owns the model: nothing else touches it, so no locks sit on the hot
+//!   path and a CUDA context stays on one thread.
+//! * Each input is one queue entry with its own reply channel; a caller that goes away has its
+//!   entries dropped before they cost a batch slot.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::time::Instant;
+
+use candle_core::Device;
+use serde::Serialize;
+use tokio::sync::oneshot;
+
+use super::batch::PreparedBatch;
+use super::batcher::{BatchBudget, BatchQueue};
+use super::device::{self, DTypeSpec, DeviceError, DeviceSpec};
+use super::models::{self, ModelOutput};
+use super::pooling;
+use super::tokenize::{InputTokenizer, TokenizeError, TokenizedInput, Truncation};
+use crate::model_source::{Provenance, ResolvedModel};
+use crate::model_spec::{ModelSpec, ScoreActivation, Task};
+
+/// How the engine runs.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub device: DeviceSpec,
+    pub dtype: DTypeSpec,
+    /// Padded tokens per batch (longest row × rows).
+    pub max_batch_tokens: usize,
+    /// Rows per batch.
+    pub max_batch_rows: usize,
+    pub truncation: Truncation,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            device: DeviceSpec::Auto,
+            dtype: DTypeSpec::Auto,
+            max_batch_tokens: 16384,
+            max_batch_rows: 256,
+            truncation: Truncation::Truncate,
+        }
+    }
+}
+
+/// Why the engine could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizeError),
+    #[error("cannot load the model: {0}")]
+    Load(String),
+    #[error("invalid engine settings: {0}")]
+    Config(String),
+}
+
+/// Why a request failed. Cloneable: one model failure fails every row of its batch.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum InferenceError {
+    #[error("no inputs: send at least one text")]
+    EmptyInput,
+    #[error("input {index} is an empty string")]
+    EmptyText { index: usize },
+    #[error("the query is an empty string")]
+    EmptyQuery,
+    #[error("dimensions {requested} is outside 1..={max}")]
+    BadDimensions { requested: usize, max: usize },
+    #[error("this is {} model; it cannot {wanted}", model.with_article())]
+    WrongTask { model: Task, wanted: Task },
+    #[error("input {index} is longer than the model's {max} tokens (truncation is off)")]
+    TooLong { index: usize, max: usize },
+    #[error("{0}")]
+    Tokenize(String),
+    #[error("the model failed on a batch: {0}")]
+    Model(String),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+/// Options of one embedding request.
+#[derive(Clone, Debug, Default)]
+pub struct EmbedOptions {
+    /// Apply the model's query template (instruction-aware models).
+    pub is_query: bool,
+    /// The instruction for the query template; the manifest's default when `None`.
+    pub task: Option<String>,
+    /// Matryoshka truncation to this many dimensions (renormalised).
+    pub dimensions: Option<usize>,
+}
+
+/// One reranked document.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct RerankScore {
+    /// The model's raw relevance logit.
+    pub score: f32,
+    /// `sigmoid(score)` when the model defines a probability.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub probability: Option<f32>,
+}
+
+/// What the engine runs, for logs and status endpoints.
+#[derive(Clone, Debug, Serialize)]
+pub struct EngineInfo {
+    pub provenance: Provenance,
+    pub architecture: String,
+    pub task: Task,
+    pub pooling: Option<String>,
+    pub normalize: bool,
+    pub max_tokens: usize,
+    /// Output width: vector dims for embedders, 1 for rerankers.
+    pub dims: usize,
+    pub device: String,
+    pub dtype: String,
+    pub max_batch_tokens: usize,
+    pub max_batch_rows: usize,
+}
+
+/// Counters since start (relaxed atomics; read for metrics and benchmarks).
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub batches: AtomicU64,
+    pub rows: AtomicU64,
+    pub tokens: AtomicU64,
+    pub padded_tokens: AtomicU64,
+    pub model_busy_us: AtomicU64,
+}
+
+enum RowOutput {
+    Vector(Vec<f32>),
+    Score(f32),
+}
+
+type Reply = oneshot::Sender<Result<RowOutput, InferenceError>>;
+
+struct Entry {
+    input: TokenizedInput,
+    reply: Reply,
+}
+
+struct Job {
+    batch: PreparedBatch,
+    replies: Vec<Reply>,
+}
+
+struct Inner {
+    info: EngineInfo,
+    spec: ModelSpec,
+    tokenizer: Arc<InputTokenizer>,
+    queue: mpsc::Sender<Entry>,
+    stats: Arc<EngineStats>,
+}
+
+/// A handle to a running engine; clones share it. Dropping the last handle drains the queue
+/// and stops the threads.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+impl Engine {
+    /// Loads the model on its own thread and starts the batcher. Blocks until the model is
+    /// loaded (or failed to).
+    pub fn start(model: ResolvedModel, cfg: EngineConfig) -> Result<Self, EngineError> {
+        let ResolvedModel {
+            files,
+            spec,
+            provenance,
+        } = model;
+        if cfg.max_batch_rows == 0 {
+            return Err(EngineError::Config(
+                "max_batch_rows must be at least 1".into(),
+            ));
+        }
+        if cfg.max_batch_tokens < spec.max_tokens {
+            return Err(EngineError::Config(format!(
+                "max_batch_tokens ({}) must hold one input of max_tokens ({})",
+                cfg.max_batch_tokens, spec.max_tokens
+            )));
+        }
+        let (dev, dtype) = device::open(cfg.device, cfg.dtype)?;
+        let tokenizer = Arc::new(InputTokenizer::load(
+            &files.tokenizer,
+            spec.max_tokens,
+            cfg.truncation,
+        )?);
+        let pad_id = tokenizer.token_id("[PAD]").unwrap_or(0);
+
+        let stats = Arc::new(EngineStats::default());
+        let (job_tx, job_rx) = mpsc::sync_channel::<Job>(0);
+        let (ready_tx, ready_rx) = mpsc::channel();
+        {
+            let (spec, dev, stats) = (spec.clone(), dev.clone(), stats.clone());
+            std::thread::Builder::new()
+                .name("fantom-model".into())
+                .spawn(move || {
+                    let t0 = Instant::now();
+                    let model = match models::load(&files, &spec, &dev, dtype) {
+                        Ok(m) => m,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e.to_string()));
+                            return;
+                        }
+                    };
+                    let _ = ready_tx.send(Ok((
+                        model.hidden_size(),
+                        model.max_positions(),
+                        t0.elapsed(),
+                    )));
+                    model_loop(model.as_ref(), job_rx, &stats);
+                })
+                .map_err(|e| EngineError::Load(format!("cannot spawn the model thread: {e}")))?;
+        }
+        let (hidden, max_positions, load_time) = ready_rx
+            .recv()
+            .map_err(|_| EngineError::Load("the model thread died while loading".into()))?
+            .map_err(EngineError::Load)?;
+        if spec.max_tokens > max_positions {
+            return Err(EngineError::Config(format!(
+                "max_tokens {} exceeds the model's {max_positions} positions",
+                spec.max_tokens
+            )));
+        }
+        let dims = match spec.task {
+            Task::Embed => {
+                let dims = spec.dims.unwrap_or(hidden);
+                if dims != hidden {
+                    return Err(EngineError::Config(format!(
+                        "the manifest says {dims} dims but the model outputs {hidden}"
+                    )));
+                }
+                dims
+            }
+            Task::Rerank => 1,
+        };
+
+        let (queue_tx, queue_rx) = mpsc::channel::<Entry>();
+        let budget = BatchBudget {
+            max_tokens: cfg.max_batch_tokens,
+            max_rows: cfg.max_batch_rows,
+        };
+        {
+            let dev = dev.clone();
+            std::thread::Builder::new()
+                .name("fantom-batcher".into())
+                .spawn(move || batcher_loop(queue_rx, job_tx, budget, pad_id, &dev))
+                .map_err(|e| EngineError::Load(format!("cannot spawn the batcher thread: {e}")))?;
+        }
+
+        let info = EngineInfo {
+            provenance,
+            architecture: spec.architecture.to_string(),
+            task: spec.task,
+            pooling: (spec.task == Task::Embed).then(|| spec.pooling.to_string()),
+            normalize: spec.normalize,
+            max_tokens: spec.max_tokens,
+            dims,
+            device: device::describe(&dev),
+            dtype: format!("{dtype:?}").to_lowercase(),
+            max_batch_tokens: cfg.max_batch_tokens,
+            max_batch_rows: cfg.max_batch_rows,
+        };
+        tracing::info!(
+            model = %info.provenance,
+            pinned = info.provenance.is_pinned(),
+            device = %info.device,
+            dtype = %info.dtype,
+            dims = info.dims,
+            load_ms = load_time.as_millis() as u64,
+            "model loaded"
+        );
+        for f in info.provenance.files() {
+            tracing::debug!(file = %f.name, sha256 = %f.sha256, check = ?f.check, "model file");
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                info,
+                spec,
+                tokenizer,
+                queue: queue_tx,
+                stats,
+            }),
+        })
+    }
+
+    pub fn info(&self) -> &EngineInfo {
+        &self.inner.info
+    }
+
+    pub fn stats(&self) -> &EngineStats {
+        &self.inner.stats
+    }
+
+    /// Embeds `texts`; one vector per text, in order.
+    pub async fn embed(
+        &self,
+        texts: Vec<String>,
+        opts: EmbedOptions,
+    ) -> Result<Vec<Vec<f32>>, InferenceError> {
+        self.require(Task::Embed)?;
+        check_texts(&texts)?;
+        let full = self.inner.info.dims;
+        if let Some(d) = opts.dimensions
+            && (d == 0 || d > full)
+        {
+            return Err(InferenceError::BadDimensions {
+                requested: d,
+                max: full,
+            });
+        }
+        let prompts = &self.inner.spec.prompts;
+        let texts: Vec<String> = texts
+            .iter()
+            .map(|t| prompts.apply(t, opts.is_query, opts.task.as_deref()))
+            .collect();
+        let tokenizer = self.inner.tokenizer.clone();
+        let inputs = run_blocking(move || tokenizer.encode_texts(texts)).await?;
+        let normalize = self.inner.spec.normalize;
+        self.submit(inputs)
+            .await?
+            .into_iter()
+            .map(|row| match row {
+                RowOutput::Vector(v) => Ok(pooling::finish(v, opts.dimensions, normalize)),
+                RowOutput::Score(_) => Err(InferenceError::Model("expected a vector".into())),
+            })
+            .collect()
+    }
+
+    /// Scores each document against `query`; one score per document, in order.
+    pub async fn rerank(
+        &self,
+        query: String,
+        documents: Vec<String>,
+    ) -> Result<Vec<RerankScore>, InferenceError> {
+        self.require(Task::Rerank)?;
+        if query.is_empty() {
+            return Err(InferenceError::EmptyQuery);
+        }
+        check_texts(&documents)?;
+        let tokenizer = self.inner.tokenizer.clone();
+        let inputs = run_blocking(move || tokenizer.encode_pairs(&query, documents)).await?;
+        let sigmoid = self.inner.spec.score == ScoreActivation::Sigmoid;
+        self.submit(inputs)
+            .await?
+            .into_iter()
+            .map(|row| match row {
+                RowOutput::Score(score) => Ok(RerankScore {
+                    score,
+                    probability: sigmoid.then(|| 1.0 / (1.0 + (-score).exp())),
+                }),
+                RowOutput::Vector(_) => Err(InferenceError::Model("expected a score".into())),
+            })
+            .collect()
+    }
+
+    fn require(&self, wanted: Task) -> Result<(), InferenceError> {
+        let model = self.inner.spec.task;
+        if model == wanted {
+            Ok(())
+        } else {
+            Err(InferenceError::WrongTask { model, wanted })
+        }
+    }
+
+    /// Queues tokenized inputs and waits for every row.
+    async fn submit(&self, inputs: Vec<TokenizedInput>) -> Result<Vec<RowOutput>, InferenceError> {
+        let mut receivers = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            let (reply, rx) = oneshot::channel();
+            self.inner
+                .queue
+                .send(Entry { input, reply })
+                .map_err(|_| InferenceError::Stopped)?;
+            receivers.push(rx);
+        }
+        let mut out = Vec::with_capacity(receivers.len());
+        for rx in receivers {
+            out.push(rx.await.map_err(|_| InferenceError::Stopped)??);
+        }
+        Ok(out)
+    }
+}
+
+fn check_texts(texts: &[String]) -> Result<(), InferenceError> {
+    if texts.is_empty() {
+        return Err(InferenceError::EmptyInput);
+    }
+    if let Some(index) = texts.iter().position(String::is_empty) {
+        return Err(InferenceError::EmptyText { index });
+    }
+    Ok(())
+}
+
+async fn run_blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, TokenizeError> + Send + 'static,
+) -> Result<T, InferenceError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| InferenceError::Tokenize(format!("tokenizer task failed: {e}")))?
+        .map_err(|e| match e {
+            TokenizeError::TooLong { index, max } => InferenceError::TooLong { index, max },
+            other => InferenceError::Tokenize(other.to_string()),
+        })
+}
+
+fn batcher_loop(
+    rx: mpsc::Receiver<Entry>,
+    jobs: mpsc::SyncSender<Job>,
+    budget: BatchBudget,
+    pad_id: u32,
+    device: &Device,
+) {
+    let mut queue: BatchQueue<Entry> = BatchQueue::default();
+    loop {
+        if queue.is_empty() {
+            match rx.recv() {
+                Ok(e) => queue.push(e.input.len(), e),
+                Err(_) => return, // every handle dropped and nothing left to do
+            }
+        }
+        while let Ok(e) = rx.try_recv() {
+            queue.push(e.input.len(), e);
+        }
+        queue.retain(|e| !e.reply.is_closed());
+        let entries: Vec<Entry> = queue
+            .next_batch(budget)
+            .into_iter()
+            .map(|(_, e)| e)
+            .collect();
+        if entries.is_empty() {
+            continue;
+        }
+        match PreparedBatch::build(entries.iter().map(|e| &e.input), pad_id, device) {
+            Ok(batch) => {
+                let replies = entries.into_iter().map(|e| e.reply).collect();
+                // Blocks until the model thread takes it: the one prepared batch.
+                if jobs.send(Job { batch, replies }).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                for entry in entries {
+                    let _ = entry.reply.send(Err(InferenceError::Model(e.to_string())));
+                }
+            }
+        }
+    }
+}
+
+fn model_loop(model: &dyn models::LocalModel, jobs: mpsc::Receiver<Job>, stats: &EngineStats) {
+    while let Ok(Job { batch, replies }) = jobs.recv() {
+        let t0 = Instant::now();
+        let result = model.run(&batch);
+        stats
+            .model_busy_us
+            .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        stats.batches.fetch_add(1, Ordering::Relaxed);
+        stats.rows.fetch_add(batch.rows() as u64, Ordering::Relaxed);
+        stats
+            .tokens
+            .fetch_add(batch.tokens() as u64, Ordering::Relaxed);
+        stats
+            .padded_tokens
+            .fetch_add(batch.padded_tokens() as u64, Ordering::Relaxed);
+        match result {
+            Ok(ModelOutput::Vectors(rows)) => {
+                for (reply, v) in replies.into_iter().zip(rows) {
+                    let _ = reply.send(Ok(RowOutput::Vector(v)));
+                }
+            }
+            Ok(ModelOutput::Scores(scores)) => {
+                for (reply, s) in replies.into_iter().zip(scores) {
+                    let _ = reply.send(Ok(RowOutput::Score(s)));
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, rows = batch.rows(), "model failed on a batch");
+                let err = InferenceError::Model(e.to_string());
+                for reply in replies {
+                    let _ = reply.send(Err(err.clone()));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,21 @@
+//! Local inference on candle: embedders and rerankers from verified model files.
+//!
+//! [`Engine`] is the entry point: start it from a [`crate::model_source::ResolvedModel`], then
+//! `embed` or `rerank` from any task. Inside, requests are tokenized off the model thread,
+//! queued, batched by a padded-token budget with length bucketing ([`batcher`]), and run by the
+//! one thread that owns the model ([`engine`]).
+
+pub mod batch;
+pub mod batcher;
+pub mod device;
+pub mod engine;
+pub mod models;
+pub mod pooling;
+pub mod tokenize;
+
+pub use device::{DTypeSpec, DeviceSpec};
+pub use engine::{
+    EmbedOptions, Engine, EngineConfig, EngineError, EngineInfo, EngineStats, InferenceError,
+    RerankScore,
+};
+pub use tokenize::Truncation;

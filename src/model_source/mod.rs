@@ -1,0 +1,506 @@
+//! Where a model's files come from, and proof that they are the pinned bytes.
+//!
+//! Three ways in, all ending in a [`ResolvedModel`] (files + settings + provenance):
+//! * `--model <id>`: a pinned manifest; files from the Hugging Face cache at the pinned commit,
+//!   else downloaded at that commit ([`hub`]).
+//! * `--model <id> --model-dir DIR`: the manifest's settings, the files from DIR.
+//! * `--model-dir DIR` alone: any Hugging Face folder, unpinned, settings read from its files
+//!   ([`folder`]).
+//!
+//! Pinned files are verified against the manifest's sha256, else against `models.lock`, else
+//! recorded there on this first load. A mismatch refuses the load: a model can never silently
+//! change under an index.
+
+pub mod folder;
+pub mod hub;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::manifest::lock::{LockError, ModelsLock};
+use crate::manifest::{ManifestError, ManifestRegistry, ModelManifest, Revision, Sha256};
+use crate::model_spec::{ModelSpec, Pooling, Task};
+pub use hub::HubOptions;
+
+/// Which model to load.
+#[derive(Clone, Debug)]
+pub enum ModelSelector {
+    /// A pinned manifest, optionally with its files in a local folder.
+    Pinned { id: String, dir: Option<PathBuf> },
+    /// Any Hugging Face folder, unpinned.
+    Folder(PathBuf),
+}
+
+impl ModelSelector {
+    /// From the CLI's `--model` / `--model-dir` pair.
+    pub fn from_flags(model: Option<String>, dir: Option<PathBuf>) -> Result<Self, SourceError> {
+        match (model, dir) {
+            (Some(id), dir) => Ok(Self::Pinned { id, dir }),
+            (None, Some(dir)) => Ok(Self::Folder(dir)),
+            (None, None) => Err(SourceError::Usage(
+                "name a model: --model <id> (pinned) and/or --model-dir DIR".into(),
+            )),
+        }
+    }
+}
+
+/// Settings a caller may override on top of what the model declares.
+#[derive(Clone, Debug, Default)]
+pub struct SpecOverrides {
+    /// Pooling; only for unpinned folders (a pinned model's pooling is part of its space).
+    pub pooling: Option<Pooling>,
+    /// Max input tokens; never above the model's position table.
+    pub max_tokens: Option<usize>,
+}
+
+/// Everything needed to resolve a model.
+#[derive(Clone, Debug)]
+pub struct SourceOptions {
+    pub registry: ManifestRegistry,
+    pub lock_path: PathBuf,
+    pub hub: HubOptions,
+}
+
+impl SourceOptions {
+    /// Built-in manifests, the default lock path and the hub settings from the environment.
+    pub fn from_env() -> Self {
+        Self {
+            registry: ManifestRegistry::built_in(),
+            lock_path: ModelsLock::default_path(),
+            hub: HubOptions::from_env(),
+        }
+    }
+}
+
+/// How a pinned file's digest was established.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DigestCheck {
+    /// Matched the digest in the manifest.
+    Manifest,
+    /// Matched the digest recorded in `models.lock` on an earlier load.
+    Lock,
+    /// First load: the digest was just recorded in `models.lock`.
+    Recorded,
+}
+
+/// One model file and its digest.
+#[derive(Clone, Debug, Serialize)]
+pub struct FileDigest {
+    pub name: String,
+    pub sha256: Sha256,
+    /// `None` for unpinned loads, where nothing was checked.
+    pub check: Option<DigestCheck>,
+}
+
+/// Where pinned files were read from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "path")]
+pub enum FileOrigin {
+    /// `--model-dir`.
+    ModelDir(PathBuf),
+    /// The Hugging Face cache, already present.
+    HfCache(PathBuf),
+    /// The Hugging Face cache, downloaded by this load.
+    Downloaded(PathBuf),
+}
+
+/// What the engine reports about the model it runs.
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "snake_case", tag = "pin")]
+pub enum Provenance {
+    Pinned {
+        id: String,
+        repo: String,
+        revision: Revision,
+        origin: FileOrigin,
+        files: Vec<FileDigest>,
+    },
+    Unpinned {
+        dir: PathBuf,
+        files: Vec<FileDigest>,
+    },
+}
+
+impl Provenance {
+    pub fn is_pinned(&self) -> bool {
+        matches!(self, Provenance::Pinned { .. })
+    }
+
+    pub fn files(&self) -> &[FileDigest] {
+        match self {
+            Provenance::Pinned { files, .. } | Provenance::Unpinned { files, .. } => files,
+        }
+    }
+}
+
+impl fmt::Display for Provenance {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Provenance::Pinned {
+                id, repo, revision, ..
+            } => {
+                write!(f, "{id} ({repo}@{revision}, pinned)")
+            }
+            Provenance::Unpinned { dir, .. } => write!(f, "{} (unpinned)", dir.display()),
+        }
+    }
+}
+
+/// The files the engine reads.
+#[derive(Clone, Debug)]
+pub struct ModelFiles {
+    pub config: PathBuf,
+    pub tokenizer: PathBuf,
+    pub weights: Vec<PathBuf>,
+}
+
+/// A model ready to load: files, settings, provenance.
+#[derive(Clone, Debug)]
+pub struct ResolvedModel {
+    pub files: ModelFiles,
+    pub spec: ModelSpec,
+    pub provenance: Provenance,
+}
+
+/// Why a model could not be resolved.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+    #[error(transparent)]
+    Lock(#[from] LockError),
+    #[error("model `{id}` is {} model; this command needs {} model", model_task.with_article(), wanted.with_article())]
+    TaskMismatch {
+        id: String,
+        model_task: Task,
+        wanted: Task,
+    },
+    #[error("model `{id}`: {dir} has no `{file}` (the pinned files are: {expected})")]
+    MissingInDir {
+        id: String,
+        dir: PathBuf,
+        file: String,
+        expected: String,
+    },
+    #[error(transparent)]
+    Fetch(Box<FetchFailed>),
+    #[error(transparent)]
+    DigestMismatch(Box<DigestMismatch>),
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Folder(String),
+    #[error("{0}")]
+    Override(String),
+}
+
+/// A pinned file the cache lacks and the hub could not provide.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "model `{id}` ({repo}@{revision}): `{file}` is not in the Hugging Face cache ({snapshot}) and could not be downloaded from {endpoint}: {reason}. \
+     To run without the hub, put the model's files ({expected}) in a folder and pass `--model {id} --model-dir DIR`, \
+     or set HF_HUB_CACHE / HF_HOME to a cache that holds them"
+)]
+pub struct FetchFailed {
+    pub id: String,
+    pub repo: String,
+    pub revision: Revision,
+    pub file: String,
+    pub snapshot: PathBuf,
+    pub endpoint: String,
+    pub reason: String,
+    pub expected: String,
+}
+
+/// A pinned file whose bytes are not the pinned ones.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "model `{id}`: `{file}` ({path}) does not match its pin: expected sha256 {expected}, found {actual} (pinned by {pinned_by}). \
+     Refusing to load it: a model must never change under an index"
+)]
+pub struct DigestMismatch {
+    pub id: String,
+    pub file: String,
+    pub path: PathBuf,
+    pub expected: Sha256,
+    pub actual: Sha256,
+    pub pinned_by: String,
+}
+
+/// Resolves `selector` into files, settings and provenance; `task` is what the caller will do.
+pub async fn resolve(
+    selector: &ModelSelector,
+    task: Task,
+    overrides: &SpecOverrides,
+    opts: &SourceOptions,
+) -> Result<ResolvedModel, SourceError> {
+    let mut resolved = match selector {
+        ModelSelector::Pinned { id, dir } => {
+            let manifest = opts.registry.get(id)?;
+            if manifest.spec.task != task {
+                return Err(SourceError::TaskMismatch {
+                    id: id.clone(),
+                    model_task: manifest.spec.task,
+                    wanted: task,
+                });
+            }
+            if let Some(p) = overrides.pooling.filter(|p| *p != manifest.spec.pooling) {
+                return Err(SourceError::Override(format!(
+                    "model `{id}` is pinned with {} pooling; --pooling {p} applies only to unpinned --model-dir loads",
+                    manifest.spec.pooling
+                )));
+            }
+            resolve_pinned(manifest, dir.as_deref(), opts).await?
+        }
+        ModelSelector::Folder(dir) => resolve_folder(dir, task, overrides)?,
+    };
+    if let Some(max) = overrides.max_tokens {
+        let cfg =
+            folder::ConfigSummary::read(resolved.files.config.parent().unwrap_or(Path::new(".")))
+                .map_err(SourceError::Folder)?;
+        let limit = cfg.max_position_embeddings.unwrap_or(usize::MAX);
+        if max < 2 || max > limit {
+            return Err(SourceError::Override(format!(
+                "--max-tokens {max} is outside 2..={limit} (the model's position table)"
+            )));
+        }
+        resolved.spec.max_tokens = max;
+    }
+    Ok(resolved)
+}
+
+async fn resolve_pinned(
+    manifest: &ModelManifest,
+    dir: Option<&Path>,
+    opts: &SourceOptions,
+) -> Result<ResolvedModel, SourceError> {
+    let expected = || {
+        manifest
+            .files
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let (paths, origin) = match dir {
+        Some(dir) => {
+            let mut paths = BTreeMap::new();
+            for name in manifest.files.keys() {
+                let p = dir.join(name);
+                if !p.is_file() {
+                    return Err(SourceError::MissingInDir {
+                        id: manifest.id.clone(),
+                        dir: dir.to_path_buf(),
+                        file: name.clone(),
+                        expected: expected(),
+                    });
+                }
+                paths.insert(name.clone(), p);
+            }
+            (paths, FileOrigin::ModelDir(dir.to_path_buf()))
+        }
+        None => {
+            let snapshot = opts.hub.snapshot_dir(manifest);
+            let (paths, downloaded) = hub::fetch(manifest, &opts.hub).await.map_err(|f| {
+                SourceError::Fetch(Box::new(FetchFailed {
+                    id: manifest.id.clone(),
+                    repo: manifest.repo.clone(),
+                    revision: manifest.revision.clone(),
+                    file: f.file,
+                    snapshot: snapshot.clone(),
+                    endpoint: opts.hub.endpoint.clone(),
+                    reason: f.reason,
+                    expected: expected(),
+                }))
+            })?;
+            let origin = if downloaded {
+                FileOrigin::Downloaded(snapshot)
+            } else {
+                FileOrigin::HfCache(snapshot)
+            };
+            (paths, origin)
+        }
+    };
+    let files = verify_pinned(manifest, &paths, &opts.lock_path)?;
+    let get = |name: &str| paths[name].clone();
+    let weights = manifest.weight_files().map(get).collect();
+    Ok(ResolvedModel {
+        files: ModelFiles {
+            config: get("config.json"),
+            tokenizer: get("tokenizer.json"),
+            weights,
+        },
+        spec: manifest.spec.clone(),
+        provenance: Provenance::Pinned {
+            id: manifest.id.clone(),
+            repo: manifest.repo.clone(),
+            revision: manifest.revision.clone(),
+            origin,
+            files,
+        },
+    })
+}
+
+/// Hashes files in parallel (weights are gigabytes; one thread per file).
+fn hash_all(paths: &BTreeMap<String, PathBuf>) -> Result<BTreeMap<String, Sha256>, SourceError> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = paths
+            .iter()
+            .map(|(name, path)| {
+                s.spawn(move || {
+                    Sha256::of_file(path)
+                        .map(|d| (name.clone(), d))
+                        .map_err(|source| SourceError::Io {
+                            path: path.clone(),
+                            source,
+                        })
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("hashing thread panicked"))
+            .collect()
+    })
+}
+
+fn verify_pinned(
+    manifest: &ModelManifest,
+    paths: &BTreeMap<String, PathBuf>,
+    lock_path: &Path,
+) -> Result<Vec<FileDigest>, SourceError> {
+    let actual = hash_all(paths)?;
+    let needs_lock = manifest.files.values().any(Option::is_none);
+    let mut lock = if needs_lock {
+        Some(ModelsLock::load(lock_path)?)
+    } else {
+        None
+    };
+    let mut out = Vec::new();
+    let mut to_record = BTreeMap::new();
+    for (name, pinned) in &manifest.files {
+        let digest = actual[name];
+        let mismatch = |expected: Sha256, pinned_by: String| {
+            SourceError::DigestMismatch(Box::new(DigestMismatch {
+                id: manifest.id.clone(),
+                file: name.clone(),
+                path: paths[name].clone(),
+                expected,
+                actual: digest,
+                pinned_by,
+            }))
+        };
+        let check = match pinned {
+            Some(expected) if *expected == digest => DigestCheck::Manifest,
+            Some(expected) => {
+                return Err(mismatch(
+                    *expected,
+                    format!("the manifest of `{}`", manifest.id),
+                ));
+            }
+            None => {
+                let lock = lock.as_ref().expect("lock loaded when a digest is missing");
+                match lock.recorded(&manifest.id, &manifest.revision, name) {
+                    Some(expected) if expected == digest => DigestCheck::Lock,
+                    Some(expected) => {
+                        return Err(mismatch(
+                            expected,
+                            format!(
+                                "{} on first load; delete that entry to re-pin on purpose",
+                                lock.path().display()
+                            ),
+                        ));
+                    }
+                    None => {
+                        to_record.insert(name.clone(), digest);
+                        DigestCheck::Recorded
+                    }
+                }
+            }
+        };
+        out.push(FileDigest {
+            name: name.clone(),
+            sha256: digest,
+            check: Some(check),
+        });
+    }
+    if let (Some(lock), false) = (lock.as_mut(), to_record.is_empty()) {
+        lock.record(&manifest.id, &manifest.repo, &manifest.revision, &to_record)?;
+        tracing::info!(
+            model = %manifest.id,
+            lock = %lock.path().display(),
+            files = to_record.len(),
+            "first load: recorded model file digests in the lock file"
+        );
+    }
+    Ok(out)
+}
+
+fn resolve_folder(
+    dir: &Path,
+    task: Task,
+    overrides: &SpecOverrides,
+) -> Result<ResolvedModel, SourceError> {
+    if !dir.is_dir() {
+        return Err(SourceError::Folder(format!(
+            "--model-dir {} is not a folder",
+            dir.display()
+        )));
+    }
+    let mut spec = folder::inspect(dir, task).map_err(SourceError::Folder)?;
+    if let Some(p) = overrides.pooling {
+        spec.pooling = p;
+    }
+    let weights = folder::weight_files(dir).map_err(SourceError::Folder)?;
+    let config = dir.join("config.json");
+    let tokenizer = dir.join("tokenizer.json");
+    if !tokenizer.is_file() {
+        return Err(SourceError::Folder(format!(
+            "{} has no tokenizer.json",
+            dir.display()
+        )));
+    }
+    let mut paths = BTreeMap::new();
+    for p in std::iter::once(&config)
+        .chain(std::iter::once(&tokenizer))
+        .chain(weights.iter())
+    {
+        let name = p
+            .strip_prefix(dir)
+            .unwrap_or(p)
+            .to_string_lossy()
+            .into_owned();
+        paths.insert(name, p.clone());
+    }
+    let files = hash_all(&paths)?
+        .into_iter()
+        .map(|(name, sha256)| FileDigest {
+            name,
+            sha256,
+            check: None,
+        })
+        .collect();
+    tracing::warn!(dir = %dir.display(), "loading an unpinned model folder: nothing checks that its files stay the same");
+    Ok(ResolvedModel {
+        files: ModelFiles {
+            config,
+            tokenizer,
+            weights,
+        },
+        spec,
+        provenance: Provenance::Unpinned {
+            dir: dir.to_path_buf(),
+            files,
+        },
+    })
+}

@@ -1,0 +1,9 @@
+//! Local inference on real weights, against committed reference outputs, through the library
+//! and through the real binary. One test binary (link time is the cost of a test binary here).
+
+mod cli;
+mod cross_encoder;
+mod embeddings;
+mod hub;
+mod pinning;
+mod support;
