@@ -12,7 +12,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::inference::{DTypeSpec, DeviceSpec, EngineConfig, Truncation};
+use crate::inference::{AttentionMode, DTypeSpec, DeviceSpec, EngineConfig, Truncation};
 use crate::manifest::ManifestRegistry;
 use crate::manifest::lock::ModelsLock;
 use crate::model_source::{HubOptions, ModelSelector, SourceOptions, SpecOverrides};
@@ -139,6 +139,7 @@ impl ModelArgs {
             } else {
                 Truncation::Truncate
             },
+            attention: AttentionMode::Auto,
         }
     }
 }

@@ -16,10 +16,19 @@ use std::ops::Bound;
 /// The limits of one batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchBudget {
-    /// Padded tokens per batch: longest row × rows.
+    /// Tokens per batch: longest row × rows when `padded`, else the sum of the rows.
     pub max_tokens: usize,
     /// Rows per batch.
     pub max_rows: usize,
+    /// Whether the model pays for padding (padded attention).
+    pub padded: bool,
+}
+
+impl BatchBudget {
+    /// What a batch of `rows` rows, the longest `longest` and `sum` tokens in all, costs.
+    fn cost(&self, rows: usize, longest: usize, sum: usize) -> usize {
+        if self.padded { longest * rows } else { sum }
+    }
 }
 
 /// Entries waiting for the model, indexed by length and by age.
@@ -75,6 +84,7 @@ impl<T> BatchQueue<T> {
         let base_len = oldest.0;
         let mut keys = vec![oldest];
         let mut longest = base_len;
+        let mut sum = base_len;
         {
             let mut down = self
                 .by_len
@@ -99,17 +109,18 @@ impl<T> BatchQueue<T> {
                     (Some(d), Some(u)) => u.0 - base_len < base_len - d.0,
                 };
                 let key = if take_up { u } else { d }.expect("candidate exists");
-                let cost = longest.max(key.0) * (keys.len() + 1);
+                let cost = budget.cost(keys.len() + 1, longest.max(key.0), sum + key.0);
                 if cost > budget.max_tokens {
                     if take_up {
                         // Every later `up` entry is longer still: stop looking up.
                         up_open = false;
                         continue;
                     }
-                    // A shorter entry does not fit, so nothing does.
+                    // The shortest-remaining candidate does not fit, so nothing does.
                     break;
                 }
                 longest = longest.max(key.0);
+                sum += key.0;
                 keys.push(key);
                 if take_up {
                     up.next();
@@ -132,6 +143,7 @@ mod tests {
         BatchBudget {
             max_tokens,
             max_rows,
+            padded: true,
         }
     }
 
@@ -170,6 +182,25 @@ mod tests {
         for (l, _) in &b {
             assert!(*l * b.len() <= 160);
         }
+    }
+
+    #[test]
+    fn packed_budget_counts_real_tokens() {
+        let mut q = BatchQueue::default();
+        for len in [50, 10, 10, 10, 60] {
+            q.push(len, ());
+        }
+        let packed = BatchBudget {
+            max_tokens: 125,
+            max_rows: 10,
+            padded: false,
+        };
+        // Packed: 50 + 60 + 10 = 120 fits (one more 10 would not); padded it would cost
+        // 60 × 3 = 180.
+        let b = q.next_batch(packed);
+        let mut lens: Vec<_> = b.iter().map(|(l, _)| *l).collect();
+        lens.sort();
+        assert_eq!(lens, [10, 50, 60]);
     }
 
     #[test]

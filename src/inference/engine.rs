@@ -20,7 +20,7 @@ use candle_core::Device;
 use serde::Serialize;
 use tokio::sync::oneshot;
 
-use super::batch::PreparedBatch;
+use super::batch::{AttentionMode, PreparedBatch};
 use super::batcher::{BatchBudget, BatchQueue};
 use super::device::{self, DTypeSpec, DeviceError, DeviceSpec};
 use super::models::{self, ModelOutput};
@@ -39,6 +39,9 @@ pub struct EngineConfig {
     /// Rows per batch.
     pub max_batch_rows: usize,
     pub truncation: Truncation,
+    /// Packed attention on the CPU, padded elsewhere (`Auto`); `Padded` forces the GPU-shaped
+    /// path, so the CPU can check it.
+    pub attention: AttentionMode,
 }
 
 impl Default for EngineConfig {
@@ -49,6 +52,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 16384,
             max_batch_rows: 256,
             truncation: Truncation::Truncate,
+            attention: AttentionMode::Auto,
         }
     }
 }
@@ -125,6 +129,7 @@ pub struct EngineInfo {
     pub dtype: String,
     pub max_batch_tokens: usize,
     pub max_batch_rows: usize,
+    pub attention: String,
 }
 
 /// Counters since start (relaxed atomics; read for metrics and benchmarks).
@@ -133,7 +138,8 @@ pub struct EngineStats {
     pub batches: AtomicU64,
     pub rows: AtomicU64,
     pub tokens: AtomicU64,
-    pub padded_tokens: AtomicU64,
+    /// Tokens attention paid for: equal to `tokens` when packed, more when padded.
+    pub attended_tokens: AtomicU64,
     pub model_busy_us: AtomicU64,
 }
 
@@ -195,7 +201,15 @@ impl Engine {
             spec.max_tokens,
             cfg.truncation,
         )?);
-        let pad_id = tokenizer.token_id("[PAD]").unwrap_or(0);
+        if dev.is_cpu() {
+            super::heap::keep_tensor_memory();
+        }
+        let attention = cfg.attention.resolve(&dev);
+        if attention == AttentionMode::Packed && !dev.is_cpu() {
+            return Err(EngineError::Config(
+                "packed attention runs on the CPU only".into(),
+            ));
+        }
 
         let stats = Arc::new(EngineStats::default());
         let (job_tx, job_rx) = mpsc::sync_channel::<Job>(0);
@@ -249,12 +263,13 @@ impl Engine {
         let budget = BatchBudget {
             max_tokens: cfg.max_batch_tokens,
             max_rows: cfg.max_batch_rows,
+            padded: attention == AttentionMode::Padded,
         };
         {
             let dev = dev.clone();
             std::thread::Builder::new()
                 .name("fantom-batcher".into())
-                .spawn(move || batcher_loop(queue_rx, job_tx, budget, pad_id, &dev))
+                .spawn(move || batcher_loop(queue_rx, job_tx, budget, attention, &dev))
                 .map_err(|e| EngineError::Load(format!("cannot spawn the batcher thread: {e}")))?;
         }
 
@@ -270,6 +285,7 @@ impl Engine {
             dtype: format!("{dtype:?}").to_lowercase(),
             max_batch_tokens: cfg.max_batch_tokens,
             max_batch_rows: cfg.max_batch_rows,
+            attention: format!("{attention:?}").to_lowercase(),
         };
         tracing::info!(
             model = %info.provenance,
@@ -418,7 +434,7 @@ fn batcher_loop(
     rx: mpsc::Receiver<Entry>,
     jobs: mpsc::SyncSender<Job>,
     budget: BatchBudget,
-    pad_id: u32,
+    attention: AttentionMode,
     device: &Device,
 ) {
     let mut queue: BatchQueue<Entry> = BatchQueue::default();
@@ -441,7 +457,7 @@ fn batcher_loop(
         if entries.is_empty() {
             continue;
         }
-        match PreparedBatch::build(entries.iter().map(|e| &e.input), pad_id, device) {
+        match PreparedBatch::build(entries.iter().map(|e| &e.input), device, attention) {
             Ok(batch) => {
                 let replies = entries.into_iter().map(|e| e.reply).collect();
                 // Blocks until the model thread takes it: the one prepared batch.
@@ -471,8 +487,8 @@ fn model_loop(model: &dyn models::LocalModel, jobs: mpsc::Receiver<Job>, stats: 
             .tokens
             .fetch_add(batch.tokens() as u64, Ordering::Relaxed);
         stats
-            .padded_tokens
-            .fetch_add(batch.padded_tokens() as u64, Ordering::Relaxed);
+            .attended_tokens
+            .fetch_add(batch.attended_tokens() as u64, Ordering::Relaxed);
         match result {
             Ok(ModelOutput::Vectors(rows)) => {
                 for (reply, v) in replies.into_iter().zip(rows) {

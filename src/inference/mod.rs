@@ -7,12 +7,15 @@
 
 pub mod batch;
 pub mod batcher;
+pub mod cpu_ops;
 pub mod device;
 pub mod engine;
+pub mod heap;
 pub mod models;
 pub mod pooling;
 pub mod tokenize;
 
+pub use batch::AttentionMode;
 pub use device::{DTypeSpec, DeviceSpec};
 pub use engine::{
     EmbedOptions, Engine, EngineConfig, EngineError, EngineInfo, EngineStats, InferenceError,

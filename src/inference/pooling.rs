@@ -1,31 +1,30 @@
 //! From token states to one vector per input: pooling on the device, then MRL truncation and
 //! L2 normalisation on the host.
 //!
-//! Batches are right-padded, so the mask says which positions are real and `lengths[i] - 1` is
-//! the last real token of row `i`.
+//! Token states arrive packed (`[tokens, h]`, rows concatenated, see [`PreparedBatch`]), so
+//! pooling is index work: the first or last token of each row, or a segment mean.
 
-use candle_core::{DType, IndexOp, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
+use super::batch::PreparedBatch;
 use crate::model_spec::Pooling;
 
-/// Pools `[b, s, h]` token states into `[b, h]` (f32).
-pub fn pool(hidden: &Tensor, mask: &Tensor, lengths: &[usize], pooling: Pooling) -> Result<Tensor> {
+/// Pools packed `[tokens, h]` states into `[rows, h]` (f32).
+pub fn pool(hidden: &Tensor, batch: &PreparedBatch, pooling: Pooling) -> Result<Tensor> {
     let hidden = hidden.to_dtype(DType::F32)?;
     match pooling {
-        Pooling::Cls => hidden.i((.., 0))?.contiguous(),
+        Pooling::Cls => hidden.index_select(&batch.first_token, 0),
+        Pooling::Last => hidden.index_select(&batch.last_token, 0),
         Pooling::Mean => {
-            let mask = mask.to_dtype(DType::F32)?.unsqueeze(2)?; // [b, s, 1]
-            let summed = hidden.broadcast_mul(&mask)?.sum(1)?; // [b, h]
-            let counts = mask.sum(1)?; // [b, 1]
-            summed.broadcast_div(&counts)
-        }
-        Pooling::Last => {
-            let rows = lengths
-                .iter()
-                .enumerate()
-                .map(|(i, &len)| hidden.i((i, len - 1)))
-                .collect::<Result<Vec<_>>>()?;
-            Tensor::stack(&rows, 0)
+            let (rows, h) = (batch.rows(), hidden.dim(1)?);
+            let sums = Tensor::zeros((rows, h), DType::F32, hidden.device())?.index_add(
+                &batch.row_of_token,
+                &hidden,
+                0,
+            )?;
+            let counts: Vec<f32> = batch.lengths.iter().map(|&l| l as f32).collect();
+            let counts = Tensor::from_vec(counts, (rows, 1), hidden.device())?;
+            sums.broadcast_div(&counts)
         }
     }
 }
@@ -56,26 +55,29 @@ pub fn finish(mut v: Vec<f32>, dims: Option<usize>, normalize: bool) -> Vec<f32>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::inference::batch::AttentionMode;
+    use crate::inference::tokenize::TokenizedInput;
     use candle_core::Device;
 
     #[test]
-    fn pooling_respects_padding() -> Result<()> {
+    fn pooling_over_packed_rows() -> Result<()> {
         let dev = Device::Cpu;
-        // Two rows, three positions, h = 2; row 1 has one padding position holding garbage.
+        let input = |n: usize| TokenizedInput {
+            ids: vec![0; n],
+            type_ids: vec![0; n],
+        };
+        let inputs = [input(3), input(2)];
+        let batch = PreparedBatch::build(inputs.iter(), &dev, AttentionMode::Packed)?;
+        // Five packed tokens, h = 2: row 0 is tokens 0..3, row 1 tokens 3..5.
         let hidden = Tensor::new(
-            &[
-                [[1f32, 2.], [3., 4.], [5., 6.]],
-                [[10., 20.], [30., 40.], [999., 999.]],
-            ],
+            &[[1f32, 2.], [3., 4.], [5., 6.], [10., 20.], [30., 40.]],
             &dev,
         )?;
-        let mask = Tensor::new(&[[1u32, 1, 1], [1, 1, 0]], &dev)?;
-        let lengths = [3, 2];
-        let mean = pool(&hidden, &mask, &lengths, Pooling::Mean)?.to_vec2::<f32>()?;
+        let mean = pool(&hidden, &batch, Pooling::Mean)?.to_vec2::<f32>()?;
         assert_eq!(mean, [[3., 4.], [20., 30.]]);
-        let cls = pool(&hidden, &mask, &lengths, Pooling::Cls)?.to_vec2::<f32>()?;
+        let cls = pool(&hidden, &batch, Pooling::Cls)?.to_vec2::<f32>()?;
         assert_eq!(cls, [[1., 2.], [10., 20.]]);
-        let last = pool(&hidden, &mask, &lengths, Pooling::Last)?.to_vec2::<f32>()?;
+        let last = pool(&hidden, &batch, Pooling::Last)?.to_vec2::<f32>()?;
         assert_eq!(last, [[5., 6.], [30., 40.]]);
         Ok(())
     }

@@ -39,7 +39,11 @@ async fn minilm_reproduces_sentence_transformers() {
         "{batches} batches for {} texts",
         texts.len()
     );
-    assert!(stats.padded_tokens.load(Ordering::Relaxed) > stats.tokens.load(Ordering::Relaxed));
+    assert_eq!(
+        stats.attended_tokens.load(Ordering::Relaxed),
+        stats.tokens.load(Ordering::Relaxed),
+        "packed attention on the CPU pays for no padding"
+    );
     match &engine.info().provenance {
         Provenance::Pinned {
             revision, files, ..
@@ -248,4 +252,35 @@ async fn concurrent_requests_each_get_their_own_rows() {
             "request {i} got another row"
         );
     }
+}
+
+/// The GPU-shaped path (gathered right-padded rows, masked matmul attention, candle's unfused
+/// ops) checked on the CPU: CI has no GPU, so this is what keeps the CUDA path's math honest.
+#[tokio::test]
+async fn padded_attention_path_matches_the_reference_too() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = minilm_engine(
+        tmp.path(),
+        EngineConfig {
+            attention: fantom_sidecar::inference::AttentionMode::Padded,
+            ..cpu()
+        },
+    )
+    .await;
+    assert_eq!(engine.info().attention, "padded");
+    let texts = texts();
+    let reference = minilm_reference();
+    let got = engine
+        .embed(texts.clone(), EmbedOptions::default())
+        .await
+        .unwrap();
+    for (i, (g, r)) in got.iter().zip(&reference.mean).enumerate() {
+        assert!(cosine(g, r) >= 0.9999, "text {i}: cosine {}", cosine(g, r));
+        assert!(max_abs_diff(g, r) <= 1e-4, "text {i}");
+    }
+    let stats = engine.stats();
+    assert!(
+        stats.attended_tokens.load(Ordering::Relaxed) > stats.tokens.load(Ordering::Relaxed),
+        "mixed lengths were padded"
+    );
 }

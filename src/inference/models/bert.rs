@@ -5,18 +5,23 @@
 //! path, with the same numbers:
 //! * Q, K and V are one fused `[3h, h]` projection, and the `1/√d` attention scale is folded into
 //!   the Q weights at load, so each layer runs one matmul fewer and no scaling pass.
-//! * Dense layers run on `[rows × seq, h]` 2-D matrices (one large GEMM, not a batched one).
-//! * Softmax and layer norm are candle's fused last-dimension kernels.
+//! * Tokens are packed (no padding rows, see `inference::batch`): every dense layer is one
+//!   2-D GEMM over real tokens only. Attention is our packed kernel on the CPU
+//!   (`inference::cpu_ops`) and masked matmul attention over gathered, right-padded rows
+//!   elsewhere.
+//! * On the CPU, bias + GELU and bias + residual + LayerNorm run as fused in-place kernels
+//!   (`inference::cpu_ops`); elsewhere they are candle's ops.
 //!
 //! Weights load with or without the `bert.` prefix, so a sentence-transformers `BertModel` and
 //! a `BertForSequenceClassification` checkpoint both work.
 
-use candle_core::{D, DType, Device, Module, Result, Tensor};
+use candle_core::{D, DType, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 use serde::Deserialize;
 
 use super::{LocalModel, ModelOutput};
-use crate::inference::batch::PreparedBatch;
+use crate::inference::batch::{PaddedLayout, PreparedBatch};
+use crate::inference::cpu_ops::{BiasGelu, BiasResidualLayerNorm, PackedAttention, host_vec};
 use crate::inference::pooling;
 use crate::model_spec::Pooling;
 
@@ -77,22 +82,34 @@ impl Activation {
     }
 }
 
-/// `y = x Wᵀ + b` on a 2-D input.
+/// `y = x Wᵀ + b` on a 2-D input. Holds `Wᵀ` contiguous (`[in, out]`): gemm packs its right
+/// operand on every call, and packing row-major memory is cheap where gathering the columns of
+/// a transposed view was a quarter of small-batch CPU time.
 struct Dense {
-    weight: Tensor,
+    weight_t: Tensor,
     bias: Tensor,
 }
 
 impl Dense {
     fn load(vb: &VarBuilder, inp: usize, out: usize) -> Result<Self> {
+        Self::new(vb.get((out, inp), "weight")?, vb.get(out, "bias")?)
+    }
+
+    /// From PyTorch's `[out, in]` weight.
+    fn new(weight: Tensor, bias: Tensor) -> Result<Self> {
         Ok(Self {
-            weight: vb.get((out, inp), "weight")?,
-            bias: vb.get(out, "bias")?,
+            weight_t: weight.t()?.contiguous()?,
+            bias,
         })
     }
 
+    /// `x Wᵀ` without the bias (fused kernels add it).
+    fn matmul(&self, x: &Tensor) -> Result<Tensor> {
+        x.matmul(&self.weight_t)
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.matmul(&self.weight.t()?)?.broadcast_add(&self.bias)
+        self.matmul(x)?.broadcast_add(&self.bias)
     }
 }
 
@@ -116,17 +133,73 @@ impl LayerNorm {
     }
 }
 
+/// A dense layer followed by `LayerNorm(· + residual)`.
+struct DenseResidualNorm {
+    dense: Dense,
+    norm: LayerNorm,
+    /// The fused CPU kernel with host copies of bias, gamma and beta; `None` off the CPU.
+    fused: Option<BiasResidualLayerNorm>,
+}
+
+impl DenseResidualNorm {
+    fn load(vb: &VarBuilder, inp: usize, out: usize, eps: f64, cpu: bool) -> Result<Self> {
+        let dense = Dense::load(&vb.pp("dense"), inp, out)?;
+        let norm = LayerNorm::load(&vb.pp("LayerNorm"), out, eps)?;
+        let fused = if cpu {
+            Some(BiasResidualLayerNorm {
+                bias: host_vec(&dense.bias)?,
+                gamma: host_vec(&norm.weight)?,
+                beta: host_vec(&norm.bias)?,
+                eps: norm.eps,
+            })
+        } else {
+            None
+        };
+        Ok(Self { dense, norm, fused })
+    }
+
+    fn forward(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        match &self.fused {
+            Some(op) => {
+                let y = self.dense.matmul(x)?;
+                y.inplace_op2(residual, op)?;
+                Ok(y)
+            }
+            None => self.norm.forward(&(self.dense.forward(x)? + residual)?),
+        }
+    }
+}
+
+/// The feed-forward input projection and its activation.
+struct Intermediate {
+    dense: Dense,
+    act: Activation,
+    /// The fused CPU bias + exact-GELU kernel; `None` off the CPU or for other activations.
+    fused: Option<BiasGelu>,
+}
+
+impl Intermediate {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.fused {
+            Some(op) => {
+                let y = self.dense.matmul(x)?;
+                y.inplace_op1(op)?;
+                Ok(y)
+            }
+            None => self.act.apply(&self.dense.forward(x)?),
+        }
+    }
+}
+
 struct Layer {
     qkv: Dense,
-    attn_out: Dense,
-    attn_norm: LayerNorm,
-    intermediate: Dense,
-    output: Dense,
-    out_norm: LayerNorm,
+    attn_out: DenseResidualNorm,
+    intermediate: Intermediate,
+    output: DenseResidualNorm,
 }
 
 impl Layer {
-    fn load(vb: VarBuilder, cfg: &BertConfig) -> Result<Self> {
+    fn load(vb: VarBuilder, cfg: &BertConfig, act: Activation, cpu: bool) -> Result<Self> {
         let h = cfg.hidden_size;
         let att = vb.pp("attention");
         let sa = att.pp("self");
@@ -137,54 +210,104 @@ impl Layer {
         let v = Dense::load(&sa.pp("value"), h, h)?;
         // Fold the attention scale into Q: (sQ)Kᵀ = s(QKᵀ).
         let qkv = Dense {
-            weight: Tensor::cat(&[(q.weight * scale)?, k.weight, v.weight], 0)?,
+            weight_t: Tensor::cat(&[(q.weight_t * scale)?, k.weight_t, v.weight_t], 1)?,
             bias: Tensor::cat(&[(q.bias * scale)?, k.bias, v.bias], 0)?,
+        };
+        let eps = cfg.layer_norm_eps;
+        let dense = Dense::load(&vb.pp("intermediate").pp("dense"), h, cfg.intermediate_size)?;
+        let fused_gelu = match (cpu, act) {
+            (true, Activation::GeluErf) => Some(BiasGelu {
+                bias: host_vec(&dense.bias)?,
+            }),
+            _ => None,
         };
         Ok(Self {
             qkv,
-            attn_out: Dense::load(&att.pp("output").pp("dense"), h, h)?,
-            attn_norm: LayerNorm::load(&att.pp("output").pp("LayerNorm"), h, cfg.layer_norm_eps)?,
-            intermediate: Dense::load(
-                &vb.pp("intermediate").pp("dense"),
-                h,
-                cfg.intermediate_size,
-            )?,
-            output: Dense::load(&vb.pp("output").pp("dense"), cfg.intermediate_size, h)?,
-            out_norm: LayerNorm::load(&vb.pp("output").pp("LayerNorm"), h, cfg.layer_norm_eps)?,
+            attn_out: DenseResidualNorm::load(&att.pp("output"), h, h, eps, cpu)?,
+            intermediate: Intermediate {
+                dense,
+                act,
+                fused: fused_gelu,
+            },
+            output: DenseResidualNorm::load(&vb.pp("output"), cfg.intermediate_size, h, eps, cpu)?,
         })
     }
 
-    /// `x`: `[b·s, h]`; `mask_bias`: `[b, 1, 1, s]` (0 for tokens, a large negative for padding).
-    fn forward(
-        &self,
-        x: &Tensor,
-        mask_bias: &Tensor,
-        (b, s): (usize, usize),
-        heads: usize,
-        act: Activation,
-    ) -> Result<Tensor> {
-        let h = x.dim(1)?;
+    /// `x`: packed `[tokens, h]`.
+    fn forward(&self, x: &Tensor, attn: &AttentionInputs, heads: usize) -> Result<Tensor> {
+        let qkv = self.qkv.forward(x)?; // [tokens, 3h]
+        let ctx = attn.attend(&qkv, heads)?; // [tokens, h]
+        let x = self.attn_out.forward(&ctx, x)?;
+        let inter = self.intermediate.forward(&x)?;
+        self.output.forward(&inter, &x)
+    }
+}
+
+/// What attention needs besides Q, K and V, computed once per batch.
+enum AttentionInputs<'a> {
+    /// Packed tokens with row lengths: the CPU packed-attention kernel.
+    Packed { lengths: &'a [usize] },
+    /// Right-padded rows: gather, masked matmul attention, scatter back.
+    Padded {
+        layout: &'a PaddedLayout,
+        rows: usize,
+        /// `[rows, 1, 1, longest]`: 0 for tokens, a large negative for padding.
+        mask_bias: Tensor,
+    },
+}
+
+impl AttentionInputs<'_> {
+    /// Bidirectional attention over each row; `qkv` is packed `[tokens, 3h]` with the scale
+    /// already folded into Q. Returns packed `[tokens, h]`.
+    fn attend(&self, qkv: &Tensor, heads: usize) -> Result<Tensor> {
+        let (tokens, h3) = qkv.dims2()?;
+        let h = h3 / 3;
         let d = h / heads;
-        let qkv = self.qkv.forward(x)?; // [b·s, 3h]
-        let split = |i: usize| -> Result<Tensor> {
-            qkv.narrow(1, i * h, h)?
-                .reshape((b, s, heads, d))?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let (q, k, v) = (split(0)?, split(1)?, split(2)?); // [b, heads, s, d]
-        let scores = q.matmul(&k.t()?)?.broadcast_add(mask_bias)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let ctx = probs
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .contiguous()?
-            .reshape((b * s, h))?;
-        let x = self
-            .attn_norm
-            .forward(&(self.attn_out.forward(&ctx)? + x)?)?;
-        let inter = act.apply(&self.intermediate.forward(&x)?)?;
-        self.out_norm.forward(&(self.output.forward(&inter)? + x)?)
+        match self {
+            Self::Packed { lengths } => {
+                // Column slices of the fused projection, read in place by the kernel.
+                let (q, k, v) = (
+                    qkv.narrow(1, 0, h)?,
+                    qkv.narrow(1, h, h)?,
+                    qkv.narrow(1, 2 * h, h)?,
+                );
+                let op = PackedAttention {
+                    lengths: lengths.to_vec(),
+                    q_heads: heads,
+                    kv_heads: heads,
+                    head_dim: d,
+                    scale: 1.0,
+                    causal: false,
+                };
+                let out = q.apply_op3_no_bwd(&k, &v, &op)?;
+                debug_assert_eq!(out.dims2()?, (tokens, h));
+                Ok(out)
+            }
+            Self::Padded {
+                layout,
+                rows,
+                mask_bias,
+            } => {
+                let (b, s) = (*rows, layout.longest);
+                let padded = qkv.index_select(&layout.gather, 0)?; // [b·s, 3h]
+                let part = |i: usize| -> Result<Tensor> {
+                    padded
+                        .narrow(1, i * h, h)?
+                        .reshape((b, s, heads, d))?
+                        .transpose(1, 2)?
+                        .contiguous()
+                };
+                let (q, k, v) = (part(0)?, part(1)?, part(2)?); // [b, heads, s, d]
+                let scores = q.matmul(&k.t()?)?.broadcast_add(mask_bias)?;
+                let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+                let ctx = probs
+                    .matmul(&v)?
+                    .transpose(1, 2)?
+                    .contiguous()?
+                    .reshape((b * s, h))?;
+                ctx.index_select(&layout.scatter, 0)
+            }
+        }
     }
 }
 
@@ -197,10 +320,8 @@ pub struct BertEncoder {
     layers: Vec<Layer>,
     heads: usize,
     hidden: usize,
-    act: Activation,
     max_positions: usize,
     dtype: DType,
-    device: Device,
 }
 
 impl BertEncoder {
@@ -215,12 +336,22 @@ impl BertEncoder {
             candle_core::bail!("hidden_size is not a multiple of num_attention_heads");
         }
         let h = cfg.hidden_size;
+        let act = Activation::parse(&cfg.hidden_act)?;
+        // The fused kernels are f32 CPU code; CUDA runs candle's ops.
+        let cpu = vb.device().is_cpu() && vb.dtype() == DType::F32;
         let emb = vb.pp("embeddings");
         let embedding = |name: &str, n: usize| -> Result<Embedding> {
             Ok(Embedding::new(emb.pp(name).get((n, h), "weight")?, h))
         };
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| Layer::load(vb.pp("encoder").pp("layer").pp(i.to_string()), cfg))
+            .map(|i| {
+                Layer::load(
+                    vb.pp("encoder").pp("layer").pp(i.to_string()),
+                    cfg,
+                    act,
+                    cpu,
+                )
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             word: embedding("word_embeddings", cfg.vocab_size)?,
@@ -230,10 +361,8 @@ impl BertEncoder {
             layers,
             heads: cfg.num_attention_heads,
             hidden: h,
-            act: Activation::parse(&cfg.hidden_act)?,
             max_positions: cfg.max_position_embeddings,
             dtype: vb.dtype(),
-            device: vb.device().clone(),
         })
     }
 
@@ -245,28 +374,38 @@ impl BertEncoder {
         self.max_positions
     }
 
-    /// Token states `[b, s, h]` for a right-padded batch.
+    /// Packed token states `[tokens, h]`.
     pub fn forward(&self, batch: &PreparedBatch) -> Result<Tensor> {
-        let (b, s) = batch.input_ids.dims2()?;
-        if s > self.max_positions {
+        let longest = batch.lengths.iter().copied().max().unwrap_or(0);
+        if longest > self.max_positions {
             candle_core::bail!(
-                "sequence of {s} tokens exceeds {} positions",
+                "a row of {longest} tokens exceeds {} positions",
                 self.max_positions
             );
         }
-        let positions = Tensor::arange(0u32, s as u32, &self.device)?;
-        let x = self
-            .word
-            .forward(&batch.input_ids)?
-            .broadcast_add(&self.position.forward(&positions)?)?
-            .add(&self.token_type.forward(&batch.type_ids)?)?;
-        let mut x = self.embed_norm.forward(&x)?.reshape((b * s, self.hidden))?;
-        // 0 where a token is, a large negative where padding is, broadcast over heads and rows.
-        let mask_bias = ((batch.mask.to_dtype(self.dtype)? - 1.0)? * 1e4)?.reshape((b, 1, 1, s))?;
+        let x = (self.word.forward(&batch.input_ids)?
+            + self.position.forward(&batch.positions)?
+            + self.token_type.forward(&batch.type_ids)?)?;
+        let mut x = self.embed_norm.forward(&x)?;
+        let attn =
+            match &batch.padded {
+                None => AttentionInputs::Packed {
+                    lengths: &batch.lengths,
+                },
+                Some(layout) => {
+                    let mask_bias = ((layout.mask.to_dtype(self.dtype)? - 1.0)? * 1e4)?
+                        .reshape((batch.rows(), 1, 1, layout.longest))?;
+                    AttentionInputs::Padded {
+                        layout,
+                        rows: batch.rows(),
+                        mask_bias,
+                    }
+                }
+            };
         for layer in &self.layers {
-            x = layer.forward(&x, &mask_bias, (b, s), self.heads, self.act)?;
+            x = layer.forward(&x, &attn, self.heads)?;
         }
-        x.reshape((b, s, self.hidden))
+        Ok(x)
     }
 }
 
@@ -298,7 +437,7 @@ impl BertEmbedder {
 impl LocalModel for BertEmbedder {
     fn run(&self, batch: &PreparedBatch) -> Result<ModelOutput> {
         let hidden = self.encoder.forward(batch)?;
-        let pooled = pooling::pool(&hidden, &batch.mask, &batch.lengths, self.pooling)?;
+        let pooled = pooling::pool(&hidden, batch, self.pooling)?;
         Ok(ModelOutput::Vectors(
             pooled.to_dtype(DType::F32)?.to_vec2()?,
         ))
@@ -337,7 +476,7 @@ impl BertCrossEncoder {
 impl LocalModel for BertCrossEncoder {
     fn run(&self, batch: &PreparedBatch) -> Result<ModelOutput> {
         let hidden = self.encoder.forward(batch)?;
-        let cls = hidden.narrow(1, 0, 1)?.squeeze(1)?.contiguous()?;
+        let cls = hidden.index_select(&batch.first_token, 0)?;
         let pooled = self.pooler.forward(&cls)?.tanh()?;
         let logits = self.classifier.forward(&pooled)?.squeeze(D::Minus1)?;
         Ok(ModelOutput::Scores(logits.to_dtype(DType::F32)?.to_vec1()?))
