@@ -8,10 +8,10 @@
 //!   (max abs error under 5e-7, a few f32 ulps, see the tests);
 //! * [`BiasResidualLayerNorm`]: `y = LayerNorm(y + bias + residual)`, two-pass variance;
 //! * [`PackedAttention`]: attention over packed rows (no padding), reading Q, K and V in place
-//!   from strided views (e.g. column slices of a fused QKV matrix), two-pass softmax with a
-//!   vectorisable `exp`; bidirectional or causal, grouped-query heads. It replaced candle's
-//!   variable-length kernel, whose online softmax spends two scalar `expf` per score (that kernel
-//!   was 44% of BERT's CPU time).
+//!   from strided views (e.g. column slices of a fused QKV matrix): per (head, row) two gemm
+//!   calls with a vectorised softmax between them; bidirectional or causal, grouped-query heads.
+//!   It replaced candle's variable-length kernel, whose per-score online softmax (two scalar
+//!   `expf` per score) was 44% of BERT's CPU time.
 //!
 //! Other devices use candle's ops; the CPU kernels are tested against them.
 
@@ -251,17 +251,18 @@ fn lanes_sum(v: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + rest.iter().sum::<f32>()
 }
 
+/// Query rows scored per block (bounds the score buffer at `QUERY_BLOCK × row length`).
+const QUERY_BLOCK: usize = 64;
+
 /// Scratch space one attention task reuses across rows.
 struct AttentionScratch {
-    /// K of one head, transposed: `[head_dim][row length]`.
-    kt: Vec<f32>,
-    /// Scores, then softmax weights, of one query.
-    weights: Vec<f32>,
+    /// Scores, then softmax weights, of one block of queries: `[QUERY_BLOCK][row length]`.
+    scores: Vec<f32>,
 }
 
 /// One head of one packed row: tokens `start..start + len`, output `out` (contiguous,
-/// `len × head_dim`). K is transposed first so that each query's scores are `head_dim` passes
-/// vectorised across keys, with no horizontal sums.
+/// `len × head_dim`). `S = scale · Q Kᵀ` and `O = softmax(S) V` are single-threaded gemm calls
+/// straight on the strided Q, K, V views (no copies); the softmax between them is vectorised.
 #[inline(always)]
 fn attention_row_body(
     op: &PackedAttention,
@@ -273,88 +274,80 @@ fn attention_row_body(
     out: &mut [f32],
 ) {
     let d = op.head_dim;
-    let group = op.q_heads / op.kv_heads;
-    let kt = &mut scratch.kt[..d * len];
-    {
-        let kv = (head / group) * d;
-        for j in 0..len {
-            let kr = &x.k[(start + j) * x.k_stride + kv..][..d];
-            for (c, &val) in kr.iter().enumerate() {
-                kt[c * len + j] = val;
-            }
+    let kv = (head / (op.q_heads / op.kv_heads)) * d;
+    let q0 = start * x.q_stride + head * d;
+    let k0 = start * x.k_stride + kv;
+    let v0 = start * x.v_stride + kv;
+    let mut first = 0;
+    while first < len {
+        let rows = QUERY_BLOCK.min(len - first);
+        // Causal rows see keys 0..=i; the block's last row sees the most.
+        let keys = if op.causal { first + rows } else { len };
+        let s = &mut scratch.scores[..rows * keys];
+        // SAFETY: `rows_view` checked that every row of Q, K and V (row stride, `width` columns)
+        // lies inside its slice; this head's `d` columns start at `head · d` / `kv` < width.
+        // `s` holds rows × keys and `out` holds len × d floats.
+        unsafe {
+            gemm::gemm(
+                rows,
+                keys,
+                d,
+                s.as_mut_ptr(),
+                1,
+                keys as isize,
+                false,
+                x.q.as_ptr().add(q0 + first * x.q_stride),
+                1,
+                x.q_stride as isize,
+                x.k.as_ptr().add(k0),
+                x.k_stride as isize,
+                1,
+                0.0,
+                op.scale,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
         }
-        for i in 0..len {
-            let keys = if op.causal { i + 1 } else { len };
-            let w = &mut scratch.weights[..keys];
-            let qv = &x.q[(start + i) * x.q_stride + head * d..][..d];
-            // Scores 32 keys at a time: four 8-wide sums held in registers across `d`, so the
-            // adds of one block do not wait on each other.
-            let mut j0 = 0;
-            while j0 + 32 <= keys {
-                let mut acc = [[0f32; 8]; 4];
-                for (c, &qc) in qv.iter().enumerate() {
-                    let kc = &kt[c * len + j0..][..32];
-                    for (u, a) in acc.iter_mut().enumerate() {
-                        for l in 0..8 {
-                            a[l] = qc.mul_add(kc[u * 8 + l], a[l]);
-                        }
-                    }
-                }
-                for (u, a) in acc.iter().enumerate() {
-                    for l in 0..8 {
-                        w[j0 + u * 8 + l] = a[l] * op.scale;
-                    }
-                }
-                j0 += 32;
+        for (r, row) in s.chunks_exact_mut(keys).enumerate() {
+            let visible = if op.causal { first + r + 1 } else { keys };
+            let (seen, hidden) = row.split_at_mut(visible);
+            let max = lanes_max(seen);
+            for w in seen.iter_mut() {
+                *w = exp_f32(*w - max);
             }
-            for j in j0..keys {
-                let mut acc = 0f32;
-                for (c, &qc) in qv.iter().enumerate() {
-                    acc = qc.mul_add(kt[c * len + j], acc);
-                }
-                w[j] = acc * op.scale;
+            let inv = 1.0 / lanes_sum(seen);
+            for w in seen.iter_mut() {
+                *w *= inv;
             }
-            let max = lanes_max(w);
-            for wj in w.iter_mut() {
-                *wj = exp_f32(*wj - max);
-            }
-            let sum = lanes_sum(w);
-            let inv = 1.0 / sum;
-            let o = &mut out[i * d..][..d];
-            // Weighted sum of V eight columns at a time, four keys in flight in four registers.
-            let mut c0 = 0;
-            while c0 + 8 <= d {
-                let mut acc = [[0f32; 8]; 4];
-                let mut j = 0;
-                while j + 4 <= keys {
-                    for (u, a) in acc.iter_mut().enumerate() {
-                        let wj = w[j + u];
-                        let vr = &x.v[(start + j + u) * x.v_stride + kv + c0..][..8];
-                        for l in 0..8 {
-                            a[l] = wj.mul_add(vr[l], a[l]);
-                        }
-                    }
-                    j += 4;
-                }
-                for (jj, &wj) in w.iter().enumerate().skip(j) {
-                    let vr = &x.v[(start + jj) * x.v_stride + kv + c0..][..8];
-                    for l in 0..8 {
-                        acc[0][l] = wj.mul_add(vr[l], acc[0][l]);
-                    }
-                }
-                for l in 0..8 {
-                    o[c0 + l] = (acc[0][l] + acc[1][l] + acc[2][l] + acc[3][l]) * inv;
-                }
-                c0 += 8;
-            }
-            for (c, oc) in o.iter_mut().enumerate().skip(c0) {
-                let mut acc = 0f32;
-                for (j, &wj) in w.iter().enumerate() {
-                    acc = wj.mul_add(x.v[(start + j) * x.v_stride + kv + c], acc);
-                }
-                *oc = acc * inv;
-            }
+            hidden.fill(0.0);
         }
+        // SAFETY: as above; the destination is rows × d inside `out`.
+        unsafe {
+            gemm::gemm(
+                rows,
+                d,
+                keys,
+                out.as_mut_ptr().add(first * d),
+                1,
+                d as isize,
+                false,
+                s.as_ptr(),
+                1,
+                keys as isize,
+                x.v.as_ptr().add(v0),
+                1,
+                x.v_stride as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        first += rows;
     }
 }
 simd_dispatch!(attention_row => attention_row_body(
@@ -445,8 +438,7 @@ impl CustomOp3 for PackedAttention {
         };
         tasks.into_par_iter().for_each_init(
             || AttentionScratch {
-                kt: vec![0f32; d * longest],
-                weights: vec![0f32; longest],
+                scores: vec![0f32; QUERY_BLOCK * longest],
             },
             |scratch, (head, start, len, out)| {
                 attention_row(self, &views, head, start, len, scratch, out)

@@ -284,3 +284,52 @@ async fn padded_attention_path_matches_the_reference_too() {
         "mixed lengths were padded"
     );
 }
+
+/// Our encoder (packed tokens, fused kernels, own attention) against candle-transformers' plain
+/// BERT on the same weights: two implementations, one answer.
+#[test]
+fn our_bert_matches_candle_transformers_bert() {
+    use candle_core::{DType, Device, Tensor};
+    use candle_nn::VarBuilder;
+    use candle_transformers::models::bert::{BertModel, Config};
+
+    let dir = minilm_dir();
+    let dev = Device::Cpu;
+    let cfg: Config =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let vb = unsafe {
+        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &dev)
+    }
+    .unwrap();
+    let theirs = BertModel::load(vb, &cfg).unwrap();
+    let tok = fantom_sidecar::inference::tokenize::InputTokenizer::load(
+        &dir.join("tokenizer.json"),
+        256,
+        fantom_sidecar::inference::Truncation::Truncate,
+    )
+    .unwrap();
+    let texts: Vec<String> = texts().into_iter().take(16).collect();
+    let inputs = tok.encode_texts(texts.clone()).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let ours = rt.block_on(async {
+        let engine = minilm_engine(tmp.path(), cpu()).await;
+        engine.embed(texts, EmbedOptions::default()).await.unwrap()
+    });
+    for (i, input) in inputs.iter().enumerate() {
+        let n = input.ids.len();
+        let ids = Tensor::from_vec(input.ids.clone(), (1, n), &dev).unwrap();
+        let types = ids.zeros_like().unwrap();
+        let hidden = theirs.forward(&ids, &types, None).unwrap(); // [1, n, 384]
+        let mean: Vec<f32> = (hidden.sum(1).unwrap() / n as f64)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let norm = mean.iter().map(|x| x * x).sum::<f32>().sqrt();
+        let mean: Vec<f32> = mean.iter().map(|x| x / norm).collect();
+        assert!(cosine(&ours[i], &mean) >= 0.99999, "text {i}");
+        assert!(max_abs_diff(&ours[i], &mean) <= 1e-5, "text {i}");
+    }
+}
