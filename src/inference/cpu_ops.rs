@@ -20,19 +20,24 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-/// Declares `$name` calling the `#[inline(always)]` row kernel `$body`, compiled for AVX2+FMA
-/// when the CPU has them. The crate targets baseline x86-64 (SSE2), so the row loops would
-/// vectorise 4-wide at best and `mul_add` would be a libm call; inlined into a
-/// `target_feature(avx2,fma)` twin they compile to 8-wide fused multiply-adds.
-macro_rules! simd_dispatch {
-    ($name:ident => $body:ident ( $($arg:ident : $ty:ty),* $(,)? )) => {
+/// Defines a row kernel that runs compiled for AVX2+FMA when the CPU has them.
+///
+/// The crate targets baseline x86-64 (SSE2), so row loops would vectorise 4-wide at best and
+/// `mul_add` would be a libm call. The macro keeps the body as an `#[inline(always)]` function
+/// and adds a `target_feature(avx2,fma)` twin that inlines it, chosen at run time (the check is
+/// cached by std).
+macro_rules! simd_kernel {
+    ($(#[$meta:meta])* fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $body:block) => {
+        $(#[$meta])*
         #[inline(always)]
         fn $name($($arg: $ty),*) {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $body
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2($($arg: $ty),*) {
-                    $body($($arg),*)
+                    body($($arg),*)
                 }
                 if std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
@@ -41,7 +46,7 @@ macro_rules! simd_dispatch {
                     return unsafe { avx2($($arg),*) };
                 }
             }
-            $body($($arg),*)
+            body($($arg),*)
         }
     };
 }
@@ -112,34 +117,34 @@ fn rows_mut<'a>(
     Ok(rows)
 }
 
-#[inline(always)]
-fn bias_gelu_row_body(row: &mut [f32], bias: &[f32]) {
-    for (v, b) in row.iter_mut().zip(bias) {
-        *v = gelu(*v + b);
+simd_kernel! {
+    fn bias_gelu_row(row: &mut [f32], bias: &[f32]) {
+        for (v, b) in row.iter_mut().zip(bias) {
+            *v = gelu(*v + b);
+        }
     }
 }
-simd_dispatch!(bias_gelu_row => bias_gelu_row_body(row: &mut [f32], bias: &[f32]));
 
-#[inline(always)]
-fn layer_norm_row_body(row: &mut [f32], res: &[f32], op: &BiasResidualLayerNorm) {
-    let inv_w = 1.0 / row.len() as f32;
-    let mut sum = 0f32;
-    for ((v, b), r) in row.iter_mut().zip(&op.bias).zip(res) {
-        *v += b + r;
-        sum += *v;
-    }
-    let mean = sum * inv_w;
-    let mut var = 0f32;
-    for v in row.iter() {
-        let d = v - mean;
-        var += d * d;
-    }
-    let inv_std = 1.0 / (var * inv_w + op.eps).sqrt();
-    for ((v, g), b) in row.iter_mut().zip(&op.gamma).zip(&op.beta) {
-        *v = (*v - mean) * inv_std * g + b;
+simd_kernel! {
+    fn layer_norm_row(row: &mut [f32], res: &[f32], op: &BiasResidualLayerNorm) {
+        let inv_w = 1.0 / row.len() as f32;
+        let mut sum = 0f32;
+        for ((v, b), r) in row.iter_mut().zip(&op.bias).zip(res) {
+            *v += b + r;
+            sum += *v;
+        }
+        let mean = sum * inv_w;
+        let mut var = 0f32;
+        for v in row.iter() {
+            let d = v - mean;
+            var += d * d;
+        }
+        let inv_std = 1.0 / (var * inv_w + op.eps).sqrt();
+        for ((v, g), b) in row.iter_mut().zip(&op.gamma).zip(&op.beta) {
+            *v = (*v - mean) * inv_std * g + b;
+        }
     }
 }
-simd_dispatch!(layer_norm_row => layer_norm_row_body(row: &mut [f32], res: &[f32], op: &BiasResidualLayerNorm));
 
 /// `y = gelu(y + bias)` in place on `[rows, width]`.
 pub struct BiasGelu {
@@ -260,105 +265,97 @@ struct AttentionScratch {
     scores: Vec<f32>,
 }
 
-/// One head of one packed row: tokens `start..start + len`, output `out` (contiguous,
-/// `len × head_dim`). `S = scale · Q Kᵀ` and `O = softmax(S) V` are single-threaded gemm calls
-/// straight on the strided Q, K, V views (no copies); the softmax between them is vectorised.
-#[inline(always)]
-fn attention_row_body(
-    op: &PackedAttention,
-    x: &AttentionViews,
-    head: usize,
-    start: usize,
-    len: usize,
-    scratch: &mut AttentionScratch,
-    out: &mut [f32],
-) {
-    let d = op.head_dim;
-    let kv = (head / (op.q_heads / op.kv_heads)) * d;
-    let q0 = start * x.q_stride + head * d;
-    let k0 = start * x.k_stride + kv;
-    let v0 = start * x.v_stride + kv;
-    let mut first = 0;
-    while first < len {
-        let rows = QUERY_BLOCK.min(len - first);
-        // Causal rows see keys 0..=i; the block's last row sees the most.
-        let keys = if op.causal { first + rows } else { len };
-        let s = &mut scratch.scores[..rows * keys];
-        // SAFETY: `rows_view` checked that every row of Q, K and V (row stride, `width` columns)
-        // lies inside its slice; this head's `d` columns start at `head · d` / `kv` < width.
-        // `s` holds rows × keys and `out` holds len × d floats.
-        unsafe {
-            gemm::gemm(
-                rows,
-                keys,
-                d,
-                s.as_mut_ptr(),
-                1,
-                keys as isize,
-                false,
-                x.q.as_ptr().add(q0 + first * x.q_stride),
-                1,
-                x.q_stride as isize,
-                x.k.as_ptr().add(k0),
-                x.k_stride as isize,
-                1,
-                0.0,
-                op.scale,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
-        for (r, row) in s.chunks_exact_mut(keys).enumerate() {
-            let visible = if op.causal { first + r + 1 } else { keys };
-            let (seen, hidden) = row.split_at_mut(visible);
-            let max = lanes_max(seen);
-            for w in seen.iter_mut() {
-                *w = exp_f32(*w - max);
+simd_kernel! {
+    /// One head of one packed row: tokens `start..start + len`, output `out` (contiguous,
+    /// `len × head_dim`). `S = scale · Q Kᵀ` and `O = softmax(S) V` are single-threaded gemm calls
+    /// straight on the strided Q, K, V views (no copies); the softmax between them is vectorised.
+    fn attention_row(
+        op: &PackedAttention,
+        x: &AttentionViews,
+        head: usize,
+        start: usize,
+        len: usize,
+        scratch: &mut AttentionScratch,
+        out: &mut [f32],
+    ) {
+        let d = op.head_dim;
+        let kv = (head / (op.q_heads / op.kv_heads)) * d;
+        let q0 = start * x.q_stride + head * d;
+        let k0 = start * x.k_stride + kv;
+        let v0 = start * x.v_stride + kv;
+        let mut first = 0;
+        while first < len {
+            let rows = QUERY_BLOCK.min(len - first);
+            // Causal rows see keys 0..=i; the block's last row sees the most.
+            let keys = if op.causal { first + rows } else { len };
+            let s = &mut scratch.scores[..rows * keys];
+            // SAFETY: `rows_view` checked that every row of Q, K and V (row stride, `width` columns)
+            // lies inside its slice; this head's `d` columns start at `head · d` / `kv` < width.
+            // `s` holds rows × keys and `out` holds len × d floats.
+            unsafe {
+                gemm::gemm(
+                    rows,
+                    keys,
+                    d,
+                    s.as_mut_ptr(),
+                    1,
+                    keys as isize,
+                    false,
+                    x.q.as_ptr().add(q0 + first * x.q_stride),
+                    1,
+                    x.q_stride as isize,
+                    x.k.as_ptr().add(k0),
+                    x.k_stride as isize,
+                    1,
+                    0.0,
+                    op.scale,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
             }
-            let inv = 1.0 / lanes_sum(seen);
-            for w in seen.iter_mut() {
-                *w *= inv;
+            for (r, row) in s.chunks_exact_mut(keys).enumerate() {
+                let visible = if op.causal { first + r + 1 } else { keys };
+                let (seen, hidden) = row.split_at_mut(visible);
+                let max = lanes_max(seen);
+                for w in seen.iter_mut() {
+                    *w = exp_f32(*w - max);
+                }
+                let inv = 1.0 / lanes_sum(seen);
+                for w in seen.iter_mut() {
+                    *w *= inv;
+                }
+                hidden.fill(0.0);
             }
-            hidden.fill(0.0);
+            // SAFETY: as above; the destination is rows × d inside `out`.
+            unsafe {
+                gemm::gemm(
+                    rows,
+                    d,
+                    keys,
+                    out.as_mut_ptr().add(first * d),
+                    1,
+                    d as isize,
+                    false,
+                    s.as_ptr(),
+                    1,
+                    keys as isize,
+                    x.v.as_ptr().add(v0),
+                    1,
+                    x.v_stride as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            first += rows;
         }
-        // SAFETY: as above; the destination is rows × d inside `out`.
-        unsafe {
-            gemm::gemm(
-                rows,
-                d,
-                keys,
-                out.as_mut_ptr().add(first * d),
-                1,
-                d as isize,
-                false,
-                s.as_ptr(),
-                1,
-                keys as isize,
-                x.v.as_ptr().add(v0),
-                1,
-                x.v_stride as isize,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
-        first += rows;
     }
 }
-simd_dispatch!(attention_row => attention_row_body(
-    op: &PackedAttention,
-    x: &AttentionViews,
-    head: usize,
-    start: usize,
-    len: usize,
-    scratch: &mut AttentionScratch,
-    out: &mut [f32],
-));
 
 /// A 2-D f32 view: the slice from its first element and its row stride.
 fn rows_view<'a>(
