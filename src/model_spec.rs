@@ -9,21 +9,32 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+/// Qwen3-Embedding's query template (no space after `Query:`; documents get none).
+pub const QWEN3_QUERY_TEMPLATE: &str = "Instruct: {task}\nQuery:{text}";
+/// The instruction Qwen3-Embedding and Qwen3-Reranker use when none is given (the model cards').
+pub const QWEN3_DEFAULT_TASK: &str =
+    "Given a web search query, retrieve relevant passages that answer the query";
+/// Longest Qwen3 input unless a folder or manifest says less (the official recipes' limit).
+pub const QWEN3_MAX_TOKENS: usize = 8192;
+
 /// Model code the engine has.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Architecture {
     /// BERT-class encoder (`BertModel`, `BertForSequenceClassification`).
     Bert,
+    /// Qwen3 decoder used as an encoder: last-token embedder, yes/no reranker.
+    Qwen3,
 }
 
 impl Architecture {
     /// Every architecture the engine can load, for error messages.
-    pub const ALL: &'static [Architecture] = &[Architecture::Bert];
+    pub const ALL: &'static [Architecture] = &[Architecture::Bert, Architecture::Qwen3];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Architecture::Bert => "bert",
+            Architecture::Qwen3 => "qwen3",
         }
     }
 }

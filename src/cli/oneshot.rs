@@ -9,7 +9,7 @@ use serde::Serialize;
 use super::ModelArgs;
 use super::input::read_json_lines;
 use super::stream::{self, run_in_order, write_json_line};
-use crate::inference::{EmbedOptions, Engine};
+use crate::inference::{EmbedOptions, Engine, RerankOptions};
 use crate::model_source;
 use crate::model_spec::Task;
 
@@ -35,6 +35,9 @@ pub struct RerankArgs {
     /// The query the documents are scored against.
     #[arg(long)]
     query: String,
+    /// The instruction of instruction-aware rerankers (Qwen3); the model's default otherwise.
+    #[arg(long)]
+    instruction: Option<String>,
 }
 
 /// One output line of `embed` (field order is part of the format: `index` first).
@@ -95,12 +98,15 @@ pub async fn rerank(args: RerankArgs) -> anyhow::Result<()> {
     let documents = read_stdin()?;
     let engine = load_engine(&args.model, Task::Rerank).await?;
     let query = args.query;
+    let opts = RerankOptions {
+        instruction: args.instruction,
+    };
     let mut out = stream::stdout();
     run_in_order(
         documents,
         |chunk| {
-            let (engine, query) = (engine.clone(), query.clone());
-            async move { engine.rerank(query, chunk).await }
+            let (engine, query, opts) = (engine.clone(), query.clone(), opts.clone());
+            async move { engine.rerank(query, chunk, opts).await }
         },
         |index, s| {
             let line = ScoreLine {

@@ -23,11 +23,12 @@ use tokio::sync::oneshot;
 use super::batch::{AttentionMode, PreparedBatch};
 use super::batcher::{BatchBudget, BatchQueue};
 use super::device::{self, DTypeSpec, DeviceError, DeviceSpec};
+use super::models::qwen3;
 use super::models::{self, ModelOutput};
 use super::pooling;
 use super::tokenize::{InputTokenizer, TokenizeError, TokenizedInput, Truncation};
 use crate::model_source::{Provenance, ResolvedModel};
-use crate::model_spec::{ModelSpec, ScoreActivation, Task};
+use crate::model_spec::{Architecture, ModelSpec, QWEN3_DEFAULT_TASK, ScoreActivation, Task};
 
 /// How the engine runs.
 #[derive(Clone, Debug)]
@@ -104,6 +105,26 @@ pub struct EmbedOptions {
     pub dimensions: Option<usize>,
 }
 
+/// Options of one rerank request.
+#[derive(Clone, Debug, Default)]
+pub struct RerankOptions {
+    /// The instruction of instruction-aware rerankers (Qwen3); the model's default when `None`.
+    pub instruction: Option<String>,
+}
+
+/// How a reranker's inputs are built from (query, document).
+enum RerankInputs {
+    /// Cross-encoders: the pair as two segments, truncated longest-first.
+    Pairs,
+    /// Qwen3-Reranker: the chat template framing an instruction/query/document body; only the
+    /// body is truncated.
+    ChatTemplate {
+        prefix: Vec<u32>,
+        suffix: Vec<u32>,
+        default_instruction: String,
+    },
+}
+
 /// One reranked document.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct RerankScore {
@@ -163,6 +184,7 @@ struct Job {
 struct Inner {
     info: EngineInfo,
     spec: ModelSpec,
+    rerank_inputs: RerankInputs,
     tokenizer: Arc<InputTokenizer>,
     queue: mpsc::Sender<Entry>,
     stats: Arc<EngineStats>,
@@ -216,11 +238,13 @@ impl Engine {
         let (ready_tx, ready_rx) = mpsc::channel();
         {
             let (spec, dev, stats) = (spec.clone(), dev.clone(), stats.clone());
+            let model_tokenizer = tokenizer.clone();
             std::thread::Builder::new()
                 .name("fantom-model".into())
                 .spawn(move || {
                     let t0 = Instant::now();
-                    let model = match models::load(&files, &spec, &dev, dtype) {
+                    let token_id = |t: &str| model_tokenizer.token_id(t);
+                    let model = match models::load(&files, &spec, &dev, dtype, &token_id) {
                         Ok(m) => m,
                         Err(e) => {
                             let _ = ready_tx.send(Err(e.to_string()));
@@ -299,10 +323,23 @@ impl Engine {
         for f in info.provenance.files() {
             tracing::debug!(file = %f.name, sha256 = %f.sha256, check = ?f.check, "model file");
         }
+        let rerank_inputs = match spec.architecture {
+            Architecture::Qwen3 => RerankInputs::ChatTemplate {
+                prefix: tokenizer.encode_raw(qwen3::RERANK_PREFIX)?,
+                suffix: tokenizer.encode_raw(qwen3::RERANK_SUFFIX)?,
+                default_instruction: spec
+                    .prompts
+                    .default_task
+                    .clone()
+                    .unwrap_or_else(|| QWEN3_DEFAULT_TASK.to_string()),
+            },
+            Architecture::Bert => RerankInputs::Pairs,
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 info,
                 spec,
+                rerank_inputs,
                 tokenizer,
                 queue: queue_tx,
                 stats,
@@ -358,6 +395,7 @@ impl Engine {
         &self,
         query: String,
         documents: Vec<String>,
+        opts: RerankOptions,
     ) -> Result<Vec<RerankScore>, InferenceError> {
         self.require(Task::Rerank)?;
         if query.is_empty() {
@@ -365,7 +403,26 @@ impl Engine {
         }
         check_texts(&documents)?;
         let tokenizer = self.inner.tokenizer.clone();
-        let inputs = run_blocking(move || tokenizer.encode_pairs(&query, documents)).await?;
+        let inputs = match &self.inner.rerank_inputs {
+            RerankInputs::Pairs => {
+                run_blocking(move || tokenizer.encode_pairs(&query, documents)).await?
+            }
+            RerankInputs::ChatTemplate {
+                prefix,
+                suffix,
+                default_instruction,
+            } => {
+                let instruction = opts
+                    .instruction
+                    .unwrap_or_else(|| default_instruction.clone());
+                let bodies = documents
+                    .iter()
+                    .map(|d| qwen3::rerank_body(&instruction, &query, d))
+                    .collect();
+                let (prefix, suffix) = (prefix.clone(), suffix.clone());
+                run_blocking(move || tokenizer.encode_framed(&prefix, bodies, &suffix)).await?
+            }
+        };
         let sigmoid = self.inner.spec.score == ScoreActivation::Sigmoid;
         self.submit(inputs)
             .await?

@@ -19,6 +19,6 @@ pub use batch::AttentionMode;
 pub use device::{DTypeSpec, DeviceSpec};
 pub use engine::{
     EmbedOptions, Engine, EngineConfig, EngineError, EngineInfo, EngineStats, InferenceError,
-    RerankScore,
+    RerankOptions, RerankScore,
 };
 pub use tokenize::Truncation;

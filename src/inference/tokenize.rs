@@ -111,6 +111,61 @@ impl InputTokenizer {
         self.encode(inputs)
     }
 
+    /// Tokenizes `text` as is: no special tokens added, no truncation (for fixed template parts).
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let enc = self
+            .tokenizer
+            .encode_fast(text, false)
+            .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        let mut ids = enc.get_ids().to_vec();
+        for o in enc.get_overflowing() {
+            ids.extend_from_slice(o.get_ids());
+        }
+        Ok(ids)
+    }
+
+    /// Tokenizes `bodies` without special tokens, cuts each to what fits between `prefix` and
+    /// `suffix` within the max tokens, and frames it: `prefix + body + suffix` (Qwen3-Reranker's
+    /// chat template; the body is what gets truncated, never the template).
+    pub fn encode_framed(
+        &self,
+        prefix: &[u32],
+        bodies: Vec<String>,
+        suffix: &[u32],
+    ) -> Result<Vec<TokenizedInput>, TokenizeError> {
+        let room = self.max_tokens.saturating_sub(prefix.len() + suffix.len());
+        if room == 0 {
+            return Err(TokenizeError::Encode(format!(
+                "the prompt template alone takes {} of the {} tokens",
+                prefix.len() + suffix.len(),
+                self.max_tokens
+            )));
+        }
+        let inputs: Vec<EncodeInput> = bodies.into_iter().map(EncodeInput::from).collect();
+        let encodings = self
+            .tokenizer
+            .encode_batch(inputs, false)
+            .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        encodings
+            .into_iter()
+            .enumerate()
+            .map(|(index, enc)| {
+                let overflow = !enc.get_overflowing().is_empty();
+                let body = enc.get_ids();
+                if (overflow || body.len() > room) && self.truncation == Truncation::Refuse {
+                    return Err(TokenizeError::TooLong {
+                        index,
+                        max: self.max_tokens,
+                    });
+                }
+                let body = &body[..body.len().min(room)];
+                let ids: Vec<u32> = [prefix, body, suffix].concat();
+                let type_ids = vec![0; ids.len()];
+                Ok(TokenizedInput { ids, type_ids })
+            })
+            .collect()
+    }
+
     fn encode(&self, inputs: Vec<EncodeInput>) -> Result<Vec<TokenizedInput>, TokenizeError> {
         let encodings = self
             .tokenizer

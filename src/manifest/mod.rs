@@ -19,6 +19,10 @@ use serde::Deserialize;
 use crate::model_spec::{Architecture, ModelSpec, Pooling, PromptTemplates, ScoreActivation, Task};
 pub use digest::Sha256;
 
+/// The index of a sharded checkpoint. A manifest may list it instead of the shards: the shard
+/// names are then read from the (pinned) index, and each shard is pinned in `models.lock`.
+pub const SHARD_INDEX: &str = "model.safetensors.index.json";
+
 /// The manifests in `models/`, compiled in.
 const BUILT_IN: &[(&str, &str)] = &[
     (
@@ -28,6 +32,30 @@ const BUILT_IN: &[(&str, &str)] = &[
     (
         "ms-marco-minilm-l6-v2.toml",
         include_str!("../../models/ms-marco-minilm-l6-v2.toml"),
+    ),
+    (
+        "qwen3-embedding-0.6b.toml",
+        include_str!("../../models/qwen3-embedding-0.6b.toml"),
+    ),
+    (
+        "qwen3-embedding-4b.toml",
+        include_str!("../../models/qwen3-embedding-4b.toml"),
+    ),
+    (
+        "qwen3-embedding-8b.toml",
+        include_str!("../../models/qwen3-embedding-8b.toml"),
+    ),
+    (
+        "qwen3-reranker-0.6b.toml",
+        include_str!("../../models/qwen3-reranker-0.6b.toml"),
+    ),
+    (
+        "qwen3-reranker-4b.toml",
+        include_str!("../../models/qwen3-reranker-4b.toml"),
+    ),
+    (
+        "qwen3-reranker-8b.toml",
+        include_str!("../../models/qwen3-reranker-8b.toml"),
     ),
 ];
 
@@ -163,8 +191,13 @@ impl ModelManifest {
                 return Err(invalid(format!("`files` must list {needed}")));
             }
         }
-        if !files.keys().any(|f| f.ends_with(".safetensors")) {
-            return Err(invalid("`files` must list the .safetensors weights".into()));
+        if !files
+            .keys()
+            .any(|f| f.ends_with(".safetensors") || f == SHARD_INDEX)
+        {
+            return Err(invalid(format!(
+                "`files` must list the .safetensors weights or {SHARD_INDEX}"
+            )));
         }
         Ok(Self {
             id: raw.id,
@@ -184,12 +217,9 @@ impl ModelManifest {
         })
     }
 
-    /// The weight files, in name order (shards sort by index).
-    pub fn weight_files(&self) -> impl Iterator<Item = &str> {
-        self.files
-            .keys()
-            .filter(|f| f.ends_with(".safetensors"))
-            .map(String::as_str)
+    /// The pinned digest of `file`, if the manifest has one.
+    pub fn digest(&self, file: &str) -> Option<Sha256> {
+        self.files.get(file).copied().flatten()
     }
 }
 
@@ -256,8 +286,21 @@ mod tests {
     #[test]
     fn built_in_manifests_parse() {
         let reg = ManifestRegistry::built_in();
-        let ids: Vec<_> = reg.ids().collect();
-        assert_eq!(ids, ["all-minilm-l6-v2", "ms-marco-minilm-l6-v2"]);
+        // Every file in models/ is compiled in.
+        let mut on_disk: Vec<String> =
+            std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/models"))
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".toml"))
+                .collect();
+        on_disk.sort();
+        let mut built_in: Vec<&str> = BUILT_IN.iter().map(|(f, _)| *f).collect();
+        built_in.sort();
+        assert_eq!(on_disk, built_in);
+        let q = reg.get("qwen3-embedding-4b").unwrap();
+        assert_eq!(q.spec.dims, Some(2560));
+        assert_eq!(q.spec.pooling, Pooling::Last);
+        assert!(q.files.contains_key(SHARD_INDEX));
         let minilm = reg.get("all-minilm-l6-v2").unwrap();
         assert_eq!(minilm.spec.dims, Some(384));
         assert_eq!(minilm.spec.pooling, Pooling::Mean);
@@ -267,7 +310,7 @@ mod tests {
         assert_eq!(ce.spec.task, Task::Rerank);
         assert_eq!(ce.spec.score, ScoreActivation::Sigmoid);
         assert!(ce.files.values().all(Option::is_none));
-        assert_eq!(ce.weight_files().collect::<Vec<_>>(), ["model.safetensors"]);
+        assert!(ce.files.contains_key("model.safetensors"));
     }
 
     #[test]

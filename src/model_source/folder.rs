@@ -10,7 +10,10 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::model_spec::{Architecture, ModelSpec, Pooling, PromptTemplates, ScoreActivation, Task};
+use crate::model_spec::{
+    Architecture, ModelSpec, Pooling, PromptTemplates, QWEN3_DEFAULT_TASK, QWEN3_MAX_TOKENS,
+    QWEN3_QUERY_TEMPLATE, ScoreActivation, Task,
+};
 
 /// The parts of `config.json` the loader reads to decide what the model is.
 #[derive(Deserialize, Debug, Default)]
@@ -41,13 +44,18 @@ impl ConfigSummary {
     pub fn architecture(&self) -> Result<Architecture, String> {
         let from_type = match self.model_type.as_deref() {
             Some("bert") => Some(Architecture::Bert),
+            Some("qwen3") => Some(Architecture::Qwen3),
             _ => None,
         };
-        let from_arch = self
-            .architectures
-            .iter()
-            .any(|a| a.starts_with("Bert"))
-            .then_some(Architecture::Bert);
+        let from_arch = self.architectures.iter().find_map(|a| {
+            if a.starts_with("Bert") {
+                Some(Architecture::Bert)
+            } else if a.starts_with("Qwen3") && !a.starts_with("Qwen3Moe") {
+                Some(Architecture::Qwen3)
+            } else {
+                None
+            }
+        });
         from_type.or(from_arch).ok_or_else(|| {
             format!(
                 "unsupported model (model_type {:?}, architectures {:?}); this build runs: {}",
@@ -97,8 +105,8 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
     ))
 }
 
-/// The shard files a `model.safetensors.index.json` maps tensors to, in name order.
-pub fn shards_of_index(index: &Path) -> Result<Vec<PathBuf>, String> {
+/// The shard file names a `model.safetensors.index.json` maps tensors to, in name order.
+pub fn shard_names(index: &Path) -> Result<Vec<String>, String> {
     #[derive(Deserialize)]
     struct Index {
         weight_map: std::collections::BTreeMap<String, String>,
@@ -107,29 +115,38 @@ pub fn shards_of_index(index: &Path) -> Result<Vec<PathBuf>, String> {
         .map_err(|e| format!("cannot read {}: {e}", index.display()))?;
     let parsed: Index = serde_json::from_str(&text)
         .map_err(|e| format!("{} is not a safetensors index: {e}", index.display()))?;
-    let dir = index.parent().unwrap_or(Path::new("."));
-    let shards: BTreeSet<&String> = parsed.weight_map.values().collect();
+    let shards: BTreeSet<String> = parsed.weight_map.into_values().collect();
     if shards.is_empty() {
         return Err(format!("{} maps no tensors", index.display()));
     }
-    let mut out = Vec::new();
-    for shard in shards {
-        if shard.contains("..") || shard.starts_with('/') {
+    for shard in &shards {
+        if shard.contains("..") || shard.contains('/') || !shard.ends_with(".safetensors") {
             return Err(format!(
-                "{} names a shard outside the folder: {shard}",
+                "{} names a shard that is not a safetensors file beside it: {shard}",
                 index.display()
             ));
         }
-        let p = dir.join(shard);
-        if !p.is_file() {
-            return Err(format!(
-                "{} names {shard}, which is missing",
-                index.display()
-            ));
-        }
-        out.push(p);
     }
-    Ok(out)
+    Ok(shards.into_iter().collect())
+}
+
+/// The shard files of an index, which must all exist beside it.
+pub fn shards_of_index(index: &Path) -> Result<Vec<PathBuf>, String> {
+    let dir = index.parent().unwrap_or(Path::new("."));
+    shard_names(index)?
+        .into_iter()
+        .map(|shard| {
+            let p = dir.join(&shard);
+            if p.is_file() {
+                Ok(p)
+            } else {
+                Err(format!(
+                    "{} names {shard}, which is missing",
+                    index.display()
+                ))
+            }
+        })
+        .collect()
 }
 
 #[derive(Deserialize)]
@@ -225,30 +242,61 @@ pub fn inspect(dir: &Path, task: Task) -> Result<ModelSpec, String> {
                 None => (
                     match architecture {
                         Architecture::Bert => Pooling::Cls,
+                        // Decoders see the whole text only at the last token.
+                        Architecture::Qwen3 => Pooling::Last,
                     },
                     true,
                 ),
             };
             (pooling, normalize, ScoreActivation::None)
         }
-        Task::Rerank => {
-            if !config.is_classifier() {
-                return Err(format!(
-                    "{} holds {:?}, not a sequence-classification model: rerank needs a cross-encoder",
-                    dir.display(),
-                    config.architectures
-                ));
+        Task::Rerank => match architecture {
+            Architecture::Bert => {
+                if !config.is_classifier() {
+                    return Err(format!(
+                        "{} holds {:?}, not a sequence-classification model: rerank needs a cross-encoder",
+                        dir.display(),
+                        config.architectures
+                    ));
+                }
+                if config.labels() != 1 {
+                    return Err(format!(
+                        "{} classifies into {} labels; a reranker has exactly one relevance logit",
+                        dir.display(),
+                        config.labels()
+                    ));
+                }
+                // sentence-transformers' CrossEncoder applies a sigmoid to single-logit models.
+                (Pooling::Cls, false, ScoreActivation::Sigmoid)
             }
-            if config.labels() != 1 {
-                return Err(format!(
-                    "{} classifies into {} labels; a reranker has exactly one relevance logit",
-                    dir.display(),
-                    config.labels()
-                ));
+            Architecture::Qwen3 => {
+                // Qwen3-Reranker is a causal LM judged by its "yes" and "no" logits.
+                if !config
+                    .architectures
+                    .iter()
+                    .any(|a| a.ends_with("ForCausalLM"))
+                {
+                    return Err(format!(
+                        "{} holds {:?}: a Qwen3 reranker is a Qwen3ForCausalLM (yes/no logits)",
+                        dir.display(),
+                        config.architectures
+                    ));
+                }
+                (Pooling::Last, false, ScoreActivation::Sigmoid)
             }
-            // sentence-transformers' CrossEncoder applies a sigmoid to single-logit models.
-            (Pooling::Cls, false, ScoreActivation::Sigmoid)
-        }
+        },
+    };
+    let (max_tokens, prompts) = match architecture {
+        Architecture::Bert => (max_tokens, PromptTemplates::default()),
+        Architecture::Qwen3 => (
+            // The official recipes cap inputs at 8192 tokens unless the folder says less.
+            max_tokens.min(QWEN3_MAX_TOKENS),
+            PromptTemplates {
+                query: (task == Task::Embed).then(|| QWEN3_QUERY_TEMPLATE.to_string()),
+                document: None,
+                default_task: Some(QWEN3_DEFAULT_TASK.to_string()),
+            },
+        ),
     };
     Ok(ModelSpec {
         architecture,
@@ -257,7 +305,7 @@ pub fn inspect(dir: &Path, task: Task) -> Result<ModelSpec, String> {
         normalize,
         max_tokens,
         dims: config.hidden_size.filter(|_| task == Task::Embed),
-        prompts: PromptTemplates::default(),
+        prompts,
         score,
     })
 }

@@ -56,15 +56,17 @@ pub struct FetchFailure {
     pub reason: String,
 }
 
-/// Paths of the manifest's files: from the cache snapshot, downloading what is missing.
+/// Paths of `names` (files of the manifest's repo at its pin): from the cache snapshot,
+/// downloading what is missing. Returns whether anything was downloaded.
 pub async fn fetch(
     manifest: &ModelManifest,
+    names: &[String],
     hub: &HubOptions,
 ) -> Result<(BTreeMap<String, PathBuf>, bool), FetchFailure> {
     let snapshot = hub.snapshot_dir(manifest);
     let mut paths = BTreeMap::new();
     let mut missing = Vec::new();
-    for name in manifest.files.keys() {
+    for name in names {
         let p = snapshot.join(name);
         if p.is_file() {
             paths.insert(name.clone(), p);

@@ -21,7 +21,9 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use crate::manifest::lock::{LockError, ModelsLock};
-use crate::manifest::{ManifestError, ManifestRegistry, ModelManifest, Revision, Sha256};
+use crate::manifest::{
+    ManifestError, ManifestRegistry, ModelManifest, Revision, SHARD_INDEX, Sha256,
+};
 use crate::model_spec::{ModelSpec, Pooling, Task};
 pub use hub::HubOptions;
 
@@ -284,56 +286,31 @@ async fn resolve_pinned(
     dir: Option<&Path>,
     opts: &SourceOptions,
 ) -> Result<ResolvedModel, SourceError> {
-    let expected = || {
-        manifest
-            .files
-            .keys()
-            .cloned()
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let (paths, origin) = match dir {
-        Some(dir) => {
-            let mut paths = BTreeMap::new();
-            for name in manifest.files.keys() {
-                let p = dir.join(name);
-                if !p.is_file() {
-                    return Err(SourceError::MissingInDir {
-                        id: manifest.id.clone(),
-                        dir: dir.to_path_buf(),
-                        file: name.clone(),
-                        expected: expected(),
-                    });
-                }
-                paths.insert(name.clone(), p);
-            }
-            (paths, FileOrigin::ModelDir(dir.to_path_buf()))
-        }
-        None => {
-            let snapshot = opts.hub.snapshot_dir(manifest);
-            let (paths, downloaded) = hub::fetch(manifest, &opts.hub).await.map_err(|f| {
-                SourceError::Fetch(Box::new(FetchFailed {
-                    id: manifest.id.clone(),
-                    repo: manifest.repo.clone(),
-                    revision: manifest.revision.clone(),
-                    file: f.file,
-                    snapshot: snapshot.clone(),
-                    endpoint: opts.hub.endpoint.clone(),
-                    reason: f.reason,
-                    expected: expected(),
-                }))
-            })?;
-            let origin = if downloaded {
-                FileOrigin::Downloaded(snapshot)
-            } else {
-                FileOrigin::HfCache(snapshot)
-            };
-            (paths, origin)
-        }
+    let listed: Vec<String> = manifest.files.keys().cloned().collect();
+    let (mut paths, mut downloaded) = fetch_files(manifest, &listed, dir, opts).await?;
+    // A listed shard index names the shards; fetch those the manifest does not list itself.
+    if let Some(index) = paths.get(SHARD_INDEX) {
+        let shards: Vec<String> = folder::shard_names(index)
+            .map_err(SourceError::Folder)?
+            .into_iter()
+            .filter(|s| !paths.contains_key(s))
+            .collect();
+        let (more, more_downloaded) = fetch_files(manifest, &shards, dir, opts).await?;
+        paths.extend(more);
+        downloaded |= more_downloaded;
+    }
+    let origin = match dir {
+        Some(dir) => FileOrigin::ModelDir(dir.to_path_buf()),
+        None if downloaded => FileOrigin::Downloaded(opts.hub.snapshot_dir(manifest)),
+        None => FileOrigin::HfCache(opts.hub.snapshot_dir(manifest)),
     };
     let files = verify_pinned(manifest, &paths, &opts.lock_path)?;
     let get = |name: &str| paths[name].clone();
-    let weights = manifest.weight_files().map(get).collect();
+    let weights = paths
+        .iter()
+        .filter(|(name, _)| name.ends_with(".safetensors"))
+        .map(|(_, p)| p.clone())
+        .collect();
     Ok(ResolvedModel {
         files: ModelFiles {
             config: get("config.json"),
@@ -349,6 +326,54 @@ async fn resolve_pinned(
             files,
         },
     })
+}
+
+/// Paths of `names`: from `dir`, else from the HF cache snapshot, downloading what is missing.
+/// Returns whether anything was downloaded.
+async fn fetch_files(
+    manifest: &ModelManifest,
+    names: &[String],
+    dir: Option<&Path>,
+    opts: &SourceOptions,
+) -> Result<(BTreeMap<String, PathBuf>, bool), SourceError> {
+    let expected = || {
+        manifest
+            .files
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match dir {
+        Some(dir) => {
+            let mut paths = BTreeMap::new();
+            for name in names {
+                let p = dir.join(name);
+                if !p.is_file() {
+                    return Err(SourceError::MissingInDir {
+                        id: manifest.id.clone(),
+                        dir: dir.to_path_buf(),
+                        file: name.clone(),
+                        expected: expected(),
+                    });
+                }
+                paths.insert(name.clone(), p);
+            }
+            Ok((paths, false))
+        }
+        None => hub::fetch(manifest, names, &opts.hub).await.map_err(|f| {
+            SourceError::Fetch(Box::new(FetchFailed {
+                id: manifest.id.clone(),
+                repo: manifest.repo.clone(),
+                revision: manifest.revision.clone(),
+                file: f.file,
+                snapshot: opts.hub.snapshot_dir(manifest),
+                endpoint: opts.hub.endpoint.clone(),
+                reason: f.reason,
+                expected: expected(),
+            }))
+        }),
+    }
 }
 
 /// Hashes files in parallel (weights are gigabytes; one thread per file).
@@ -380,7 +405,7 @@ fn verify_pinned(
     lock_path: &Path,
 ) -> Result<Vec<FileDigest>, SourceError> {
     let actual = hash_all(paths)?;
-    let needs_lock = manifest.files.values().any(Option::is_none);
+    let needs_lock = paths.keys().any(|name| manifest.digest(name).is_none());
     let mut lock = if needs_lock {
         Some(ModelsLock::load(lock_path)?)
     } else {
@@ -388,7 +413,8 @@ fn verify_pinned(
     };
     let mut out = Vec::new();
     let mut to_record = BTreeMap::new();
-    for (name, pinned) in &manifest.files {
+    for name in paths.keys() {
+        let pinned = manifest.digest(name);
         let digest = actual[name];
         let mismatch = |expected: Sha256, pinned_by: String| {
             SourceError::DigestMismatch(Box::new(DigestMismatch {
@@ -401,10 +427,10 @@ fn verify_pinned(
             }))
         };
         let check = match pinned {
-            Some(expected) if *expected == digest => DigestCheck::Manifest,
+            Some(expected) if expected == digest => DigestCheck::Manifest,
             Some(expected) => {
                 return Err(mismatch(
-                    *expected,
+                    expected,
                     format!("the manifest of `{}`", manifest.id),
                 ));
             }

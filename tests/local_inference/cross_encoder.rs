@@ -27,7 +27,11 @@ async fn cross_encoder_matches_transformers() {
     let mut checked = 0;
     for case in &reference.cases {
         let got = engine
-            .rerank(case.query.clone(), case.documents.clone())
+            .rerank(
+                case.query.clone(),
+                case.documents.clone(),
+                Default::default(),
+            )
             .await
             .unwrap();
         assert_eq!(got.len(), case.logits.len());
@@ -73,7 +77,11 @@ async fn cross_encoder_batched_equals_single() {
         .await;
         scores.push(
             engine
-                .rerank(case.query.clone(), case.documents.clone())
+                .rerank(
+                    case.query.clone(),
+                    case.documents.clone(),
+                    Default::default(),
+                )
                 .await
                 .unwrap(),
         );

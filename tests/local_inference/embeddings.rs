@@ -213,7 +213,7 @@ async fn bad_requests_get_clear_errors_and_the_engine_keeps_serving() {
         InferenceError::TooLong { index: 1, max: 256 }
     );
     let err = engine
-        .rerank("q".into(), vec!["d".into()])
+        .rerank("q".into(), vec!["d".into()], Default::default())
         .await
         .unwrap_err();
     assert!(matches!(err, InferenceError::WrongTask { .. }), "{err}");

@@ -6,4 +6,5 @@ mod cross_encoder;
 mod embeddings;
 mod hub;
 mod pinning;
+mod qwen3;
 mod support;

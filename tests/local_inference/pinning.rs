@@ -124,7 +124,11 @@ async fn the_lock_file_pins_on_first_load_and_refuses_a_change() {
     let engine = start(second, cpu()).await;
     let case = &cross_encoder_reference().cases[0];
     let got = engine
-        .rerank(case.query.clone(), case.documents[..2].to_vec())
+        .rerank(
+            case.query.clone(),
+            case.documents[..2].to_vec(),
+            Default::default(),
+        )
         .await
         .unwrap();
     assert!((got[0].score - case.logits[0]).abs() <= 1e-4);

@@ -1,6 +1,7 @@
 //! Model code, one file per architecture, behind one trait the model thread drives.
 
 pub mod bert;
+pub mod qwen3;
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
@@ -27,12 +28,14 @@ pub trait LocalModel: Send {
     fn max_positions(&self) -> usize;
 }
 
-/// Loads the model `spec` describes from verified `files`.
+/// Loads the model `spec` describes from verified `files`; `token_id` looks up vocabulary ids
+/// (Qwen3-Reranker's `yes` and `no`).
 pub fn load(
     files: &ModelFiles,
     spec: &ModelSpec,
     device: &Device,
     dtype: DType,
+    token_id: &dyn Fn(&str) -> Option<u32>,
 ) -> candle_core::Result<Box<dyn LocalModel>> {
     let config_text = std::fs::read_to_string(&files.config)?;
     // SAFETY: the files were hashed against their pins just before this; memory-mapping them is
@@ -46,6 +49,23 @@ pub fn load(
             match spec.task {
                 Task::Embed => Box::new(bert::BertEmbedder::load(vb, &cfg, spec.pooling)?),
                 Task::Rerank => Box::new(bert::BertCrossEncoder::load(vb, &cfg)?),
+            }
+        }
+        Architecture::Qwen3 => {
+            let cfg: qwen3::Qwen3Config = serde_json::from_str(&config_text)
+                .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
+            match spec.task {
+                Task::Embed => Box::new(qwen3::Qwen3Embedder::load(vb, &cfg, spec.pooling)?),
+                Task::Rerank => {
+                    let id = |t: &str| {
+                        token_id(t).ok_or_else(|| {
+                            candle_core::Error::Msg(format!(
+                                "the tokenizer has no single token `{t}`; a Qwen3 reranker needs `yes` and `no`"
+                            ))
+                        })
+                    };
+                    Box::new(qwen3::Qwen3Reranker::load(vb, &cfg, id("yes")?, id("no")?)?)
+                }
             }
         }
     };

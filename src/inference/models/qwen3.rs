@@ -1,0 +1,514 @@
+//! Qwen3 as an encoder: the embedder (Qwen3-Embedding, last-token pooling) and the reranker
+//! (Qwen3-Reranker, `sigmoid(logit_yes − logit_no)` at the last position).
+//!
+//! Our own code rather than `candle_transformers::models::qwen3`, which has no padding mask and
+//! an always-on KV cache, so its batched embeddings are wrong (see
+//! `../shared/reference/inference-notes.md` §0.1). Here:
+//! * no KV cache: one forward per batch, nothing carried between calls;
+//! * tokens are packed (`inference::batch`), positions restart at 0 for each row, so padding
+//!   side never matters; attention is causal within each row: our packed kernel on the CPU,
+//!   masked matmul attention over right-padded rows elsewhere (with right padding a causal mask
+//!   already keeps real tokens from seeing padding);
+//! * RMSNorm before attention and MLP, plus per-head RMSNorm on Q and K before RoPE
+//!   (rotate-half RoPE, θ from the config), grouped-query attention, SiLU-gated MLP;
+//! * the reranker's head is one vector, `W_lm[yes] − W_lm[no]`, dotted with the last hidden
+//!   state: the full-vocabulary matmul (151k rows) is never computed.
+//!
+//! bf16/f16/f32: weights load in the engine's dtype; norms and softmax run in candle's kernels.
+
+use candle_core::{D, DType, Device, IndexOp, Module, Result, Tensor};
+use candle_nn::{Embedding, VarBuilder};
+use serde::Deserialize;
+
+use super::{LocalModel, ModelOutput};
+use crate::inference::batch::{PaddedLayout, PreparedBatch};
+use crate::inference::cpu_ops::PackedAttention;
+use crate::inference::pooling;
+use crate::model_spec::Pooling;
+
+/// Qwen3-Reranker's frozen chat template, before the body (the Hugging Face model card's).
+pub const RERANK_PREFIX: &str = "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n";
+/// The template after the body: the assistant turn with an empty thinking block.
+pub const RERANK_SUFFIX: &str = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n";
+
+/// The user turn of one (query, document) pair.
+pub fn rerank_body(instruction: &str, query: &str, document: &str) -> String {
+    format!("<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}")
+}
+
+/// The fields of a Qwen3 `config.json` the encoder reads.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Qwen3Config {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    /// Top level in the published checkpoints; transformers 5 writes it under
+    /// `rope_parameters` instead (see [`Qwen3Config::rope_theta`]).
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub rope_parameters: Option<RopeParameters>,
+    pub max_position_embeddings: usize,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    #[serde(default)]
+    pub use_sliding_window: bool,
+}
+
+/// transformers 5's `rope_parameters`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RopeParameters {
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub rope_type: Option<String>,
+}
+
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_act() -> String {
+    "silu".into()
+}
+
+impl Qwen3Config {
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    /// RoPE θ from either config layout (Qwen3's published default 1e6).
+    pub fn rope_theta(&self) -> f64 {
+        self.rope_theta
+            .or_else(|| self.rope_parameters.as_ref().and_then(|p| p.rope_theta))
+            .unwrap_or(1_000_000.0)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if let Some(kind) = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p.rope_type.as_deref())
+            && kind != "default"
+        {
+            candle_core::bail!("Qwen3 with rope_type `{kind}` is not supported");
+        }
+        if self.hidden_act != "silu" {
+            candle_core::bail!("unsupported Qwen3 activation `{}`", self.hidden_act);
+        }
+        if self.attention_bias {
+            candle_core::bail!("Qwen3 with attention_bias is not supported");
+        }
+        if self.use_sliding_window {
+            candle_core::bail!("Qwen3 with a sliding window is not supported");
+        }
+        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0
+        {
+            candle_core::bail!("num_attention_heads must be a multiple of num_key_value_heads");
+        }
+        if self.head_dim() % 2 != 0 {
+            candle_core::bail!("head_dim must be even for RoPE");
+        }
+        Ok(())
+    }
+}
+
+/// `x Wᵀ`, with `Wᵀ` stored contiguous (`[in, out]`) as in the BERT file.
+struct Linear {
+    weight_t: Tensor,
+}
+
+impl Linear {
+    fn load(vb: &VarBuilder, inp: usize, out: usize) -> Result<Self> {
+        Self::from_weight(vb.get((out, inp), "weight")?)
+    }
+
+    fn from_weight(weight: Tensor) -> Result<Self> {
+        Ok(Self {
+            weight_t: weight.t()?.contiguous()?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.matmul(&self.weight_t)
+    }
+}
+
+struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn load(vb: &VarBuilder, size: usize, eps: f64) -> Result<Self> {
+        Ok(Self {
+            weight: vb.get(size, "weight")?,
+            eps: eps as f32,
+        })
+    }
+
+    /// Normalises over the last dimension (contiguous input).
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)
+    }
+}
+
+/// Rotate-half RoPE tables: `cos`/`sin` for any positions, computed per batch.
+struct Rope {
+    inv_freq: Tensor,
+}
+
+impl Rope {
+    fn new(cfg: &Qwen3Config, device: &Device) -> Result<Self> {
+        let d = cfg.head_dim();
+        let inv: Vec<f32> = (0..d / 2)
+            .map(|i| 1.0 / cfg.rope_theta().powf(2.0 * i as f64 / d as f64) as f32)
+            .collect();
+        Ok(Self {
+            inv_freq: Tensor::from_vec(inv, (1, d / 2), device)?,
+        })
+    }
+
+    /// `(cos, sin)`, each `[tokens, head_dim / 2]` in `dtype`, for per-token positions.
+    fn tables(&self, positions: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+        let angles = positions
+            .to_dtype(DType::F32)?
+            .unsqueeze(1)?
+            .broadcast_mul(&self.inv_freq)?;
+        Ok((
+            angles.cos()?.to_dtype(dtype)?,
+            angles.sin()?.to_dtype(dtype)?,
+        ))
+    }
+}
+
+struct Layer {
+    input_norm: RmsNorm,
+    /// Q, K and V projections fused: `[h, (heads + 2·kv_heads)·head_dim]`.
+    qkv: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    o_proj: Linear,
+    post_norm: RmsNorm,
+    /// Gate and up projections fused: `[h, 2·intermediate]`.
+    gate_up: Linear,
+    down: Linear,
+    intermediate: usize,
+}
+
+impl Layer {
+    fn load(vb: VarBuilder, cfg: &Qwen3Config) -> Result<Self> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim());
+        let (heads, kv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let att = vb.pp("self_attn");
+        let get = |vb: &VarBuilder, name: &str, out: usize, inp: usize| {
+            vb.pp(name).get((out, inp), "weight")
+        };
+        let qkv = Tensor::cat(
+            &[
+                get(&att, "q_proj", heads * d, h)?,
+                get(&att, "k_proj", kv * d, h)?,
+                get(&att, "v_proj", kv * d, h)?,
+            ],
+            0,
+        )?;
+        let mlp = vb.pp("mlp");
+        let gate_up = Tensor::cat(
+            &[
+                get(&mlp, "gate_proj", cfg.intermediate_size, h)?,
+                get(&mlp, "up_proj", cfg.intermediate_size, h)?,
+            ],
+            0,
+        )?;
+        Ok(Self {
+            input_norm: RmsNorm::load(&vb.pp("input_layernorm"), h, cfg.rms_norm_eps)?,
+            qkv: Linear::from_weight(qkv)?,
+            q_norm: RmsNorm::load(&att.pp("q_norm"), d, cfg.rms_norm_eps)?,
+            k_norm: RmsNorm::load(&att.pp("k_norm"), d, cfg.rms_norm_eps)?,
+            o_proj: Linear::load(&att.pp("o_proj"), heads * d, h)?,
+            post_norm: RmsNorm::load(&vb.pp("post_attention_layernorm"), h, cfg.rms_norm_eps)?,
+            gate_up: Linear::from_weight(gate_up)?,
+            down: Linear::load(&mlp.pp("down_proj"), cfg.intermediate_size, h)?,
+            intermediate: cfg.intermediate_size,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, ctx: &ForwardContext) -> Result<Tensor> {
+        let (tokens, _) = x.dims2()?;
+        let (heads, kv, d) = (ctx.heads, ctx.kv_heads, ctx.head_dim);
+        let qkv = self.qkv.forward(&self.input_norm.forward(x)?)?;
+        // Per-head RMSNorm, then RoPE, on Q and K (`[1, tokens, heads, d]` for rope_thd).
+        let rotate = |t: Tensor, n: usize, norm: &RmsNorm| -> Result<Tensor> {
+            let t = norm.forward(&t.contiguous()?.reshape((tokens, n, d))?)?;
+            candle_nn::rotary_emb::rope_thd(&t.unsqueeze(0)?, &ctx.cos, &ctx.sin)?
+                .reshape((tokens, n * d))
+        };
+        let q = rotate(qkv.narrow(1, 0, heads * d)?, heads, &self.q_norm)?;
+        let k = rotate(qkv.narrow(1, heads * d, kv * d)?, kv, &self.k_norm)?;
+        let v = qkv.narrow(1, (heads + kv) * d, kv * d)?;
+        let attn = ctx.attend(&q, &k, &v)?;
+        let x = (x + self.o_proj.forward(&attn)?)?;
+        let gu = self.gate_up.forward(&self.post_norm.forward(&x)?)?;
+        let gate = gu.narrow(1, 0, self.intermediate)?;
+        let up = gu.narrow(1, self.intermediate, self.intermediate)?;
+        let act = (candle_nn::ops::silu(&gate.contiguous()?)? * up)?;
+        x + self.down.forward(&act)?
+    }
+}
+
+/// Per-batch inputs shared by every layer.
+struct ForwardContext<'a> {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    cos: Tensor,
+    sin: Tensor,
+    lengths: &'a [usize],
+    padded: Option<(&'a PaddedLayout, Tensor)>,
+}
+
+impl ForwardContext<'_> {
+    /// Causal attention within each row. `q`: `[tokens, heads·d]`, `k`/`v`: `[tokens, kv·d]`.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let (heads, kv, d) = (self.heads, self.kv_heads, self.head_dim);
+        let scale = 1.0 / (d as f32).sqrt();
+        match &self.padded {
+            None => {
+                let op = PackedAttention {
+                    lengths: self.lengths.to_vec(),
+                    q_heads: heads,
+                    kv_heads: kv,
+                    head_dim: d,
+                    scale,
+                    causal: true,
+                };
+                q.apply_op3_no_bwd(k, v, &op)
+            }
+            Some((layout, mask)) => {
+                let (b, s) = (self.lengths.len(), layout.longest);
+                let rows = |t: &Tensor, n: usize| -> Result<Tensor> {
+                    t.contiguous()?
+                        .index_select(&layout.gather, 0)?
+                        .reshape((b, s, n, d))?
+                        .transpose(1, 2)?
+                        .contiguous()
+                };
+                let q = (rows(q, heads)? * scale as f64)?;
+                // Grouped-query: each K/V head serves `heads / kv` query heads.
+                let repeat = |t: Tensor| -> Result<Tensor> {
+                    let group = heads / kv;
+                    if group == 1 {
+                        return Ok(t);
+                    }
+                    t.unsqueeze(2)?
+                        .expand((b, kv, group, s, d))?
+                        .reshape((b, heads, s, d))
+                };
+                let k = repeat(rows(k, kv)?)?;
+                let v = repeat(rows(v, kv)?)?;
+                let scores = q.matmul(&k.t()?)?.broadcast_add(mask)?;
+                let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+                probs
+                    .matmul(&v)?
+                    .transpose(1, 2)?
+                    .contiguous()?
+                    .reshape((b * s, heads * d))?
+                    .index_select(&layout.scatter, 0)
+            }
+        }
+    }
+}
+
+/// The Qwen3 trunk: embeddings, decoder layers (no cache), final norm.
+pub struct Qwen3Encoder {
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    rope: Rope,
+    cfg: Qwen3Config,
+    dtype: DType,
+}
+
+impl Qwen3Encoder {
+    /// Loads from `vb` rooted where `embed_tokens` lives (`model.` for `*ForCausalLM` files).
+    pub fn load(vb: VarBuilder, cfg: &Qwen3Config) -> Result<Self> {
+        cfg.validate()?;
+        let h = cfg.hidden_size;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| Layer::load(vb.pp("layers").pp(i.to_string()), cfg))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            embed: Embedding::new(vb.pp("embed_tokens").get((cfg.vocab_size, h), "weight")?, h),
+            layers,
+            norm: RmsNorm::load(&vb.pp("norm"), h, cfg.rms_norm_eps)?,
+            rope: Rope::new(cfg, vb.device())?,
+            cfg: cfg.clone(),
+            dtype: vb.dtype(),
+        })
+    }
+
+    /// Final-normed packed token states `[tokens, h]`.
+    pub fn forward(&self, batch: &PreparedBatch) -> Result<Tensor> {
+        let longest = batch.lengths.iter().copied().max().unwrap_or(0);
+        if longest > self.cfg.max_position_embeddings {
+            candle_core::bail!(
+                "a row of {longest} tokens exceeds {} positions",
+                self.cfg.max_position_embeddings
+            );
+        }
+        let (cos, sin) = self.rope.tables(&batch.positions, self.dtype)?;
+        let padded = match &batch.padded {
+            None => None,
+            Some(layout) => {
+                // Causal mask over right-padded rows: padding sits after every real token, so
+                // causality alone keeps real tokens from seeing it.
+                let s = layout.longest;
+                let mask: Vec<f32> = (0..s * s)
+                    .map(|i| {
+                        if i % s > i / s {
+                            f32::NEG_INFINITY
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect();
+                let mask = Tensor::from_vec(mask, (1, 1, s, s), self.embed.embeddings().device())?
+                    .to_dtype(self.dtype)?;
+                Some((layout, mask))
+            }
+        };
+        let ctx = ForwardContext {
+            heads: self.cfg.num_attention_heads,
+            kv_heads: self.cfg.num_key_value_heads,
+            head_dim: self.cfg.head_dim(),
+            cos,
+            sin,
+            lengths: &batch.lengths,
+            padded,
+        };
+        let mut x = self.embed.forward(&batch.input_ids)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, &ctx)?;
+        }
+        self.norm.forward(&x)
+    }
+
+    pub fn hidden_size(&self) -> usize {
+        self.cfg.hidden_size
+    }
+
+    pub fn max_positions(&self) -> usize {
+        self.cfg.max_position_embeddings
+    }
+}
+
+/// Where the trunk lives: under `model.` (`Qwen3ForCausalLM` files) or at the root
+/// (`Qwen3Model` files).
+fn trunk<'a>(vb: &VarBuilder<'a>) -> VarBuilder<'a> {
+    if vb.contains_tensor("model.embed_tokens.weight") {
+        vb.pp("model")
+    } else {
+        vb.clone()
+    }
+}
+
+/// Qwen3-Embedding: trunk + pooling (last token by default).
+pub struct Qwen3Embedder {
+    encoder: Qwen3Encoder,
+    pooling: Pooling,
+}
+
+impl Qwen3Embedder {
+    pub fn load(vb: VarBuilder, cfg: &Qwen3Config, pooling: Pooling) -> Result<Self> {
+        Ok(Self {
+            encoder: Qwen3Encoder::load(trunk(&vb), cfg)?,
+            pooling,
+        })
+    }
+}
+
+impl LocalModel for Qwen3Embedder {
+    fn run(&self, batch: &PreparedBatch) -> Result<ModelOutput> {
+        let hidden = self.encoder.forward(batch)?;
+        let pooled = pooling::pool(&hidden, batch, self.pooling)?;
+        Ok(ModelOutput::Vectors(
+            pooled.to_dtype(DType::F32)?.to_vec2()?,
+        ))
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.encoder.hidden_size()
+    }
+
+    fn max_positions(&self) -> usize {
+        self.encoder.max_positions()
+    }
+}
+
+/// Qwen3-Reranker: trunk + the `yes − no` direction of the LM head.
+pub struct Qwen3Reranker {
+    encoder: Qwen3Encoder,
+    /// `W_lm[yes] − W_lm[no]`, `[h, 1]`.
+    direction: Tensor,
+}
+
+impl Qwen3Reranker {
+    /// `yes`/`no`: the token ids the tokenizer gives the two answers.
+    pub fn load(vb: VarBuilder, cfg: &Qwen3Config, yes: u32, no: u32) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let head = if vb.contains_tensor("lm_head.weight") {
+            vb.pp("lm_head").get((cfg.vocab_size, h), "weight")?
+        } else if cfg.tie_word_embeddings {
+            trunk(&vb)
+                .pp("embed_tokens")
+                .get((cfg.vocab_size, h), "weight")?
+        } else {
+            candle_core::bail!("no lm_head.weight and tie_word_embeddings is false");
+        };
+        for id in [yes, no] {
+            if id as usize >= cfg.vocab_size {
+                candle_core::bail!("token id {id} is outside the vocabulary");
+            }
+        }
+        // Only two rows of the head are ever read; the difference is computed in f32.
+        let rows = |id: u32| head.i(id as usize)?.to_dtype(DType::F32);
+        let direction = (rows(yes)? - rows(no)?)?
+            .to_dtype(vb.dtype())?
+            .reshape((h, 1))?;
+        Ok(Self {
+            encoder: Qwen3Encoder::load(trunk(&vb), cfg)?,
+            direction,
+        })
+    }
+}
+
+impl LocalModel for Qwen3Reranker {
+    fn run(&self, batch: &PreparedBatch) -> Result<ModelOutput> {
+        let hidden = self.encoder.forward(batch)?;
+        let last = hidden.index_select(&batch.last_token, 0)?;
+        let logits = last
+            .matmul(&self.direction)?
+            .squeeze(D::Minus1)?
+            .to_dtype(DType::F32)?;
+        Ok(ModelOutput::Scores(logits.to_vec1()?))
+    }
+
+    fn hidden_size(&self) -> usize {
+        self.encoder.hidden_size()
+    }
+
+    fn max_positions(&self) -> usize {
+        self.encoder.max_positions()
+    }
+}
