@@ -1,6 +1,7 @@
 //! The `fantom-sidecar` command line: argument parsing, logging set-up and the one-shot tools
 //! (`embed`, `rerank`, `models`). The binary's `main` only calls [`main`].
 
+mod bench;
 mod input;
 mod models;
 mod oneshot;
@@ -45,6 +46,9 @@ enum Command {
     Embed(oneshot::EmbedArgs),
     /// Rerank documents against --query: JSON Lines of strings on stdin, {"index", "score"} out.
     Rerank(oneshot::RerankArgs),
+    /// Throughput on synthetic rows of an exact length (with --random-weights: any architecture
+    /// from its config alone).
+    Bench(bench::BenchArgs),
     /// List, fetch and verify pinned models.
     #[command(subcommand)]
     Models(models::ModelsCommand),
@@ -60,6 +64,10 @@ pub struct ModelArgs {
     /// Hugging Face folder (unpinned).
     #[arg(long)]
     model_dir: Option<PathBuf>,
+    /// With --model-dir: take config.json and tokenizer.json from it and draw the weights at
+    /// random (throughput of an architecture without its download; outputs are meaningless).
+    #[arg(long, requires = "model_dir", conflicts_with = "model")]
+    random_weights: bool,
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     device: DeviceSpec,
@@ -71,7 +79,7 @@ pub struct ModelArgs {
     pooling: Option<Pooling>,
     /// Max input tokens (special tokens included); longer inputs are truncated.
     #[arg(long)]
-    max_tokens: Option<usize>,
+    pub(super) max_tokens: Option<usize>,
     /// Refuse inputs longer than the max tokens instead of truncating them.
     #[arg(long)]
     no_truncate: bool,
@@ -115,6 +123,11 @@ impl PinArgs {
 
 impl ModelArgs {
     fn selector(&self) -> anyhow::Result<ModelSelector> {
+        if self.random_weights
+            && let Some(dir) = &self.model_dir
+        {
+            return Ok(ModelSelector::RandomWeights(dir.clone()));
+        }
         Ok(ModelSelector::from_flags(
             self.model.clone(),
             self.model_dir.clone(),
@@ -181,6 +194,7 @@ pub fn main() -> ExitCode {
             Command::Embed(args) => oneshot::embed(args).await,
             Command::Rerank(args) => oneshot::rerank(args).await,
             Command::Models(cmd) => models::run(cmd).await,
+            Command::Bench(args) => bench::run(args).await,
         }
     });
     match result {

@@ -9,7 +9,7 @@ use serde::Serialize;
 use super::ModelArgs;
 use super::input::read_json_lines;
 use super::stream::{self, run_in_order, write_json_line};
-use crate::inference::{EmbedOptions, Engine, RerankOptions};
+use crate::inference::{EmbedOptions, Engine, EngineConfig, RerankOptions};
 use crate::model_source;
 use crate::model_spec::Task;
 
@@ -58,10 +58,18 @@ struct ScoreLine {
 
 /// Resolves, verifies and loads the model for `task`.
 pub(super) async fn load_engine(args: &ModelArgs, task: Task) -> anyhow::Result<Engine> {
+    load_engine_with(args, task, args.engine_config()).await
+}
+
+/// [`load_engine`] with engine settings of the caller's.
+pub(super) async fn load_engine_with(
+    args: &ModelArgs,
+    task: Task,
+    cfg: EngineConfig,
+) -> anyhow::Result<Engine> {
     let selector = args.selector()?;
     let opts = args.pins.source_options()?;
     let resolved = model_source::resolve(&selector, task, &args.overrides(), &opts).await?;
-    let cfg = args.engine_config();
     let engine = tokio::task::spawn_blocking(move || Engine::start(resolved, cfg))
         .await
         .context("the model loader panicked")??;

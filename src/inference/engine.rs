@@ -151,6 +151,8 @@ pub struct EngineInfo {
     pub max_batch_tokens: usize,
     pub max_batch_rows: usize,
     pub attention: String,
+    /// Forward FLOPs per token at sequence length `s`: `flops_per_token[0] + flops_per_token[1]·s`.
+    pub flops_per_token: [f64; 2],
 }
 
 /// Counters since start (relaxed atomics; read for metrics and benchmarks).
@@ -251,16 +253,20 @@ impl Engine {
                             return;
                         }
                     };
+                    // FLOPs per token as a line in the sequence length: f(s) = a + b·s.
+                    let a = model.flops_per_token(0);
+                    let b = model.flops_per_token(1) - a;
                     let _ = ready_tx.send(Ok((
                         model.hidden_size(),
                         model.max_positions(),
                         t0.elapsed(),
+                        (a, b),
                     )));
                     model_loop(model.as_ref(), job_rx, &stats);
                 })
                 .map_err(|e| EngineError::Load(format!("cannot spawn the model thread: {e}")))?;
         }
-        let (hidden, max_positions, load_time) = ready_rx
+        let (hidden, max_positions, load_time, flops_line) = ready_rx
             .recv()
             .map_err(|_| EngineError::Load("the model thread died while loading".into()))?
             .map_err(EngineError::Load)?;
@@ -310,6 +316,7 @@ impl Engine {
             max_batch_tokens: cfg.max_batch_tokens,
             max_batch_rows: cfg.max_batch_rows,
             attention: format!("{attention:?}").to_lowercase(),
+            flops_per_token: [flops_line.0, flops_line.1],
         };
         tracing::info!(
             model = %info.provenance,
@@ -388,6 +395,41 @@ impl Engine {
                 RowOutput::Score(_) => Err(InferenceError::Model("expected a vector".into())),
             })
             .collect()
+    }
+
+    /// Embeds inputs that are already token ids (benchmarks; no template, no tokenizer).
+    pub async fn embed_tokens(
+        &self,
+        inputs: Vec<TokenizedInput>,
+        opts: EmbedOptions,
+    ) -> Result<Vec<Vec<f32>>, InferenceError> {
+        self.require(Task::Embed)?;
+        if inputs.is_empty() {
+            return Err(InferenceError::EmptyInput);
+        }
+        let max = self.inner.spec.max_tokens;
+        for (index, input) in inputs.iter().enumerate() {
+            if input.is_empty() {
+                return Err(InferenceError::EmptyText { index });
+            }
+            if input.len() > max {
+                return Err(InferenceError::TooLong { index, max });
+            }
+        }
+        let normalize = self.inner.spec.normalize;
+        self.submit(inputs)
+            .await?
+            .into_iter()
+            .map(|row| match row {
+                RowOutput::Vector(v) => Ok(pooling::finish(v, opts.dimensions, normalize)),
+                RowOutput::Score(_) => Err(InferenceError::Model("expected a vector".into())),
+            })
+            .collect()
+    }
+
+    /// The tokenizer the engine uses (vocabulary lookups, benchmarks).
+    pub fn tokenizer(&self) -> &InputTokenizer {
+        &self.inner.tokenizer
     }
 
     /// Scores each document against `query`; one score per document, in order.

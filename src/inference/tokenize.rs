@@ -87,6 +87,11 @@ impl InputTokenizer {
         self.max_tokens
     }
 
+    /// Vocabulary size, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
     /// The id of a token string, if the vocabulary has it.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.tokenizer.token_to_id(token)

@@ -34,6 +34,9 @@ pub enum ModelSelector {
     Pinned { id: String, dir: Option<PathBuf> },
     /// Any Hugging Face folder, unpinned.
     Folder(PathBuf),
+    /// `config.json` and `tokenizer.json` from a folder, weights drawn at random: benchmarks
+    /// only, never pinned.
+    RandomWeights(PathBuf),
 }
 
 impl ModelSelector {
@@ -125,6 +128,11 @@ pub enum Provenance {
         dir: PathBuf,
         files: Vec<FileDigest>,
     },
+    /// Config and tokenizer from `dir`, weights random (benchmarks).
+    RandomWeights {
+        dir: PathBuf,
+        files: Vec<FileDigest>,
+    },
 }
 
 impl Provenance {
@@ -134,7 +142,9 @@ impl Provenance {
 
     pub fn files(&self) -> &[FileDigest] {
         match self {
-            Provenance::Pinned { files, .. } | Provenance::Unpinned { files, .. } => files,
+            Provenance::Pinned { files, .. }
+            | Provenance::Unpinned { files, .. }
+            | Provenance::RandomWeights { files, .. } => files,
         }
     }
 }
@@ -148,6 +158,9 @@ impl fmt::Display for Provenance {
                 write!(f, "{id} ({repo}@{revision}, pinned)")
             }
             Provenance::Unpinned { dir, .. } => write!(f, "{} (unpinned)", dir.display()),
+            Provenance::RandomWeights { dir, .. } => {
+                write!(f, "{} (random weights, benchmark only)", dir.display())
+            }
         }
     }
 }
@@ -264,7 +277,8 @@ pub async fn resolve(
             }
             resolve_pinned(manifest, dir.as_deref(), opts).await?
         }
-        ModelSelector::Folder(dir) => resolve_folder(dir, task, overrides)?,
+        ModelSelector::Folder(dir) => resolve_folder(dir, task, overrides, false)?,
+        ModelSelector::RandomWeights(dir) => resolve_folder(dir, task, overrides, true)?,
     };
     if let Some(max) = overrides.max_tokens {
         let cfg =
@@ -476,6 +490,7 @@ fn resolve_folder(
     dir: &Path,
     task: Task,
     overrides: &SpecOverrides,
+    random_weights: bool,
 ) -> Result<ResolvedModel, SourceError> {
     if !dir.is_dir() {
         return Err(SourceError::Folder(format!(
@@ -487,7 +502,11 @@ fn resolve_folder(
     if let Some(p) = overrides.pooling {
         spec.pooling = p;
     }
-    let weights = folder::weight_files(dir).map_err(SourceError::Folder)?;
+    let weights = if random_weights {
+        Vec::new()
+    } else {
+        folder::weight_files(dir).map_err(SourceError::Folder)?
+    };
     let config = dir.join("config.json");
     let tokenizer = dir.join("tokenizer.json");
     if !tokenizer.is_file() {
@@ -516,7 +535,19 @@ fn resolve_folder(
             check: None,
         })
         .collect();
-    tracing::warn!(dir = %dir.display(), "loading an unpinned model folder: nothing checks that its files stay the same");
+    let provenance = if random_weights {
+        tracing::warn!(dir = %dir.display(), "random weights: for benchmarks only, the outputs mean nothing");
+        Provenance::RandomWeights {
+            dir: dir.to_path_buf(),
+            files,
+        }
+    } else {
+        tracing::warn!(dir = %dir.display(), "loading an unpinned model folder: nothing checks that its files stay the same");
+        Provenance::Unpinned {
+            dir: dir.to_path_buf(),
+            files,
+        }
+    };
     Ok(ResolvedModel {
         files: ModelFiles {
             config,
@@ -524,9 +555,6 @@ fn resolve_folder(
             weights,
         },
         spec,
-        provenance: Provenance::Unpinned {
-            dir: dir.to_path_buf(),
-            files,
-        },
+        provenance,
     })
 }

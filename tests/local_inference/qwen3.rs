@@ -369,3 +369,53 @@ fn cli_embeds_queries_and_reranks_with_qwen3_folders() {
         assert!((p - case.scores[i]).abs() <= 1e-4, "doc {i}");
     }
 }
+
+#[test]
+fn bench_runs_an_architecture_from_its_config_with_random_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("bench.json");
+    let dir = qwen3_dir("tiny-qwen3-reranker");
+    let out = run_cli(
+        &[
+            "bench",
+            "--model-dir",
+            dir.to_str().unwrap(),
+            "--random-weights",
+            "--device",
+            "cpu",
+            "--batch-sizes",
+            "1,4",
+            "--tokens",
+            "64",
+            "--seconds",
+            "0.05",
+            "--peak-tflops",
+            "1",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+        "",
+        &[("FANTOM_MODELS_LOCK", tmp.path().join("l").to_str().unwrap())],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("random weights"), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert!(
+        report["model"]
+            .as_str()
+            .unwrap()
+            .contains("random weights, benchmark only")
+    );
+    let rows = report["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        assert!(r["batches"].as_u64().unwrap() >= 3);
+        assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
+        assert!(r["peak_fraction"].as_f64().unwrap() > 0.0);
+    }
+    // FLOPs per token of the tiny config: 3 layers × (2·(64·(4+4)·32 + 4·32·64 + 3·64·160)
+    // + 2·4·32·64) = 3 × (2·(16384 + 8192 + 30720) + 16384) = 380,928.
+    let gflop = report["gflop_per_token"].as_f64().unwrap();
+    assert!((gflop - 380_928e-9).abs() < 1e-12, "{gflop}");
+}

@@ -320,6 +320,7 @@ pub struct BertEncoder {
     layers: Vec<Layer>,
     heads: usize,
     hidden: usize,
+    intermediate: usize,
     max_positions: usize,
     dtype: DType,
 }
@@ -361,6 +362,7 @@ impl BertEncoder {
             layers,
             heads: cfg.num_attention_heads,
             hidden: h,
+            intermediate: cfg.intermediate_size,
             max_positions: cfg.max_position_embeddings,
             dtype: vb.dtype(),
         })
@@ -372,6 +374,15 @@ impl BertEncoder {
 
     pub fn max_positions(&self) -> usize {
         self.max_positions
+    }
+
+    /// Projections and MLP (2·params) plus bidirectional attention over `seq_len`.
+    pub fn flops_per_token(&self, seq_len: usize) -> f64 {
+        let h = self.hidden as f64;
+        let inter = self.intermediate as f64;
+        let per_layer = 4.0 * h * h + 2.0 * h * inter;
+        let attention = 4.0 * h * seq_len as f64;
+        self.layers.len() as f64 * (2.0 * per_layer + attention)
     }
 
     /// Packed token states `[tokens, h]`.
@@ -435,6 +446,10 @@ impl BertEmbedder {
 }
 
 impl LocalModel for BertEmbedder {
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        self.encoder.flops_per_token(seq_len)
+    }
+
     fn run(&self, batch: &PreparedBatch) -> Result<ModelOutput> {
         let hidden = self.encoder.forward(batch)?;
         let pooled = pooling::pool(&hidden, batch, self.pooling)?;
@@ -474,6 +489,10 @@ impl BertCrossEncoder {
 }
 
 impl LocalModel for BertCrossEncoder {
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        self.encoder.flops_per_token(seq_len)
+    }
+
     fn run(&self, batch: &PreparedBatch) -> Result<ModelOutput> {
         let hidden = self.encoder.forward(batch)?;
         let cls = hidden.index_select(&batch.first_token, 0)?;

@@ -2,6 +2,7 @@
 
 pub mod bert;
 pub mod qwen3;
+pub mod random_weights;
 
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
@@ -26,6 +27,9 @@ pub trait LocalModel: Send {
     fn hidden_size(&self) -> usize;
     /// Longest sequence the position table allows.
     fn max_positions(&self) -> usize;
+    /// Forward FLOPs per token for rows of `seq_len` tokens (matmuls: 2 per multiply-add,
+    /// attention included), for throughput reports.
+    fn flops_per_token(&self, seq_len: usize) -> f64;
 }
 
 /// Loads the model `spec` describes from verified `files`; `token_id` looks up vocabulary ids
@@ -38,10 +42,19 @@ pub fn load(
     token_id: &dyn Fn(&str) -> Option<u32>,
 ) -> candle_core::Result<Box<dyn LocalModel>> {
     let config_text = std::fs::read_to_string(&files.config)?;
-    // SAFETY: the files were hashed against their pins just before this; memory-mapping them is
-    // how candle avoids a second copy of multi-gigabyte weights. Model files must not be
-    // rewritten while a process maps them (the cache and model dirs are ours).
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, device)? };
+    let vb = if files.weights.is_empty() {
+        // `--random-weights`: benchmarks of an architecture without its weights.
+        VarBuilder::from_backend(
+            Box::new(random_weights::RandomWeights),
+            dtype,
+            device.clone(),
+        )
+    } else {
+        // SAFETY: the files were hashed against their pins just before this; memory-mapping them
+        // is how candle avoids a second copy of multi-gigabyte weights. Model files must not be
+        // rewritten while a process maps them (the cache and model dirs are ours).
+        unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, device)? }
+    };
     let model: Box<dyn LocalModel> = match spec.architecture {
         Architecture::Bert => {
             let cfg: bert::BertConfig = serde_json::from_str(&config_text)

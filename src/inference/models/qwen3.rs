@@ -411,6 +411,18 @@ impl Qwen3Encoder {
     pub fn max_positions(&self) -> usize {
         self.cfg.max_position_embeddings
     }
+
+    /// Projections and MLP (2·params) plus causal attention (`QKᵀ` and `PV`, half the
+    /// full square on average).
+    pub fn flops_per_token(&self, seq_len: usize) -> f64 {
+        let c = &self.cfg;
+        let (h, d) = (c.hidden_size as f64, c.head_dim() as f64);
+        let (heads, kv) = (c.num_attention_heads as f64, c.num_key_value_heads as f64);
+        let per_layer =
+            h * (heads + 2.0 * kv) * d + heads * d * h + 3.0 * h * c.intermediate_size as f64;
+        let attention = 2.0 * heads * d * seq_len as f64;
+        c.num_hidden_layers as f64 * (2.0 * per_layer + attention)
+    }
 }
 
 /// Where the trunk lives: under `model.` (`Qwen3ForCausalLM` files) or at the root
@@ -439,6 +451,10 @@ impl Qwen3Embedder {
 }
 
 impl LocalModel for Qwen3Embedder {
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        self.encoder.flops_per_token(seq_len)
+    }
+
     fn run(&self, batch: &PreparedBatch) -> Result<ModelOutput> {
         let hidden = self.encoder.forward(batch)?;
         let pooled = pooling::pool(&hidden, batch, self.pooling)?;
@@ -494,6 +510,10 @@ impl Qwen3Reranker {
 }
 
 impl LocalModel for Qwen3Reranker {
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        self.encoder.flops_per_token(seq_len)
+    }
+
     fn run(&self, batch: &PreparedBatch) -> Result<ModelOutput> {
         let hidden = self.encoder.forward(batch)?;
         let last = hidden.index_select(&batch.last_token, 0)?;

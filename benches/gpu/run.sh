@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU check in one call, on the GPU machine. Builds nothing: it runs a binary built here with
+# `--features cuda` (docs/cuda-build.md) against the checkout's fixtures.
+#
+#   benches/gpu/run.sh [BINARY]          default BINARY: target/release/fantom-sidecar
+#
+# 1. correctness: the tiny Qwen3 embedder and reranker (tests/fixtures/qwen3) on the GPU in f32
+#    and bf16, compared with the CPU path of the same binary;
+# 2. throughput: the Qwen3-4B architecture with random weights (same FLOPs as the real model) at
+#    batch sizes 1, 32, 256 × 512 tokens, tokens/s and the fraction of the bf16 peak.
+# Full numbers go to $OUT (default /tmp/fantom-gpu); a short table is printed last.
+# Env: DEVICE (cuda:0), OUT, PEAK_TFLOPS (790, H200 bf16), SECONDS_PER_SIZE (5), DEVICE_CHECK_ONLY=1
+# to skip the throughput part. Needs python3 (for the comparison only) and the CUDA 13 libraries
+# (pip `nvidia-*` wheels or /usr/local/nvidia); never the build machine's libcuda stub.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BIN=${1:-target/release/fantom-sidecar}
+DEV=${DEVICE:-cuda:0}
+OUT=${OUT:-/tmp/fantom-gpu}
+PEAK=${PEAK_TFLOPS:-790}
+SECS=${SECONDS_PER_SIZE:-5}
+FX=tests/fixtures/qwen3
+mkdir -p "$OUT"
+
+# CUDA libraries from pip wheels, if python has them (the driver's libcuda comes from the system).
+if command -v python3 >/dev/null; then
+  NV=$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
+  if [ -n "$NV" ]; then
+    for d in $(find "$NV" -maxdepth 3 -type d -name lib); do LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; done
+  fi
+fi
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:/usr/local/nvidia/lib64:/usr/local/nvidia/lib"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt" || true
+
+python3 - "$FX" "$OUT" <<'PY'
+import json, sys
+fx, out = sys.argv[1], sys.argv[2]
+e = json.load(open(f"{fx}/embedding_reference.json"))
+open(f"{out}/docs.jsonl", "w").write("".join(json.dumps(t) + "\n" for t in e["documents"]))
+r = json.load(open(f"{fx}/reranker_reference.json"))["cases"][0]
+open(f"{out}/rerank-docs.jsonl", "w").write("".join(json.dumps(t) + "\n" for t in r["documents"]))
+open(f"{out}/rerank-query.txt", "w").write(r["query"])
+PY
+
+run_embed() { "$BIN" embed --log-format json --model-dir "$FX/tiny-qwen3-embedding" --device "$1" --dtype "$2" < "$OUT/docs.jsonl" > "$OUT/embed-$3.jsonl" 2>>"$OUT/log.jsonl"; }
+run_rerank() { "$BIN" rerank --log-format json --model-dir "$FX/tiny-qwen3-reranker" --max-tokens 160 --device "$1" --dtype "$2" --query "$(cat "$OUT/rerank-query.txt")" < "$OUT/rerank-docs.jsonl" > "$OUT/rerank-$3.jsonl" 2>>"$OUT/log.jsonl"; }
+run_embed cpu f32 cpu
+run_rerank cpu f32 cpu
+status=0
+for dt in f32 bf16; do
+  run_embed "$DEV" "$dt" "gpu-$dt" || { echo "embed on $DEV ($dt) failed; see $OUT/log.jsonl"; status=1; }
+  run_rerank "$DEV" "$dt" "gpu-$dt" || { echo "rerank on $DEV ($dt) failed; see $OUT/log.jsonl"; status=1; }
+done
+
+python3 - "$OUT" <<'PY' | tee "$OUT/correctness.txt"
+import json, math, sys, os
+out = sys.argv[1]
+def lines(p): return [json.loads(l) for l in open(p)] if os.path.exists(p) and os.path.getsize(p) else []
+def cos(a, b):
+    d = sum(x * y for x, y in zip(a, b)); return d / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+cpu_e, cpu_r = lines(f"{out}/embed-cpu.jsonl"), lines(f"{out}/rerank-cpu.jsonl")
+limits = {"f32": (0.9999, 1e-3), "bf16": (0.99, 0.05)}
+ok = True
+print(f"{'check':<28} {'value':>12} {'limit':>10}  verdict")
+for dt, (min_cos, max_dp) in limits.items():
+    ge, gr = lines(f"{out}/embed-gpu-{dt}.jsonl"), lines(f"{out}/rerank-gpu-{dt}.jsonl")
+    if len(ge) != len(cpu_e) or len(gr) != len(cpu_r):
+        print(f"{'GPU ' + dt:<28} {'no output':>12} {'':>10}  FAIL"); ok = False; continue
+    c = min(cos(a["embedding"], b["embedding"]) for a, b in zip(ge, cpu_e))
+    p = max(abs(a["probability"] - b["probability"]) for a, b in zip(gr, cpu_r))
+    for name, v, lim, good in [(f"embed min cosine ({dt})", c, min_cos, c >= min_cos),
+                               (f"rerank max |dp| ({dt})", p, max_dp, p <= max_dp)]:
+        print(f"{name:<28} {v:>12.6f} {lim:>10}  {'ok' if good else 'FAIL'}"); ok &= good
+sys.exit(0 if ok else 1)
+PY
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+if [ "${DEVICE_CHECK_ONLY:-0}" != 1 ]; then
+  CFG="$OUT/qwen3-4b"
+  mkdir -p "$CFG"
+  cp benches/gpu/qwen3-4b.config.json "$CFG/config.json"
+  cp "$FX/tokenizer.json" "$CFG/tokenizer.json"   # ids are random; any tokenizer will do
+  "$BIN" bench --log-format json --model-dir "$CFG" --random-weights --device "$DEV" \
+    --batch-sizes 1,32,256 --tokens 512 --seconds "$SECS" --peak-tflops "$PEAK" \
+    --json "$OUT/throughput.json" > "$OUT/throughput.txt" 2>>"$OUT/log.jsonl" || { echo "throughput run failed; see $OUT/log.jsonl"; status=1; }
+fi
+
+echo
+echo "== GPU check ($DEV) =="
+cat "$OUT/correctness.txt"
+[ -f "$OUT/throughput.txt" ] && cat "$OUT/throughput.txt"
+echo "full results: $OUT"
+exit $status
