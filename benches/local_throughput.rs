@@ -1,5 +1,7 @@
 //! CPU throughput of the local engine: all-MiniLM-L6-v2 on `benches/texts.jsonl` (512 texts of
-//! a code-search mix), at batch sizes 1, 8, 32 and 128, side by side with sentence-transformers.
+//! a code-search mix), at batch sizes 1, 8, 32 and 128, side by side with sentence-transformers;
+//! and the Qwen3 path on the tiny fixture model (CI-sized: it tracks the Qwen3 code's CPU cost,
+//! not a real model's; the 4B architecture is measured on a GPU by `benches/gpu/run.sh`).
 //!
 //! `cargo bench --bench local_throughput` measures with criterion (one iteration = one pass over
 //! all texts through `Engine::embed`), then prints texts/s and tokens/s per batch size and, when
@@ -54,15 +56,19 @@ fn texts() -> Vec<String> {
 }
 
 fn engine(rt: &tokio::runtime::Runtime, rows: usize) -> Engine {
+    let selector = ModelSelector::Pinned {
+        id: "all-minilm-l6-v2".into(),
+        dir: Some(minilm_dir()),
+    };
+    engine_for(rt, selector, rows)
+}
+
+fn engine_for(rt: &tokio::runtime::Runtime, selector: ModelSelector, rows: usize) -> Engine {
     let tmp = std::env::temp_dir().join("fantom-bench");
     let opts = SourceOptions {
         registry: ManifestRegistry::built_in(),
         lock_path: tmp.join("models.lock"),
         hub: HubOptions::from_env(),
-    };
-    let selector = ModelSelector::Pinned {
-        id: "all-minilm-l6-v2".into(),
-        dir: Some(minilm_dir()),
     };
     let resolved = rt
         .block_on(model_source::resolve(
@@ -110,6 +116,19 @@ fn bench(c: &mut Criterion, rt: &tokio::runtime::Runtime, texts: &[String]) {
             })
         });
     }
+    group.finish();
+
+    let mut group = c.benchmark_group("qwen3_tiny");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(texts.len() as u64));
+    let dir = root().join("tests/fixtures/qwen3/tiny-qwen3-embedding");
+    let qwen3 = engine_for(rt, ModelSelector::Folder(dir), 32);
+    group.bench_function("batch_32", |b| {
+        b.iter(|| {
+            rt.block_on(qwen3.embed(texts.to_vec(), EmbedOptions::default()))
+                .expect("embeds")
+        })
+    });
     group.finish();
 }
 
