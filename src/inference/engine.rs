@@ -254,15 +254,15 @@ impl Engine {
                         }
                     };
                     // FLOPs per token as a line in the sequence length: f(s) = a + b·s.
-                    let a = model.flops_per_token(0);
-                    let b = model.flops_per_token(1) - a;
+                    let a = model.encoder.flops_per_token(0);
+                    let b = model.encoder.flops_per_token(1) - a;
                     let _ = ready_tx.send(Ok((
-                        model.hidden_size(),
-                        model.max_positions(),
+                        model.encoder.hidden_size(),
+                        model.encoder.max_positions(),
                         t0.elapsed(),
                         (a, b),
                     )));
-                    model_loop(model.as_ref(), job_rx, &stats);
+                    model_loop(&model, job_rx, &stats);
                 })
                 .map_err(|e| EngineError::Load(format!("cannot spawn the model thread: {e}")))?;
         }
@@ -386,15 +386,7 @@ impl Engine {
             .collect();
         let tokenizer = self.inner.tokenizer.clone();
         let inputs = run_blocking(move || tokenizer.encode_texts(texts)).await?;
-        let normalize = self.inner.spec.normalize;
-        self.submit(inputs)
-            .await?
-            .into_iter()
-            .map(|row| match row {
-                RowOutput::Vector(v) => Ok(pooling::finish(v, opts.dimensions, normalize)),
-                RowOutput::Score(_) => Err(InferenceError::Model("expected a vector".into())),
-            })
-            .collect()
+        self.vectors(inputs, opts.dimensions).await
     }
 
     /// Embeds inputs that are already token ids (benchmarks; no template, no tokenizer).
@@ -416,12 +408,21 @@ impl Engine {
                 return Err(InferenceError::TooLong { index, max });
             }
         }
+        self.vectors(inputs, opts.dimensions).await
+    }
+
+    /// Runs tokenized inputs and finishes each vector (truncation, normalisation).
+    async fn vectors(
+        &self,
+        inputs: Vec<TokenizedInput>,
+        dimensions: Option<usize>,
+    ) -> Result<Vec<Vec<f32>>, InferenceError> {
         let normalize = self.inner.spec.normalize;
         self.submit(inputs)
             .await?
             .into_iter()
             .map(|row| match row {
-                RowOutput::Vector(v) => Ok(pooling::finish(v, opts.dimensions, normalize)),
+                RowOutput::Vector(v) => Ok(pooling::finish(v, dimensions, normalize)),
                 RowOutput::Score(_) => Err(InferenceError::Model("expected a vector".into())),
             })
             .collect()
@@ -573,7 +574,7 @@ fn batcher_loop(
     }
 }
 
-fn model_loop(model: &dyn models::LocalModel, jobs: mpsc::Receiver<Job>, stats: &EngineStats) {
+fn model_loop(model: &models::LoadedModel, jobs: mpsc::Receiver<Job>, stats: &EngineStats) {
     while let Ok(Job { batch, replies }) = jobs.recv() {
         let t0 = Instant::now();
         let result = model.run(&batch);

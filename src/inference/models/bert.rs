@@ -19,11 +19,9 @@ use candle_core::{D, DType, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 use serde::Deserialize;
 
-use super::{LocalModel, ModelOutput};
+use super::{Encoder, Head, ModelOutput};
 use crate::inference::batch::{PaddedLayout, PreparedBatch};
 use crate::inference::cpu_ops::{BiasGelu, BiasResidualLayerNorm, PackedAttention, host_vec};
-use crate::inference::pooling;
-use crate::model_spec::Pooling;
 
 /// The fields of a BERT `config.json` the encoder reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -367,17 +365,19 @@ impl BertEncoder {
             dtype: vb.dtype(),
         })
     }
+}
 
-    pub fn hidden_size(&self) -> usize {
+impl Encoder for BertEncoder {
+    fn hidden_size(&self) -> usize {
         self.hidden
     }
 
-    pub fn max_positions(&self) -> usize {
+    fn max_positions(&self) -> usize {
         self.max_positions
     }
 
     /// Projections and MLP (2·params) plus bidirectional attention over `seq_len`.
-    pub fn flops_per_token(&self, seq_len: usize) -> f64 {
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
         let h = self.hidden as f64;
         let inter = self.intermediate as f64;
         let per_layer = 4.0 * h * h + 2.0 * h * inter;
@@ -386,7 +386,7 @@ impl BertEncoder {
     }
 
     /// Packed token states `[tokens, h]`.
-    pub fn forward(&self, batch: &PreparedBatch) -> Result<Tensor> {
+    fn forward(&self, batch: &PreparedBatch) -> Result<Tensor> {
         let longest = batch.lengths.iter().copied().max().unwrap_or(0);
         if longest > self.max_positions {
             candle_core::bail!(
@@ -422,7 +422,7 @@ impl BertEncoder {
 
 /// Finds where the trunk's tensors live: at the root (`BertModel` files) or under `bert.`
 /// (`BertFor*` files).
-fn trunk<'a>(vb: &VarBuilder<'a>) -> VarBuilder<'a> {
+pub fn trunk<'a>(vb: &VarBuilder<'a>) -> VarBuilder<'a> {
     if vb.contains_tensor("bert.embeddings.word_embeddings.weight") {
         vb.pp("bert")
     } else {
@@ -430,82 +430,29 @@ fn trunk<'a>(vb: &VarBuilder<'a>) -> VarBuilder<'a> {
     }
 }
 
-/// A BERT sentence embedder: trunk + pooling.
-pub struct BertEmbedder {
-    encoder: BertEncoder,
-    pooling: Pooling,
-}
-
-impl BertEmbedder {
-    pub fn load(vb: VarBuilder, cfg: &BertConfig, pooling: Pooling) -> Result<Self> {
-        Ok(Self {
-            encoder: BertEncoder::load(trunk(&vb), cfg)?,
-            pooling,
-        })
-    }
-}
-
-impl LocalModel for BertEmbedder {
-    fn flops_per_token(&self, seq_len: usize) -> f64 {
-        self.encoder.flops_per_token(seq_len)
-    }
-
-    fn run(&self, batch: &PreparedBatch) -> Result<ModelOutput> {
-        let hidden = self.encoder.forward(batch)?;
-        let pooled = pooling::pool(&hidden, batch, self.pooling)?;
-        Ok(ModelOutput::Vectors(
-            pooled.to_dtype(DType::F32)?.to_vec2()?,
-        ))
-    }
-
-    fn hidden_size(&self) -> usize {
-        self.encoder.hidden_size()
-    }
-
-    fn max_positions(&self) -> usize {
-        self.encoder.max_positions()
-    }
-}
-
-/// A BERT cross-encoder: trunk, pooler (`tanh(W·[CLS] + b)`) and a one-logit classifier.
-pub struct BertCrossEncoder {
-    encoder: BertEncoder,
+/// The head of `BertForSequenceClassification`: pooler (`tanh(W·[CLS] + b)`) and a one-logit
+/// classifier.
+pub struct ClassifierHead {
     pooler: Dense,
     classifier: Dense,
 }
 
-impl BertCrossEncoder {
-    pub fn load(vb: VarBuilder, cfg: &BertConfig) -> Result<Self> {
-        let trunk_vb = trunk(&vb);
+impl ClassifierHead {
+    /// `vb` is the checkpoint root (the pooler sits in the trunk, the classifier beside it).
+    pub fn load(vb: &VarBuilder, cfg: &BertConfig) -> Result<Self> {
         let h = cfg.hidden_size;
-        let pooler = Dense::load(&trunk_vb.pp("pooler").pp("dense"), h, h)?;
-        let classifier = Dense::load(&vb.pp("classifier"), h, 1)?;
         Ok(Self {
-            encoder: BertEncoder::load(trunk_vb, cfg)?,
-            pooler,
-            classifier,
+            pooler: Dense::load(&trunk(vb).pp("pooler").pp("dense"), h, h)?,
+            classifier: Dense::load(&vb.pp("classifier"), h, 1)?,
         })
     }
 }
 
-impl LocalModel for BertCrossEncoder {
-    fn flops_per_token(&self, seq_len: usize) -> f64 {
-        self.encoder.flops_per_token(seq_len)
-    }
-
-    fn run(&self, batch: &PreparedBatch) -> Result<ModelOutput> {
-        let hidden = self.encoder.forward(batch)?;
+impl Head for ClassifierHead {
+    fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> Result<ModelOutput> {
         let cls = hidden.index_select(&batch.first_token, 0)?;
         let pooled = self.pooler.forward(&cls)?.tanh()?;
         let logits = self.classifier.forward(&pooled)?.squeeze(D::Minus1)?;
         Ok(ModelOutput::Scores(logits.to_dtype(DType::F32)?.to_vec1()?))
-    }
-
-    fn hidden_size(&self) -> usize {
-        self.encoder.hidden_size()
-    }
-
-    fn max_positions(&self) -> usize {
-        self.encoder.max_positions()
     }
 }

@@ -1,15 +1,18 @@
-//! Model code, one file per architecture, behind one trait the model thread drives.
+//! Model code, one file per architecture. A loaded model is a trunk ([`Encoder`]: ids in, packed
+//! token states out) and a [`Head`] (pooling for embedders; a classifier or the yes/no direction
+//! for rerankers); the model thread drives the pair.
 
 pub mod bert;
 pub mod qwen3;
 pub mod random_weights;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 use super::batch::PreparedBatch;
+use super::pooling;
 use crate::model_source::ModelFiles;
-use crate::model_spec::{Architecture, ModelSpec, Task};
+use crate::model_spec::{Architecture, ModelSpec, Pooling, Task};
 
 /// What one batch produced, one element per row.
 #[derive(Debug)]
@@ -20,16 +23,45 @@ pub enum ModelOutput {
     Scores(Vec<f32>),
 }
 
-/// A loaded model. Owned by exactly one thread, which calls `run` for one batch at a time.
-pub trait LocalModel: Send {
-    fn run(&self, batch: &PreparedBatch) -> candle_core::Result<ModelOutput>;
-    /// Width of the token states (the embedder's full output width).
+/// A trunk: token ids in, packed final token states `[tokens, h]` out.
+pub trait Encoder: Send {
+    fn forward(&self, batch: &PreparedBatch) -> candle_core::Result<Tensor>;
+    /// Width of the token states.
     fn hidden_size(&self) -> usize;
     /// Longest sequence the position table allows.
     fn max_positions(&self) -> usize;
     /// Forward FLOPs per token for rows of `seq_len` tokens (matmuls: 2 per multiply-add,
     /// attention included), for throughput reports.
     fn flops_per_token(&self, seq_len: usize) -> f64;
+}
+
+/// What turns token states into one output per row.
+pub trait Head: Send {
+    fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> candle_core::Result<ModelOutput>;
+}
+
+/// Embedders: pooled token states.
+pub struct PooledHead(pub Pooling);
+
+impl Head for PooledHead {
+    fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> candle_core::Result<ModelOutput> {
+        let pooled = pooling::pool(hidden, batch, self.0)?;
+        Ok(ModelOutput::Vectors(
+            pooled.to_dtype(DType::F32)?.to_vec2()?,
+        ))
+    }
+}
+
+/// A loaded model: trunk and head. Owned by exactly one thread, which runs one batch at a time.
+pub struct LoadedModel {
+    pub encoder: Box<dyn Encoder>,
+    pub head: Box<dyn Head>,
+}
+
+impl LoadedModel {
+    pub fn run(&self, batch: &PreparedBatch) -> candle_core::Result<ModelOutput> {
+        self.head.apply(&self.encoder.forward(batch)?, batch)
+    }
 }
 
 /// Loads the model `spec` describes from verified `files`; `token_id` looks up vocabulary ids
@@ -40,7 +72,7 @@ pub fn load(
     device: &Device,
     dtype: DType,
     token_id: &dyn Fn(&str) -> Option<u32>,
-) -> candle_core::Result<Box<dyn LocalModel>> {
+) -> candle_core::Result<LoadedModel> {
     let config_text = std::fs::read_to_string(&files.config)?;
     let vb = if files.weights.is_empty() {
         // `--random-weights`: benchmarks of an architecture without its weights.
@@ -55,20 +87,29 @@ pub fn load(
         // rewritten while a process maps them (the cache and model dirs are ours).
         unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, device)? }
     };
-    let model: Box<dyn LocalModel> = match spec.architecture {
+    let model = match spec.architecture {
         Architecture::Bert => {
             let cfg: bert::BertConfig = serde_json::from_str(&config_text)
                 .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
             match spec.task {
-                Task::Embed => Box::new(bert::BertEmbedder::load(vb, &cfg, spec.pooling)?),
-                Task::Rerank => Box::new(bert::BertCrossEncoder::load(vb, &cfg)?),
+                Task::Embed => LoadedModel {
+                    encoder: Box::new(bert::BertEncoder::load(bert::trunk(&vb), &cfg)?),
+                    head: Box::new(PooledHead(spec.pooling)),
+                },
+                Task::Rerank => LoadedModel {
+                    encoder: Box::new(bert::BertEncoder::load(bert::trunk(&vb), &cfg)?),
+                    head: Box::new(bert::ClassifierHead::load(&vb, &cfg)?),
+                },
             }
         }
         Architecture::Qwen3 => {
             let cfg: qwen3::Qwen3Config = serde_json::from_str(&config_text)
                 .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
             match spec.task {
-                Task::Embed => Box::new(qwen3::Qwen3Embedder::load(vb, &cfg, spec.pooling)?),
+                Task::Embed => LoadedModel {
+                    encoder: Box::new(qwen3::Qwen3Encoder::load(qwen3::trunk(&vb), &cfg)?),
+                    head: Box::new(PooledHead(spec.pooling)),
+                },
                 Task::Rerank => {
                     let id = |t: &str| {
                         token_id(t).ok_or_else(|| {
@@ -77,7 +118,10 @@ pub fn load(
                             ))
                         })
                     };
-                    Box::new(qwen3::Qwen3Reranker::load(vb, &cfg, id("yes")?, id("no")?)?)
+                    LoadedModel {
+                        encoder: Box::new(qwen3::Qwen3Encoder::load(qwen3::trunk(&vb), &cfg)?),
+                        head: Box::new(qwen3::YesNoHead::load(&vb, &cfg, id("yes")?, id("no")?)?),
+                    }
                 }
             }
         }

@@ -20,11 +20,9 @@ use candle_core::{D, DType, Device, IndexOp, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 use serde::Deserialize;
 
-use super::{LocalModel, ModelOutput};
+use super::{Encoder, Head, ModelOutput};
 use crate::inference::batch::{PaddedLayout, PreparedBatch};
 use crate::inference::cpu_ops::PackedAttention;
-use crate::inference::pooling;
-use crate::model_spec::Pooling;
 
 /// Qwen3-Reranker's frozen chat template, before the body (the Hugging Face model card's).
 pub const RERANK_PREFIX: &str = "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n";
@@ -357,9 +355,11 @@ impl Qwen3Encoder {
             dtype: vb.dtype(),
         })
     }
+}
 
+impl Encoder for Qwen3Encoder {
     /// Final-normed packed token states `[tokens, h]`.
-    pub fn forward(&self, batch: &PreparedBatch) -> Result<Tensor> {
+    fn forward(&self, batch: &PreparedBatch) -> Result<Tensor> {
         let longest = batch.lengths.iter().copied().max().unwrap_or(0);
         if longest > self.cfg.max_position_embeddings {
             candle_core::bail!(
@@ -404,17 +404,17 @@ impl Qwen3Encoder {
         self.norm.forward(&x)
     }
 
-    pub fn hidden_size(&self) -> usize {
+    fn hidden_size(&self) -> usize {
         self.cfg.hidden_size
     }
 
-    pub fn max_positions(&self) -> usize {
+    fn max_positions(&self) -> usize {
         self.cfg.max_position_embeddings
     }
 
     /// Projections and MLP (2·params) plus causal attention (`QKᵀ` and `PV`, half the
     /// full square on average).
-    pub fn flops_per_token(&self, seq_len: usize) -> f64 {
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
         let c = &self.cfg;
         let (h, d) = (c.hidden_size as f64, c.head_dim() as f64);
         let (heads, kv) = (c.num_attention_heads as f64, c.num_key_value_heads as f64);
@@ -427,7 +427,7 @@ impl Qwen3Encoder {
 
 /// Where the trunk lives: under `model.` (`Qwen3ForCausalLM` files) or at the root
 /// (`Qwen3Model` files).
-fn trunk<'a>(vb: &VarBuilder<'a>) -> VarBuilder<'a> {
+pub fn trunk<'a>(vb: &VarBuilder<'a>) -> VarBuilder<'a> {
     if vb.contains_tensor("model.embed_tokens.weight") {
         vb.pp("model")
     } else {
@@ -435,58 +435,21 @@ fn trunk<'a>(vb: &VarBuilder<'a>) -> VarBuilder<'a> {
     }
 }
 
-/// Qwen3-Embedding: trunk + pooling (last token by default).
-pub struct Qwen3Embedder {
-    encoder: Qwen3Encoder,
-    pooling: Pooling,
-}
-
-impl Qwen3Embedder {
-    pub fn load(vb: VarBuilder, cfg: &Qwen3Config, pooling: Pooling) -> Result<Self> {
-        Ok(Self {
-            encoder: Qwen3Encoder::load(trunk(&vb), cfg)?,
-            pooling,
-        })
-    }
-}
-
-impl LocalModel for Qwen3Embedder {
-    fn flops_per_token(&self, seq_len: usize) -> f64 {
-        self.encoder.flops_per_token(seq_len)
-    }
-
-    fn run(&self, batch: &PreparedBatch) -> Result<ModelOutput> {
-        let hidden = self.encoder.forward(batch)?;
-        let pooled = pooling::pool(&hidden, batch, self.pooling)?;
-        Ok(ModelOutput::Vectors(
-            pooled.to_dtype(DType::F32)?.to_vec2()?,
-        ))
-    }
-
-    fn hidden_size(&self) -> usize {
-        self.encoder.hidden_size()
-    }
-
-    fn max_positions(&self) -> usize {
-        self.encoder.max_positions()
-    }
-}
-
-/// Qwen3-Reranker: trunk + the `yes − no` direction of the LM head.
-pub struct Qwen3Reranker {
-    encoder: Qwen3Encoder,
+/// Qwen3-Reranker's head: the `yes − no` direction of the LM head, dotted with the last token's
+/// state. Only two rows of the head are read; the 151k-row vocabulary matmul never runs.
+pub struct YesNoHead {
     /// `W_lm[yes] − W_lm[no]`, `[h, 1]`.
     direction: Tensor,
 }
 
-impl Qwen3Reranker {
-    /// `yes`/`no`: the token ids the tokenizer gives the two answers.
-    pub fn load(vb: VarBuilder, cfg: &Qwen3Config, yes: u32, no: u32) -> Result<Self> {
+impl YesNoHead {
+    /// `vb` is the checkpoint root; `yes`/`no` are the tokenizer's ids for the two answers.
+    pub fn load(vb: &VarBuilder, cfg: &Qwen3Config, yes: u32, no: u32) -> Result<Self> {
         let h = cfg.hidden_size;
         let head = if vb.contains_tensor("lm_head.weight") {
             vb.pp("lm_head").get((cfg.vocab_size, h), "weight")?
         } else if cfg.tie_word_embeddings {
-            trunk(&vb)
+            trunk(vb)
                 .pp("embed_tokens")
                 .get((cfg.vocab_size, h), "weight")?
         } else {
@@ -497,38 +460,22 @@ impl Qwen3Reranker {
                 candle_core::bail!("token id {id} is outside the vocabulary");
             }
         }
-        // Only two rows of the head are ever read; the difference is computed in f32.
-        let rows = |id: u32| head.i(id as usize)?.to_dtype(DType::F32);
-        let direction = (rows(yes)? - rows(no)?)?
+        // The difference is taken in f32, then stored in the model's dtype.
+        let row = |id: u32| head.i(id as usize)?.to_dtype(DType::F32);
+        let direction = (row(yes)? - row(no)?)?
             .to_dtype(vb.dtype())?
             .reshape((h, 1))?;
-        Ok(Self {
-            encoder: Qwen3Encoder::load(trunk(&vb), cfg)?,
-            direction,
-        })
+        Ok(Self { direction })
     }
 }
 
-impl LocalModel for Qwen3Reranker {
-    fn flops_per_token(&self, seq_len: usize) -> f64 {
-        self.encoder.flops_per_token(seq_len)
-    }
-
-    fn run(&self, batch: &PreparedBatch) -> Result<ModelOutput> {
-        let hidden = self.encoder.forward(batch)?;
+impl Head for YesNoHead {
+    fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> Result<ModelOutput> {
         let last = hidden.index_select(&batch.last_token, 0)?;
         let logits = last
             .matmul(&self.direction)?
             .squeeze(D::Minus1)?
             .to_dtype(DType::F32)?;
         Ok(ModelOutput::Scores(logits.to_vec1()?))
-    }
-
-    fn hidden_size(&self) -> usize {
-        self.encoder.hidden_size()
-    }
-
-    fn max_positions(&self) -> usize {
-        self.encoder.max_positions()
     }
 }
