@@ -207,6 +207,9 @@ impl InplaceOp2 for BiasResidualLayerNorm {
 pub struct PackedAttention {
     /// Length of each packed row (sequence), in order.
     pub lengths: Vec<usize>,
+    /// For each row, the row whose tokens are its shared prefix (causal models only): their
+    /// keys come before the row's own, all visible. Empty means no prefixes.
+    pub prefix_of: Vec<Option<usize>>,
     pub q_heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
@@ -267,57 +270,67 @@ struct AttentionScratch {
 
 simd_kernel! {
     /// One head of one packed row: tokens `start..start + len`, output `out` (contiguous,
-    /// `len × head_dim`). `S = scale · Q Kᵀ` and `O = softmax(S) V` are single-threaded gemm calls
-    /// straight on the strided Q, K, V views (no copies); the softmax between them is vectorised.
+    /// `len × head_dim`). The row's keys are those of its shared `prefix` (a packed token
+    /// range, all visible) followed by its own. `S = scale · Q Kᵀ` and `O = softmax(S) V` are
+    /// single-threaded gemm calls straight on the strided Q, K, V views (no copies), one per key
+    /// block; the softmax between them is vectorised.
     fn attention_row(
         op: &PackedAttention,
         x: &AttentionViews,
         head: usize,
-        start: usize,
-        len: usize,
+        row: (usize, usize),
+        prefix: Option<(usize, usize)>,
         scratch: &mut AttentionScratch,
         out: &mut [f32],
     ) {
+        let (start, len) = row;
         let d = op.head_dim;
         let kv = (head / (op.q_heads / op.kv_heads)) * d;
+        let (p_start, p_len) = prefix.unwrap_or((0, 0));
         let q0 = start * x.q_stride + head * d;
-        let k0 = start * x.k_stride + kv;
-        let v0 = start * x.v_stride + kv;
         let mut first = 0;
         while first < len {
             let rows = QUERY_BLOCK.min(len - first);
-            // Causal rows see keys 0..=i; the block's last row sees the most.
-            let keys = if op.causal { first + rows } else { len };
-            let s = &mut scratch.scores[..rows * keys];
-            // SAFETY: `rows_view` checked that every row of Q, K and V (row stride, `width` columns)
-            // lies inside its slice; this head's `d` columns start at `head · d` / `kv` < width.
-            // `s` holds rows × keys and `out` holds len × d floats.
-            unsafe {
-                gemm::gemm(
-                    rows,
-                    keys,
-                    d,
-                    s.as_mut_ptr(),
-                    1,
-                    keys as isize,
-                    false,
-                    x.q.as_ptr().add(q0 + first * x.q_stride),
-                    1,
-                    x.q_stride as isize,
-                    x.k.as_ptr().add(k0),
-                    x.k_stride as isize,
-                    1,
-                    0.0,
-                    op.scale,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
+            // Causal rows see their own keys 0..=i; the block's last row sees the most.
+            let own = if op.causal { first + rows } else { len };
+            let width = p_len + own;
+            let s = &mut scratch.scores[..rows * width];
+            // Key blocks: (first key token, keys, first score column).
+            let blocks = [(p_start, p_len, 0), (start, own, p_len)];
+            for &(k_start, keys, col) in &blocks {
+                if keys == 0 {
+                    continue;
+                }
+                // SAFETY: `rows_view` checked that every row of Q, K and V (row stride, `width`
+                // columns) lies inside its slice; this head's `d` columns start at `head · d` /
+                // `kv` < width; key rows are tokens of this batch. `s` holds rows × width.
+                unsafe {
+                    gemm::gemm(
+                        rows,
+                        keys,
+                        d,
+                        s.as_mut_ptr().add(col),
+                        1,
+                        width as isize,
+                        false,
+                        x.q.as_ptr().add(q0 + first * x.q_stride),
+                        1,
+                        x.q_stride as isize,
+                        x.k.as_ptr().add(k_start * x.k_stride + kv),
+                        x.k_stride as isize,
+                        1,
+                        0.0,
+                        op.scale,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
             }
-            for (r, row) in s.chunks_exact_mut(keys).enumerate() {
-                let visible = if op.causal { first + r + 1 } else { keys };
-                let (seen, hidden) = row.split_at_mut(visible);
+            for (r, scores) in s.chunks_exact_mut(width).enumerate() {
+                let visible = p_len + if op.causal { first + r + 1 } else { own };
+                let (seen, hidden) = scores.split_at_mut(visible);
                 let max = lanes_max(seen);
                 for w in seen.iter_mut() {
                     *w = exp_f32(*w - max);
@@ -328,29 +341,36 @@ simd_kernel! {
                 }
                 hidden.fill(0.0);
             }
-            // SAFETY: as above; the destination is rows × d inside `out`.
-            unsafe {
-                gemm::gemm(
-                    rows,
-                    d,
-                    keys,
-                    out.as_mut_ptr().add(first * d),
-                    1,
-                    d as isize,
-                    false,
-                    s.as_ptr(),
-                    1,
-                    keys as isize,
-                    x.v.as_ptr().add(v0),
-                    1,
-                    x.v_stride as isize,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
+            let mut accumulate = false;
+            for &(v_start, keys, col) in &blocks {
+                if keys == 0 {
+                    continue;
+                }
+                // SAFETY: as above; the destination is rows × d inside `out`.
+                unsafe {
+                    gemm::gemm(
+                        rows,
+                        d,
+                        keys,
+                        out.as_mut_ptr().add(first * d),
+                        1,
+                        d as isize,
+                        accumulate,
+                        s.as_ptr().add(col),
+                        1,
+                        width as isize,
+                        x.v.as_ptr().add(v_start * x.v_stride + kv),
+                        1,
+                        x.v_stride as isize,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                accumulate = true;
             }
             first += rows;
         }
@@ -409,20 +429,34 @@ impl CustomOp3 for PackedAttention {
         {
             bail!("packed attention: row lengths do not add up to the token count");
         }
-        let longest = self.lengths.iter().copied().max().unwrap_or(0);
         let width = self.q_heads * d;
         // One task per (head, packed row), writing head-major `[head][token][d]` so every task
         // owns a contiguous slice; a batch of one long row still keeps every core busy.
         let mut head_major = vec![0f32; tokens * width];
+        let mut starts = Vec::with_capacity(self.lengths.len());
+        let mut acc = 0;
+        for &len in &self.lengths {
+            starts.push(acc);
+            acc += len;
+        }
+        let prefix = |row: usize| -> Option<(usize, usize)> {
+            self.prefix_of
+                .get(row)
+                .copied()
+                .flatten()
+                .map(|p| (starts[p], self.lengths[p]))
+        };
+        let widest = (0..self.lengths.len())
+            .map(|r| prefix(r).map_or(0, |p| p.1) + self.lengths[r])
+            .max()
+            .unwrap_or(0);
         let mut tasks = Vec::with_capacity(self.q_heads * self.lengths.len());
         let mut rest: &mut [f32] = &mut head_major;
         for head in 0..self.q_heads {
-            let mut start = 0;
-            for &len in &self.lengths {
+            for (row, &len) in self.lengths.iter().enumerate() {
                 let (mine, tail) = rest.split_at_mut(len * d);
-                tasks.push((head, start, len, mine));
+                tasks.push((head, (starts[row], len), prefix(row), mine));
                 rest = tail;
-                start += len;
             }
         }
         let views = AttentionViews {
@@ -435,10 +469,10 @@ impl CustomOp3 for PackedAttention {
         };
         tasks.into_par_iter().for_each_init(
             || AttentionScratch {
-                scores: vec![0f32; QUERY_BLOCK * longest],
+                scores: vec![0f32; QUERY_BLOCK * widest],
             },
-            |scratch, (head, start, len, out)| {
-                attention_row(self, &views, head, start, len, scratch, out)
+            |scratch, (head, row, prefix, out)| {
+                attention_row(self, &views, head, row, prefix, scratch, out)
             },
         );
         // Back to token-major `[token][head × d]`.
@@ -536,6 +570,7 @@ mod tests {
             let v = fused.narrow(1, (hq + hk) * d, hk * d)?;
             let op = PackedAttention {
                 lengths: lengths.clone(),
+                prefix_of: Vec::new(),
                 q_heads: hq,
                 kv_heads: hk,
                 head_dim: d,
@@ -556,6 +591,60 @@ mod tests {
                     (a - b).abs() < 1e-5,
                     "{a} vs {b} (hq {hq}, hk {hk}, causal {causal})"
                 );
+            }
+        }
+        Ok(())
+    }
+
+    /// A row continuing a shared prefix attends exactly as the whole sequence would (causal).
+    #[test]
+    fn shared_prefix_equals_the_whole_row() -> Result<()> {
+        let dev = Device::Cpu;
+        let (hq, hk, d) = (4, 2, 8);
+        let (p, a, b) = (5, 3, 4); // prefix, tail A, tail B
+        // Packed: tail A, tail B, prefix (the batch layout). Whole rows for the reference.
+        let width = (hq + 2 * hk) * d;
+        let pre = sample(p, width, 21);
+        let ta = sample(a, width, 22);
+        let tb = sample(b, width, 23);
+        let packed: Vec<f32> = [ta.clone(), tb.clone(), pre.clone()].concat();
+        let fused = Tensor::from_vec(packed, (a + b + p, width), &dev)?;
+        let split = |t: &Tensor| -> Result<(Tensor, Tensor, Tensor)> {
+            Ok((
+                t.narrow(1, 0, hq * d)?,
+                t.narrow(1, hq * d, hk * d)?,
+                t.narrow(1, (hq + hk) * d, hk * d)?,
+            ))
+        };
+        let (q, k, v) = split(&fused)?;
+        let op = PackedAttention {
+            lengths: vec![a, b, p],
+            prefix_of: vec![Some(2), Some(2), None],
+            q_heads: hq,
+            kv_heads: hk,
+            head_dim: d,
+            scale: 0.3,
+            causal: true,
+        };
+        let got = q.apply_op3_no_bwd(&k, &v, &op)?.to_vec2::<f32>()?;
+        for (tail, offset) in [(&ta, 0), (&tb, a)] {
+            let n = p + tail.len() / width;
+            let whole = Tensor::from_vec([pre.clone(), tail.clone()].concat(), (n, width), &dev)?;
+            let (q, k, v) = split(&whole)?;
+            let op = PackedAttention {
+                lengths: vec![n],
+                prefix_of: Vec::new(),
+                q_heads: hq,
+                kv_heads: hk,
+                head_dim: d,
+                scale: 0.3,
+                causal: true,
+            };
+            let want = q.apply_op3_no_bwd(&k, &v, &op)?.to_vec2::<f32>()?;
+            for i in 0..n - p {
+                for (x, y) in got[offset + i].iter().zip(&want[p + i]) {
+                    assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+                }
             }
         }
         Ok(())

@@ -20,7 +20,7 @@ use candle_core::Device;
 use serde::Serialize;
 use tokio::sync::oneshot;
 
-use super::batch::{AttentionMode, PreparedBatch};
+use super::batch::{AttentionMode, PreparedBatch, RowInput};
 use super::batcher::{BatchBudget, BatchQueue};
 use super::device::{self, DTypeSpec, DeviceError, DeviceSpec};
 use super::models::qwen3;
@@ -175,6 +175,8 @@ type Reply = oneshot::Sender<Result<RowOutput, InferenceError>>;
 
 struct Entry {
     input: TokenizedInput,
+    /// The shared prefix this input continues (its `input` is then only the tail).
+    prefix: Option<Arc<Vec<u32>>>,
     reply: Reply,
 }
 
@@ -467,7 +469,12 @@ impl Engine {
             }
         };
         let sigmoid = self.inner.spec.score == ScoreActivation::Sigmoid;
-        self.submit(inputs)
+        let (inputs, prefix) = match self.inner.rerank_inputs {
+            // Causal models: rows that start with the same tokens have the same states there.
+            RerankInputs::ChatTemplate { .. } => split_shared_prefix(inputs),
+            RerankInputs::Pairs => (inputs, None),
+        };
+        self.submit_shared(inputs, prefix)
             .await?
             .into_iter()
             .map(|row| match row {
@@ -491,12 +498,25 @@ impl Engine {
 
     /// Queues tokenized inputs and waits for every row.
     async fn submit(&self, inputs: Vec<TokenizedInput>) -> Result<Vec<RowOutput>, InferenceError> {
+        self.submit_shared(inputs, None).await
+    }
+
+    /// Queues inputs that all continue `prefix` (their ids are the tails), or whole inputs.
+    async fn submit_shared(
+        &self,
+        inputs: Vec<TokenizedInput>,
+        prefix: Option<Arc<Vec<u32>>>,
+    ) -> Result<Vec<RowOutput>, InferenceError> {
         let mut receivers = Vec::with_capacity(inputs.len());
         for input in inputs {
             let (reply, rx) = oneshot::channel();
             self.inner
                 .queue
-                .send(Entry { input, reply })
+                .send(Entry {
+                    input,
+                    prefix: prefix.clone(),
+                    reply,
+                })
                 .map_err(|_| InferenceError::Stopped)?;
             receivers.push(rx);
         }
@@ -506,6 +526,43 @@ impl Engine {
         }
         Ok(out)
     }
+}
+
+/// Shortest common prefix worth computing once (below it, the extra row costs more than it saves).
+const MIN_SHARED_PREFIX: usize = 16;
+
+/// Splits rows that start with the same tokens into that shared prefix and their tails, when the
+/// prefix is long enough to pay and every row keeps at least its last token (the one scored).
+/// Only valid for causal models: a token's state then depends on earlier tokens alone.
+fn split_shared_prefix(
+    inputs: Vec<TokenizedInput>,
+) -> (Vec<TokenizedInput>, Option<Arc<Vec<u32>>>) {
+    if inputs.len() < 2 {
+        return (inputs, None);
+    }
+    let first = &inputs[0].ids;
+    let mut common = inputs.iter().map(|i| i.len() - 1).min().unwrap_or(0);
+    for input in &inputs[1..] {
+        common = common.min(
+            first
+                .iter()
+                .zip(&input.ids)
+                .take_while(|(a, b)| a == b)
+                .count(),
+        );
+    }
+    if common < MIN_SHARED_PREFIX {
+        return (inputs, None);
+    }
+    let prefix = Arc::new(first[..common].to_vec());
+    let tails = inputs
+        .into_iter()
+        .map(|i| TokenizedInput {
+            ids: i.ids[common..].to_vec(),
+            type_ids: i.type_ids[common..].to_vec(),
+        })
+        .collect();
+    (tails, Some(prefix))
 }
 
 fn check_texts(texts: &[String]) -> Result<(), InferenceError> {
@@ -557,7 +614,11 @@ fn batcher_loop(
         if entries.is_empty() {
             continue;
         }
-        match PreparedBatch::build(entries.iter().map(|e| &e.input), device, attention) {
+        let rows = entries.iter().map(|e| RowInput {
+            input: &e.input,
+            prefix: e.prefix.as_ref(),
+        });
+        match PreparedBatch::build(rows, device, attention) {
             Ok(batch) => {
                 let replies = entries.into_iter().map(|e| e.reply).collect();
                 // Blocks until the model thread takes it: the one prepared batch.
@@ -582,7 +643,9 @@ fn model_loop(model: &models::LoadedModel, jobs: mpsc::Receiver<Job>, stats: &En
             .model_busy_us
             .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         stats.batches.fetch_add(1, Ordering::Relaxed);
-        stats.rows.fetch_add(batch.rows() as u64, Ordering::Relaxed);
+        stats
+            .rows
+            .fetch_add(batch.outputs as u64, Ordering::Relaxed);
         stats
             .tokens
             .fetch_add(batch.tokens() as u64, Ordering::Relaxed);

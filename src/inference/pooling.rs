@@ -11,6 +11,9 @@ use crate::model_spec::Pooling;
 
 /// Pools packed `[tokens, h]` states into `[rows, h]` (f32).
 pub fn pool(hidden: &Tensor, batch: &PreparedBatch, pooling: Pooling) -> Result<Tensor> {
+    if batch.has_prefixes() {
+        candle_core::bail!("pooling runs on whole rows; shared prefixes are for rerankers only");
+    }
     let hidden = hidden.to_dtype(DType::F32)?;
     match pooling {
         Pooling::Cls => hidden.index_select(&batch.first_token, 0),
@@ -67,7 +70,11 @@ mod tests {
             type_ids: vec![0; n],
         };
         let inputs = [input(3), input(2)];
-        let batch = PreparedBatch::build(inputs.iter(), &dev, AttentionMode::Packed)?;
+        let batch = PreparedBatch::build(
+            inputs.iter().map(crate::inference::batch::RowInput::plain),
+            &dev,
+            AttentionMode::Packed,
+        )?;
         // Five packed tokens, h = 2: row 0 is tokens 0..3, row 1 tokens 3..5.
         let hidden = Tensor::new(
             &[[1f32, 2.], [3., 4.], [5., 6.], [10., 20.], [30., 40.]],

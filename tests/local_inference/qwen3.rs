@@ -419,3 +419,55 @@ fn bench_runs_an_architecture_from_its_config_with_random_weights() {
     let gflop = report["gflop_per_token"].as_f64().unwrap();
     assert!((gflop - 380_928e-9).abs() < 1e-12, "{gflop}");
 }
+
+/// Candidates of one request share the template prefix, the instruction and the query: the
+/// engine runs those tokens once per batch and the scores do not change.
+#[tokio::test]
+async fn rerank_candidates_share_their_common_prefix() {
+    let reference: RerankerReference = read("reranker_reference.json");
+    let case = &reference.cases[0];
+    let engine = engine("tiny-qwen3-reranker", Task::Rerank, cpu()).await;
+    let got = engine
+        .rerank(
+            case.query.clone(),
+            case.documents.clone(),
+            RerankOptions::default(),
+        )
+        .await
+        .unwrap();
+    let stats = engine.stats();
+    let full: usize = case.input_ids.iter().map(Vec::len).sum();
+    let computed = stats.tokens.load(Ordering::Relaxed) as usize;
+    let shared = {
+        let first = &case.input_ids[0];
+        case.input_ids[1..]
+            .iter()
+            .map(|ids| first.iter().zip(ids).take_while(|(a, b)| a == b).count())
+            .min()
+            .unwrap()
+    };
+    let batches = stats.batches.load(Ordering::Relaxed) as usize;
+    assert!(
+        shared >= 53,
+        "the system prompt alone is 53 tokens; shared {shared}"
+    );
+    assert_eq!(
+        computed,
+        full - (case.documents.len() - batches) * shared,
+        "each batch runs the {shared}-token prefix once instead of once per candidate"
+    );
+    assert_eq!(
+        stats.rows.load(Ordering::Relaxed) as usize,
+        case.documents.len()
+    );
+    // A single candidate has nothing to share and scores the same.
+    let alone = engine
+        .rerank(
+            case.query.clone(),
+            case.documents[..1].to_vec(),
+            RerankOptions::default(),
+        )
+        .await
+        .unwrap();
+    assert!((alone[0].score - got[0].score).abs() <= 1e-4);
+}

@@ -271,6 +271,8 @@ impl AttentionInputs<'_> {
                 );
                 let op = PackedAttention {
                     lengths: lengths.to_vec(),
+                    // Bidirectional attention cannot share prefixes.
+                    prefix_of: Vec::new(),
                     q_heads: heads,
                     kv_heads: heads,
                     head_dim: d,
@@ -387,6 +389,9 @@ impl Encoder for BertEncoder {
 
     /// Packed token states `[tokens, h]`.
     fn forward(&self, batch: &PreparedBatch) -> Result<Tensor> {
+        if batch.has_prefixes() {
+            candle_core::bail!("BERT attends both ways: rows cannot share a prefix");
+        }
         let longest = batch.lengths.iter().copied().max().unwrap_or(0);
         if longest > self.max_positions {
             candle_core::bail!(

@@ -21,7 +21,7 @@ use candle_nn::{Embedding, VarBuilder};
 use serde::Deserialize;
 
 use super::{Encoder, Head, ModelOutput};
-use crate::inference::batch::{PaddedLayout, PreparedBatch};
+use crate::inference::batch::{PaddedLayout, PreparedBatch, SharedKeys};
 use crate::inference::cpu_ops::PackedAttention;
 
 /// Qwen3-Reranker's frozen chat template, before the body (the Hugging Face model card's).
@@ -273,6 +273,7 @@ struct ForwardContext<'a> {
     cos: Tensor,
     sin: Tensor,
     lengths: &'a [usize],
+    prefix_of: &'a [Option<usize>],
     padded: Option<(&'a PaddedLayout, Tensor)>,
 }
 
@@ -285,6 +286,7 @@ impl ForwardContext<'_> {
             None => {
                 let op = PackedAttention {
                     lengths: self.lengths.to_vec(),
+                    prefix_of: self.prefix_of.to_vec(),
                     q_heads: heads,
                     kv_heads: kv,
                     head_dim: d,
@@ -303,6 +305,18 @@ impl ForwardContext<'_> {
                         .contiguous()
                 };
                 let q = (rows(q, heads)? * scale as f64)?;
+                // Keys: the row's own (as Q), or its shared prefix's followed by its own.
+                let (kv_index, sk) = match &layout.shared {
+                    Some(shared) => (&shared.kv_gather, shared.kv_longest),
+                    None => (&layout.gather, s),
+                };
+                let key_rows = |t: &Tensor| -> Result<Tensor> {
+                    t.contiguous()?
+                        .index_select(kv_index, 0)?
+                        .reshape((b, sk, kv, d))?
+                        .transpose(1, 2)?
+                        .contiguous()
+                };
                 // Grouped-query: each K/V head serves `heads / kv` query heads.
                 let repeat = |t: Tensor| -> Result<Tensor> {
                     let group = heads / kv;
@@ -310,11 +324,11 @@ impl ForwardContext<'_> {
                         return Ok(t);
                     }
                     t.unsqueeze(2)?
-                        .expand((b, kv, group, s, d))?
-                        .reshape((b, heads, s, d))
+                        .expand((b, kv, group, sk, d))?
+                        .reshape((b, heads, sk, d))
                 };
-                let k = repeat(rows(k, kv)?)?;
-                let v = repeat(rows(v, kv)?)?;
+                let k = repeat(key_rows(k)?)?;
+                let v = repeat(key_rows(v)?)?;
                 let scores = q.matmul(&k.t()?)?.broadcast_add(mask)?;
                 let probs = candle_nn::ops::softmax_last_dim(&scores)?;
                 probs
@@ -371,21 +385,26 @@ impl Encoder for Qwen3Encoder {
         let padded = match &batch.padded {
             None => None,
             Some(layout) => {
-                // Causal mask over right-padded rows: padding sits after every real token, so
-                // causality alone keeps real tokens from seeing it.
-                let s = layout.longest;
-                let mask: Vec<f32> = (0..s * s)
-                    .map(|i| {
-                        if i % s > i / s {
-                            f32::NEG_INFINITY
-                        } else {
-                            0.0
-                        }
-                    })
-                    .collect();
-                let mask = Tensor::from_vec(mask, (1, 1, s, s), self.embed.embeddings().device())?
-                    .to_dtype(self.dtype)?;
-                Some((layout, mask))
+                let device = self.embed.embeddings().device();
+                let mask = match &layout.shared {
+                    // Causal mask over right-padded rows: padding sits after every real token,
+                    // so causality alone keeps real tokens from seeing it.
+                    None => {
+                        let s = layout.longest;
+                        let mask: Vec<f32> = (0..s * s)
+                            .map(|i| {
+                                if i % s > i / s {
+                                    f32::NEG_INFINITY
+                                } else {
+                                    0.0
+                                }
+                            })
+                            .collect();
+                        Tensor::from_vec(mask, (1, 1, s, s), device)?
+                    }
+                    Some(shared) => shared_prefix_mask(layout.longest, shared, device)?,
+                };
+                Some((layout, mask.to_dtype(self.dtype)?))
             }
         };
         let ctx = ForwardContext {
@@ -395,6 +414,7 @@ impl Encoder for Qwen3Encoder {
             cos,
             sin,
             lengths: &batch.lengths,
+            prefix_of: &batch.prefix_of,
             padded,
         };
         let mut x = self.embed.forward(&batch.input_ids)?;
@@ -423,6 +443,29 @@ impl Encoder for Qwen3Encoder {
         let attention = 2.0 * heads * d * seq_len as f64;
         c.num_hidden_layers as f64 * (2.0 * per_layer + attention)
     }
+}
+
+/// `[rows, 1, queries, keys]` additive mask for rows whose keys are a shared prefix followed by
+/// their own tokens: query `i` sees every prefix key and own keys `0..=i`. Built on the device
+/// from per-row lengths (a host-built mask would be as large as the attention scores).
+fn shared_prefix_mask(queries: usize, shared: &SharedKeys, device: &Device) -> Result<Tensor> {
+    let q = Tensor::arange(0f32, queries as f32, device)?.reshape((1, 1, queries, 1))?;
+    let k = Tensor::arange(0f32, shared.kv_longest as f32, device)?.reshape((
+        1,
+        1,
+        1,
+        shared.kv_longest,
+    ))?;
+    let in_prefix = k.broadcast_lt(&shared.prefix_len)?.to_dtype(DType::F32)?;
+    let own = k.broadcast_sub(&shared.prefix_len)?; // position among the row's own keys
+    let own_seen = own
+        .broadcast_ge(&Tensor::zeros((1, 1, 1, 1), DType::F32, device)?)?
+        .to_dtype(DType::F32)?
+        .broadcast_mul(&own.broadcast_le(&q)?.to_dtype(DType::F32)?)?
+        .broadcast_mul(&own.broadcast_lt(&shared.own_len)?.to_dtype(DType::F32)?)?;
+    let visible = in_prefix.broadcast_add(&own_seen)?; // 0 or 1
+    // 0 where visible, a huge negative (−inf in f16) elsewhere.
+    visible.affine(1e30, -1e30)
 }
 
 /// Where the trunk lives: under `model.` (`Qwen3ForCausalLM` files) or at the root
