@@ -259,6 +259,74 @@ fn lanes_sum(v: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + rest.iter().sum::<f32>()
 }
 
+/// A matrix operand for gemm: its first element and its row and column strides.
+#[derive(Clone, Copy)]
+struct Strided {
+    ptr: *const f32,
+    row_stride: isize,
+    col_stride: isize,
+}
+
+impl Strided {
+    /// Rows `row_stride` apart, contiguous columns.
+    fn rows(ptr: *const f32, row_stride: usize) -> Self {
+        Self {
+            ptr,
+            row_stride: row_stride as isize,
+            col_stride: 1,
+        }
+    }
+
+    /// The transpose of [`Strided::rows`]: matrix column `j` is memory row `j`.
+    fn cols(ptr: *const f32, row_stride: usize) -> Self {
+        Self {
+            ptr,
+            row_stride: 1,
+            col_stride: row_stride as isize,
+        }
+    }
+}
+
+/// `dst = scale · lhs · rhs` (or `dst += …` when `accumulate`), `(m, n, k)` shaped, `dst` rows
+/// `dst_row_stride` apart; single-threaded (callers parallelise over heads and rows).
+///
+/// # Safety
+/// `lhs` must cover `m × k` elements, `rhs` `k × n` and `dst` `m × n` at their strides.
+unsafe fn gemm_into(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    dst_row_stride: usize,
+    accumulate: bool,
+    lhs: Strided,
+    rhs: Strided,
+    scale: f32,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_row_stride as isize,
+            accumulate,
+            lhs.ptr,
+            lhs.col_stride,
+            lhs.row_stride,
+            rhs.ptr,
+            rhs.col_stride,
+            rhs.row_stride,
+            1.0,
+            scale,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
 /// Query rows scored per block (bounds the score buffer at `QUERY_BLOCK × row length`).
 const QUERY_BLOCK: usize = 64;
 
@@ -305,27 +373,10 @@ simd_kernel! {
                 // columns) lies inside its slice; this head's `d` columns start at `head · d` /
                 // `kv` < width; key rows are tokens of this batch. `s` holds rows × width.
                 unsafe {
-                    gemm::gemm(
-                        rows,
-                        keys,
-                        d,
-                        s.as_mut_ptr().add(col),
-                        1,
-                        width as isize,
-                        false,
-                        x.q.as_ptr().add(q0 + first * x.q_stride),
-                        1,
-                        x.q_stride as isize,
-                        x.k.as_ptr().add(k_start * x.k_stride + kv),
-                        x.k_stride as isize,
-                        1,
-                        0.0,
-                        op.scale,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
+                    let q = Strided::rows(x.q.as_ptr().add(q0 + first * x.q_stride), x.q_stride);
+                    // Kᵀ: column j of the product is key row j.
+                    let kt = Strided::cols(x.k.as_ptr().add(k_start * x.k_stride + kv), x.k_stride);
+                    gemm_into((rows, keys, d), s.as_mut_ptr().add(col), width, false, q, kt, op.scale);
                 }
             }
             for (r, scores) in s.chunks_exact_mut(width).enumerate() {
@@ -348,27 +399,9 @@ simd_kernel! {
                 }
                 // SAFETY: as above; the destination is rows × d inside `out`.
                 unsafe {
-                    gemm::gemm(
-                        rows,
-                        d,
-                        keys,
-                        out.as_mut_ptr().add(first * d),
-                        1,
-                        d as isize,
-                        accumulate,
-                        s.as_ptr().add(col),
-                        1,
-                        width as isize,
-                        x.v.as_ptr().add(v_start * x.v_stride + kv),
-                        1,
-                        x.v_stride as isize,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
+                    let w = Strided::rows(s.as_ptr().add(col), width);
+                    let v = Strided::rows(x.v.as_ptr().add(v_start * x.v_stride + kv), x.v_stride);
+                    gemm_into((rows, d, keys), out.as_mut_ptr().add(first * d), d, accumulate, w, v, 1.0);
                 }
                 accumulate = true;
             }
