@@ -372,15 +372,7 @@ impl Engine {
     ) -> Result<Vec<Vec<f32>>, InferenceError> {
         self.require(Task::Embed)?;
         check_texts(&texts)?;
-        let full = self.inner.info.dims;
-        if let Some(d) = opts.dimensions
-            && (d == 0 || d > full)
-        {
-            return Err(InferenceError::BadDimensions {
-                requested: d,
-                max: full,
-            });
-        }
+        self.check_dimensions(opts.dimensions)?;
         let prompts = &self.inner.spec.prompts;
         let texts: Vec<String> = texts
             .iter()
@@ -398,6 +390,7 @@ impl Engine {
         opts: EmbedOptions,
     ) -> Result<Vec<Vec<f32>>, InferenceError> {
         self.require(Task::Embed)?;
+        self.check_dimensions(opts.dimensions)?;
         if inputs.is_empty() {
             return Err(InferenceError::EmptyInput);
         }
@@ -411,6 +404,18 @@ impl Engine {
             }
         }
         self.vectors(inputs, opts.dimensions).await
+    }
+
+    /// Matryoshka truncation must keep at least one dimension and at most all of them.
+    fn check_dimensions(&self, dimensions: Option<usize>) -> Result<(), InferenceError> {
+        let full = self.inner.info.dims;
+        match dimensions {
+            Some(d) if d == 0 || d > full => Err(InferenceError::BadDimensions {
+                requested: d,
+                max: full,
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Runs tokenized inputs and finishes each vector (truncation, normalisation).

@@ -425,16 +425,6 @@ impl Encoder for BertEncoder {
     }
 }
 
-/// Finds where the trunk's tensors live: at the root (`BertModel` files) or under `bert.`
-/// (`BertFor*` files).
-pub fn trunk<'a>(vb: &VarBuilder<'a>) -> VarBuilder<'a> {
-    if vb.contains_tensor("bert.embeddings.word_embeddings.weight") {
-        vb.pp("bert")
-    } else {
-        vb.clone()
-    }
-}
-
 /// The head of `BertForSequenceClassification`: pooler (`tanh(W·[CLS] + b)`) and a one-logit
 /// classifier.
 pub struct ClassifierHead {
@@ -447,7 +437,13 @@ impl ClassifierHead {
     pub fn load(vb: &VarBuilder, cfg: &BertConfig) -> Result<Self> {
         let h = cfg.hidden_size;
         Ok(Self {
-            pooler: Dense::load(&trunk(vb).pp("pooler").pp("dense"), h, h)?,
+            pooler: Dense::load(
+                &super::under(vb, "bert", "embeddings.word_embeddings.weight")
+                    .pp("pooler")
+                    .pp("dense"),
+                h,
+                h,
+            )?,
             classifier: Dense::load(&vb.pp("classifier"), h, 1)?,
         })
     }

@@ -64,6 +64,16 @@ impl LoadedModel {
     }
 }
 
+/// Where a trunk's tensors live: under `prefix.` (`*For*` checkpoints: `bert.`, `model.`) when
+/// `prefix.probe` exists, else at the root (`BertModel`, `Qwen3Model` checkpoints).
+pub fn under<'a>(vb: &VarBuilder<'a>, prefix: &str, probe: &str) -> VarBuilder<'a> {
+    if vb.contains_tensor(&format!("{prefix}.{probe}")) {
+        vb.pp(prefix)
+    } else {
+        vb.clone()
+    }
+}
+
 /// Loads the model `spec` describes from verified `files`; `token_id` looks up vocabulary ids
 /// (Qwen3-Reranker's `yes` and `no`).
 pub fn load(
@@ -87,29 +97,30 @@ pub fn load(
         // rewritten while a process maps them (the cache and model dirs are ours).
         unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, device)? }
     };
+    let parse = |e: serde_json::Error| candle_core::Error::Msg(format!("config.json: {e}"));
+    let embed_head = || -> Box<dyn Head> { Box::new(PooledHead(spec.pooling)) };
     let model = match spec.architecture {
         Architecture::Bert => {
-            let cfg: bert::BertConfig = serde_json::from_str(&config_text)
-                .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
-            match spec.task {
-                Task::Embed => LoadedModel {
-                    encoder: Box::new(bert::BertEncoder::load(bert::trunk(&vb), &cfg)?),
-                    head: Box::new(PooledHead(spec.pooling)),
-                },
-                Task::Rerank => LoadedModel {
-                    encoder: Box::new(bert::BertEncoder::load(bert::trunk(&vb), &cfg)?),
-                    head: Box::new(bert::ClassifierHead::load(&vb, &cfg)?),
-                },
+            let cfg: bert::BertConfig = serde_json::from_str(&config_text).map_err(parse)?;
+            let encoder = bert::BertEncoder::load(
+                under(&vb, "bert", "embeddings.word_embeddings.weight"),
+                &cfg,
+            )?;
+            let head: Box<dyn Head> = match spec.task {
+                Task::Embed => embed_head(),
+                Task::Rerank => Box::new(bert::ClassifierHead::load(&vb, &cfg)?),
+            };
+            LoadedModel {
+                encoder: Box::new(encoder),
+                head,
             }
         }
         Architecture::Qwen3 => {
-            let cfg: qwen3::Qwen3Config = serde_json::from_str(&config_text)
-                .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
-            match spec.task {
-                Task::Embed => LoadedModel {
-                    encoder: Box::new(qwen3::Qwen3Encoder::load(qwen3::trunk(&vb), &cfg)?),
-                    head: Box::new(PooledHead(spec.pooling)),
-                },
+            let cfg: qwen3::Qwen3Config = serde_json::from_str(&config_text).map_err(parse)?;
+            let encoder =
+                qwen3::Qwen3Encoder::load(under(&vb, "model", "embed_tokens.weight"), &cfg)?;
+            let head: Box<dyn Head> = match spec.task {
+                Task::Embed => embed_head(),
                 Task::Rerank => {
                     let id = |t: &str| {
                         token_id(t).ok_or_else(|| {
@@ -118,11 +129,12 @@ pub fn load(
                             ))
                         })
                     };
-                    LoadedModel {
-                        encoder: Box::new(qwen3::Qwen3Encoder::load(qwen3::trunk(&vb), &cfg)?),
-                        head: Box::new(qwen3::YesNoHead::load(&vb, &cfg, id("yes")?, id("no")?)?),
-                    }
+                    Box::new(qwen3::YesNoHead::load(&vb, &cfg, id("yes")?, id("no")?)?)
                 }
+            };
+            LoadedModel {
+                encoder: Box::new(encoder),
+                head,
             }
         }
     };

@@ -468,16 +468,6 @@ fn shared_prefix_mask(queries: usize, shared: &SharedKeys, device: &Device) -> R
     visible.affine(1e30, -1e30)
 }
 
-/// Where the trunk lives: under `model.` (`Qwen3ForCausalLM` files) or at the root
-/// (`Qwen3Model` files).
-pub fn trunk<'a>(vb: &VarBuilder<'a>) -> VarBuilder<'a> {
-    if vb.contains_tensor("model.embed_tokens.weight") {
-        vb.pp("model")
-    } else {
-        vb.clone()
-    }
-}
-
 /// Qwen3-Reranker's head: the `yes − no` direction of the LM head, dotted with the last token's
 /// state. Only two rows of the head are read; the 151k-row vocabulary matmul never runs.
 pub struct YesNoHead {
@@ -492,7 +482,7 @@ impl YesNoHead {
         let head = if vb.contains_tensor("lm_head.weight") {
             vb.pp("lm_head").get((cfg.vocab_size, h), "weight")?
         } else if cfg.tie_word_embeddings {
-            trunk(vb)
+            super::under(vb, "model", "embed_tokens.weight")
                 .pp("embed_tokens")
                 .get((cfg.vocab_size, h), "weight")?
         } else {
