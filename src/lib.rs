@@ -6,10 +6,24 @@
 //! * [`model_source`]: where model files come from (HF cache, hub download, a folder) and
 //!   proof that they are the pinned bytes.
 //! * [`inference`]: the local engine: tokenization, batching, the model thread, model code.
+//! * [`roles`]: the five inference roles and the routing policies.
+//! * [`secret`]: the type that holds the OpenRouter key and tokens without leaking them.
+//! * [`protocol`]: the fleet protocol's frames (hub ⇄ agent) and their codec.
+//! * [`config`]: config pushes and their merge, the agent's file, model choices, tokens.
+//! * [`hub`]: shared role queues, leases, dispatch, policy, persisted state.
+//! * [`http`]: the hub's client, admin and ops APIs, and the agents' WebSocket endpoint.
+//! * [`agent`]: providers, the pull loop and the one socket to the hub.
 //! * [`cli`]: the `fantom-sidecar` command line.
 
+pub mod agent;
 pub mod cli;
+pub mod config;
+pub mod http;
+pub mod hub;
 pub mod inference;
 pub mod manifest;
 pub mod model_source;
 pub mod model_spec;
+pub mod protocol;
+pub mod roles;
+pub mod secret;

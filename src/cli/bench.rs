@@ -69,7 +69,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let cfg = EngineConfig {
         max_batch_rows: largest,
         max_batch_tokens: largest * args.tokens,
-        ..args.model.engine_config()
+        ..args.model.choice().engine_config()
     };
     let mut model = args.model.clone();
     model.max_tokens = Some(model.max_tokens.unwrap_or(args.tokens).max(args.tokens));

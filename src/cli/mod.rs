@@ -2,6 +2,7 @@
 //! (`embed`, `rerank`, `models`). The binary's `main` only calls [`main`].
 
 mod bench;
+mod fleet;
 mod input;
 mod models;
 mod oneshot;
@@ -13,10 +14,8 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::inference::{AttentionMode, DTypeSpec, DeviceSpec, EngineConfig, Truncation};
-use crate::manifest::ManifestRegistry;
-use crate::manifest::lock::ModelsLock;
-use crate::model_source::{HubOptions, ModelSelector, SourceOptions, SpecOverrides};
+use crate::config::model::ModelChoice;
+use crate::inference::{DTypeSpec, DeviceSpec, EngineConfig};
 use crate::model_spec::Pooling;
 
 #[derive(Parser)]
@@ -52,6 +51,12 @@ enum Command {
     /// List, fetch and verify pinned models.
     #[command(subcommand)]
     Models(models::ModelsCommand),
+    /// The hub: shared role queues, the client/admin APIs and the agents' WebSocket endpoint.
+    Hub(fleet::HubCommand),
+    /// An agent: loads local models, dials the hub, pulls work.
+    Agent(fleet::AgentCommand),
+    /// Hub and one agent in one process: the default for a single machine.
+    Serve(Box<fleet::ServeCommand>),
 }
 
 /// Which model and how to run it (shared by `embed` and `rerank`).
@@ -105,54 +110,27 @@ pub struct PinArgs {
 }
 
 impl PinArgs {
-    fn source_options(&self) -> anyhow::Result<SourceOptions> {
-        let mut registry = ManifestRegistry::built_in();
-        if let Some(dir) = &self.manifests {
-            registry.add_dir(dir)?;
-        }
-        Ok(SourceOptions {
-            registry,
-            lock_path: self
-                .lock_file
-                .clone()
-                .unwrap_or_else(ModelsLock::default_path),
-            hub: HubOptions::from_env(),
-        })
+    fn source_options(&self) -> anyhow::Result<crate::model_source::SourceOptions> {
+        crate::config::model::source_options(self.manifests.as_deref(), self.lock_file.as_deref())
     }
 }
 
 impl ModelArgs {
-    fn selector(&self) -> anyhow::Result<ModelSelector> {
-        if self.random_weights
-            && let Some(dir) = &self.model_dir
-        {
-            return Ok(ModelSelector::RandomWeights(dir.clone()));
-        }
-        Ok(ModelSelector::from_flags(
-            self.model.clone(),
-            self.model_dir.clone(),
-        )?)
-    }
-
-    fn overrides(&self) -> SpecOverrides {
-        SpecOverrides {
-            pooling: self.pooling,
-            max_tokens: self.max_tokens,
-        }
-    }
-
-    fn engine_config(&self) -> EngineConfig {
-        EngineConfig {
+    /// The flags as the one model description the agent's config file also uses.
+    pub(crate) fn choice(&self) -> ModelChoice {
+        ModelChoice {
+            model: self.model.clone(),
+            model_dir: self.model_dir.clone(),
+            random_weights: self.random_weights,
             device: self.device,
             dtype: self.dtype,
+            pooling: self.pooling,
+            max_tokens: self.max_tokens,
+            no_truncate: self.no_truncate,
             max_batch_tokens: self.max_batch_tokens,
             max_batch_rows: self.max_batch_rows,
-            truncation: if self.no_truncate {
-                Truncation::Refuse
-            } else {
-                Truncation::Truncate
-            },
-            attention: AttentionMode::Auto,
+            lock_file: self.pins.lock_file.clone(),
+            manifests: self.pins.manifests.clone(),
         }
     }
 }
@@ -195,6 +173,9 @@ pub fn main() -> ExitCode {
             Command::Rerank(args) => oneshot::rerank(args).await,
             Command::Models(cmd) => models::run(cmd).await,
             Command::Bench(args) => bench::run(args).await,
+            Command::Hub(cmd) => fleet::hub(cmd).await,
+            Command::Agent(cmd) => fleet::agent(cmd).await,
+            Command::Serve(cmd) => fleet::serve(*cmd).await,
         }
     });
     match result {

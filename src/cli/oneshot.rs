@@ -2,7 +2,6 @@
 
 use std::io::Write;
 
-use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
 
@@ -10,7 +9,6 @@ use super::ModelArgs;
 use super::input::read_json_lines;
 use super::stream::{self, run_in_order, write_json_line};
 use crate::inference::{EmbedOptions, Engine, EngineConfig, RerankOptions};
-use crate::model_source;
 use crate::model_spec::Task;
 
 #[derive(Args)]
@@ -58,7 +56,7 @@ struct ScoreLine {
 
 /// Resolves, verifies and loads the model for `task`.
 pub(super) async fn load_engine(args: &ModelArgs, task: Task) -> anyhow::Result<Engine> {
-    load_engine_with(args, task, args.engine_config()).await
+    args.choice().load(task).await
 }
 
 /// [`load_engine`] with engine settings of the caller's.
@@ -67,13 +65,7 @@ pub(super) async fn load_engine_with(
     task: Task,
     cfg: EngineConfig,
 ) -> anyhow::Result<Engine> {
-    let selector = args.selector()?;
-    let opts = args.pins.source_options()?;
-    let resolved = model_source::resolve(&selector, task, &args.overrides(), &opts).await?;
-    let engine = tokio::task::spawn_blocking(move || Engine::start(resolved, cfg))
-        .await
-        .context("the model loader panicked")??;
-    Ok(engine)
+    args.choice().load_with(task, cfg).await
 }
 
 fn read_stdin() -> anyhow::Result<Vec<String>> {

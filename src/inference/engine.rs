@@ -135,6 +135,13 @@ pub struct RerankScore {
     pub probability: Option<f32>,
 }
 
+/// A result with the number of tokens the model read to make it (usage reports).
+#[derive(Clone, Debug)]
+pub struct Counted<T> {
+    pub value: T,
+    pub tokens: usize,
+}
+
 /// What the engine runs, for logs and status endpoints.
 #[derive(Clone, Debug, Serialize)]
 pub struct EngineInfo {
@@ -370,6 +377,15 @@ impl Engine {
         texts: Vec<String>,
         opts: EmbedOptions,
     ) -> Result<Vec<Vec<f32>>, InferenceError> {
+        Ok(self.embed_counted(texts, opts).await?.value)
+    }
+
+    /// [`Engine::embed`], with the number of tokens the model read (templates included).
+    pub async fn embed_counted(
+        &self,
+        texts: Vec<String>,
+        opts: EmbedOptions,
+    ) -> Result<Counted<Vec<Vec<f32>>>, InferenceError> {
         self.require(Task::Embed)?;
         check_texts(&texts)?;
         self.check_dimensions(opts.dimensions)?;
@@ -380,7 +396,9 @@ impl Engine {
             .collect();
         let tokenizer = self.inner.tokenizer.clone();
         let inputs = run_blocking(move || tokenizer.encode_texts(texts)).await?;
-        self.vectors(inputs, opts.dimensions).await
+        let tokens = inputs.iter().map(TokenizedInput::len).sum();
+        let value = self.vectors(inputs, opts.dimensions).await?;
+        Ok(Counted { value, tokens })
     }
 
     /// Embeds inputs that are already token ids (benchmarks; no template, no tokenizer).
@@ -447,6 +465,16 @@ impl Engine {
         documents: Vec<String>,
         opts: RerankOptions,
     ) -> Result<Vec<RerankScore>, InferenceError> {
+        Ok(self.rerank_counted(query, documents, opts).await?.value)
+    }
+
+    /// [`Engine::rerank`], with the number of tokens the model read (a shared prefix once).
+    pub async fn rerank_counted(
+        &self,
+        query: String,
+        documents: Vec<String>,
+        opts: RerankOptions,
+    ) -> Result<Counted<Vec<RerankScore>>, InferenceError> {
         self.require(Task::Rerank)?;
         if query.is_empty() {
             return Err(InferenceError::EmptyQuery);
@@ -479,7 +507,10 @@ impl Engine {
             RerankInputs::ChatTemplate { .. } => split_shared_prefix(inputs),
             RerankInputs::Pairs => (inputs, None),
         };
-        self.submit_shared(inputs, prefix)
+        let tokens = inputs.iter().map(TokenizedInput::len).sum::<usize>()
+            + prefix.as_ref().map_or(0, |p| p.len());
+        let value = self
+            .submit_shared(inputs, prefix)
             .await?
             .into_iter()
             .map(|row| match row {
@@ -489,7 +520,8 @@ impl Engine {
                 }),
                 RowOutput::Vector(_) => Err(InferenceError::Model("expected a score".into())),
             })
-            .collect()
+            .collect::<Result<_, _>>()?;
+        Ok(Counted { value, tokens })
     }
 
     fn require(&self, wanted: Task) -> Result<(), InferenceError> {

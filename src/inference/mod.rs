@@ -18,7 +18,7 @@ pub mod tokenize;
 pub use batch::AttentionMode;
 pub use device::{DTypeSpec, DeviceSpec};
 pub use engine::{
-    EmbedOptions, Engine, EngineConfig, EngineError, EngineInfo, EngineStats, InferenceError,
-    RerankOptions, RerankScore,
+    Counted, EmbedOptions, Engine, EngineConfig, EngineError, EngineInfo, EngineStats,
+    InferenceError, RerankOptions, RerankScore,
 };
 pub use tokenize::Truncation;

@@ -1,0 +1,428 @@
+//! The agent's one socket to the hub: dial (with the fleet token), `hello`, then a session of
+//! pull loops, heartbeats and results; reconnect with exponential backoff and full jitter.
+//!
+//! One socket, ever: the loop below is sequential, so a new socket is dialled only after the
+//! previous one has ended, and nothing outlives the session that owns it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use rand::Rng;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+use tokio_tungstenite::tungstenite::protocol::frame::CloseFrame;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::{self, Message};
+
+use super::provider::{ProviderFailure, WorkResult};
+use super::{Agent, devices, hostname};
+use crate::protocol::codec::encode_agent;
+use crate::protocol::{
+    self, AgentFrame, Done, Failed, FailureClass, Heartbeat, Hello, HubFrame, PROTOCOL_VERSION,
+    Pull, Work,
+};
+
+/// Reconnect delays: full jitter over `min(CAP, BASE · 2^attempt)`.
+pub const BACKOFF_BASE: Duration = Duration::from_secs(1);
+pub const BACKOFF_CAP: Duration = Duration::from_secs(30);
+
+/// A delay for reconnect attempt `attempt` (0-based): uniform in [0, min(cap, base·2^attempt)].
+pub fn backoff_delay(attempt: u32, rng: &mut impl Rng) -> Duration {
+    let ceiling = BACKOFF_BASE
+        .saturating_mul(1u32 << attempt.min(16))
+        .min(BACKOFF_CAP);
+    ceiling.mul_f64(rng.random::<f64>())
+}
+
+type WsStream =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// How a session ended.
+enum SessionEnd {
+    /// The socket went away; dial again.
+    Lost(String),
+    /// Shutdown: leases finished or handed back, socket closed.
+    Drained,
+}
+
+pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) {
+    let mut attempt = 0u32;
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        let dialled = tokio::select! {
+            r = dial(&agent) => r,
+            _ = shutdown.changed() => return,
+        };
+        match dialled {
+            Ok(ws) => {
+                let welcomed_before = agent.sessions();
+                match session(&agent, ws, &mut shutdown).await {
+                    SessionEnd::Drained => return,
+                    SessionEnd::Lost(why) => {
+                        tracing::warn!(reason = %why, "hub connection lost");
+                    }
+                }
+                if agent.sessions() > welcomed_before {
+                    attempt = 0;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(hub = %agent.opts.hub_url, error = %e, "cannot connect to the hub")
+            }
+        }
+        let delay = backoff_delay(attempt, &mut rand::rng());
+        attempt = attempt.saturating_add(1);
+        tracing::info!(
+            delay_ms = delay.as_millis() as u64,
+            attempt,
+            "reconnecting after a backoff"
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+/// Dials the hub with the fleet token (marked sensitive: never in logs or debug output).
+async fn dial(agent: &Agent) -> anyhow::Result<WsStream> {
+    let mut request = agent.opts.hub_url.as_str().into_client_request()?;
+    let mut auth = HeaderValue::from_str(&format!("Bearer {}", agent.opts.fleet_token.expose()))?;
+    auth.set_sensitive(true);
+    request.headers_mut().insert("authorization", auth);
+    let config = WebSocketConfig::default()
+        .max_message_size(Some(agent.opts.max_frame_bytes))
+        .max_frame_size(Some(agent.opts.max_frame_bytes));
+    let connector = match &agent.opts.ca_file {
+        Some(path) => Some(tokio_tungstenite::Connector::Rustls(Arc::new(client_tls(
+            path,
+        )?))),
+        None => None,
+    };
+    crate::http::install_crypto_provider();
+    let dial =
+        tokio_tungstenite::connect_async_tls_with_config(request, Some(config), true, connector);
+    let (ws, _) = match tokio::time::timeout(Duration::from_secs(10), dial).await {
+        Ok(Ok(ok)) => ok,
+        Ok(Err(tungstenite::Error::Http(response))) => {
+            anyhow::bail!(
+                "the hub answered {} (is the fleet token right?)",
+                response.status()
+            )
+        }
+        Ok(Err(e)) => return Err(e.into()),
+        Err(_) => anyhow::bail!("no answer within 10 s"),
+    };
+    Ok(ws)
+}
+
+/// A rustls client that trusts the CA certificates in `path` (PEM).
+fn client_tls(path: &std::path::Path) -> anyhow::Result<rustls::ClientConfig> {
+    use anyhow::Context;
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    crate::http::install_crypto_provider();
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(path)
+        .with_context(|| format!("cannot read the CA file {}", path.display()))?
+    {
+        roots.add(
+            cert.with_context(|| format!("a certificate in {} is invalid", path.display()))?,
+        )?;
+    }
+    Ok(rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
+struct InFlight {
+    lease: u64,
+    provider: usize,
+    items: usize,
+}
+
+/// One socket's life: hello, welcome, pulls, work, heartbeats, until it drops or we drain.
+async fn session(
+    agent: &Arc<Agent>,
+    ws: WsStream,
+    shutdown: &mut watch::Receiver<bool>,
+) -> SessionEnd {
+    let (mut sink, mut stream) = ws.split();
+    let (tx, mut rx) = mpsc::unbounded_channel::<Message>();
+    let writer = tokio::spawn(async move {
+        while let Some(msg) = rx.recv().await {
+            let closing = matches!(msg, Message::Close(_));
+            if sink.send(msg).await.is_err() || closing {
+                break;
+            }
+        }
+        let _ = sink.close().await;
+    });
+    let send = |frame: &AgentFrame| {
+        let _ = tx.send(Message::Text(encode_agent(frame).into()));
+    };
+    let providers = agent.providers();
+    send(&AgentFrame::Hello(Hello {
+        agent_id: agent.id().to_string(),
+        hostname: hostname(),
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        protocol_version: PROTOCOL_VERSION,
+        providers: providers.iter().map(|p| p.info()).collect(),
+        devices: devices(providers),
+    }));
+
+    let max_frame = agent.opts.max_frame_bytes;
+    // The first frame must be welcome.
+    let welcome = match tokio::time::timeout(Duration::from_secs(10), stream.next()).await {
+        Ok(Some(Ok(Message::Text(text)))) => match protocol::decode_hub(text.as_str(), max_frame) {
+            Ok(HubFrame::Welcome(w)) => w,
+            Ok(HubFrame::Error { message }) => {
+                return end(tx, writer, format!("the hub refused hello: {message}")).await;
+            }
+            Ok(_) => return end(tx, writer, "the hub sent something before welcome".into()).await,
+            Err(e) => return end(tx, writer, e.to_string()).await,
+        },
+        Ok(Some(Ok(Message::Close(frame)))) => {
+            let reason = frame.map(|f| f.reason.to_string()).unwrap_or_default();
+            return end(tx, writer, format!("the hub closed the socket: {reason}")).await;
+        }
+        Ok(Some(Ok(_))) => return end(tx, writer, "unexpected first frame".into()).await,
+        Ok(Some(Err(e))) => return end(tx, writer, e.to_string()).await,
+        Ok(None) => return end(tx, writer, "the hub closed the socket".into()).await,
+        Err(_) => return end(tx, writer, "no welcome within 10 s".into()).await,
+    };
+    agent.sessions.fetch_add(1, Ordering::Relaxed);
+    agent.connected.store(true, Ordering::Relaxed);
+    tracing::info!(session = welcome.session, hub = %agent.opts.hub_url, "connected to the hub");
+    for p in providers {
+        send(&AgentFrame::Pull(Pull {
+            provider: p.info().id,
+            credits: p.pipeline_depth(),
+        }));
+    }
+    let index_of: HashMap<String, usize> = providers
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.info().id, i))
+        .collect();
+
+    let mut heartbeat = tokio::time::interval(Duration::from_millis(
+        welcome.heartbeat_interval_ms.max(100),
+    ));
+    heartbeat.tick().await;
+    let mut tasks: JoinSet<(Result<WorkResult, ProviderFailure>, f64)> = JoinSet::new();
+    let mut running: HashMap<tokio::task::Id, InFlight> = HashMap::new();
+    let mut by_lease: HashMap<u64, tokio::task::AbortHandle> = HashMap::new();
+    let mut drain_deadline: Option<Instant> = None;
+    let far = Duration::from_secs(365 * 24 * 3600);
+
+    let why = loop {
+        let drain_sleep = tokio::time::sleep(
+            drain_deadline.map_or(far, |d| d.saturating_duration_since(Instant::now())),
+        );
+        tokio::select! {
+            next = stream.next() => {
+                let text = match next {
+                    Some(Ok(Message::Text(text))) => text,
+                    Some(Ok(Message::Close(frame))) => {
+                        break frame.map(|f| format!("closed by the hub: {}", f.reason)).unwrap_or_else(|| "closed by the hub".into());
+                    }
+                    Some(Ok(_)) => continue,
+                    Some(Err(e)) => break e.to_string(),
+                    None => break "the socket ended".into(),
+                };
+                match protocol::decode_hub(text.as_str(), max_frame) {
+                    Ok(HubFrame::Work(work)) => {
+                        if drain_deadline.is_some() {
+                            send(&failed(work.lease, FailureClass::Refused, "the agent is shutting down"));
+                            continue;
+                        }
+                        let Some(&index) = index_of.get(&work.provider) else {
+                            send(&failed(work.lease, FailureClass::Refused, &format!("no provider '{}' here", work.provider)));
+                            continue;
+                        };
+                        start_work(agent, index, work, &mut tasks, &mut running, &mut by_lease);
+                    }
+                    Ok(HubFrame::Cancel { lease, reason }) => {
+                        if let Some(handle) = by_lease.remove(&lease) {
+                            tracing::info!(lease, reason = %reason, "lease cancelled by the hub");
+                            handle.abort();
+                        }
+                    }
+                    Ok(HubFrame::Config(cfg)) => {
+                        let ack = match cfg.payload.openrouter {
+                            Some(push) => agent.apply_config(cfg.id, push),
+                            None => crate::protocol::ConfigAck { id: cfg.id, applied: false, reason: Some("the push has no openrouter object".into()), roles: Default::default() },
+                        };
+                        send(&AgentFrame::ConfigAck(ack));
+                    }
+                    Ok(HubFrame::Error { message }) => tracing::warn!(message = %message, "the hub reported an error"),
+                    Ok(HubFrame::Welcome(_) | HubFrame::Probe(_)) => {}
+                    Err(e) => tracing::warn!(error = %e, "bad frame from the hub"),
+                }
+            }
+            Some(joined) = tasks.join_next_with_id(), if !tasks.is_empty() => {
+                let (id, outcome) = match joined {
+                    Ok((id, outcome)) => (id, Some(outcome)),
+                    Err(e) => (e.id(), if e.is_cancelled() { None } else { Some((Err(ProviderFailure::new(FailureClass::Transient, "the provider panicked")), 0.0)) }),
+                };
+                let Some(job) = running.remove(&id) else { continue };
+                by_lease.remove(&job.lease);
+                let provider = &providers[job.provider];
+                {
+                    let mut c = agent.counters(job.provider);
+                    c.in_flight = c.in_flight.saturating_sub(1);
+                    match &outcome {
+                        Some((Ok(_), latency_ms)) => c.record_success(job.items, *latency_ms),
+                        Some((Err(_), _)) => c.failures += 1,
+                        None => {}
+                    }
+                }
+                match outcome {
+                    Some((Ok(result), latency_ms)) => send(&AgentFrame::Done(Done {
+                        lease: job.lease,
+                        output: result.output,
+                        latency_ms,
+                        tokens: result.tokens,
+                    })),
+                    Some((Err(f), _)) => send(&AgentFrame::Failed(Failed {
+                        lease: job.lease,
+                        class: f.class,
+                        retry_after_ms: f.retry_after_ms,
+                        message: f.message,
+                    })),
+                    None => {} // cancelled: the hub already took the lease back
+                }
+                if drain_deadline.is_none() {
+                    send(&AgentFrame::Pull(Pull { provider: provider.info().id, credits: 1 }));
+                } else if tasks.is_empty() {
+                    break String::new();
+                }
+            }
+            _ = heartbeat.tick() => {
+                send(&AgentFrame::Heartbeat(Heartbeat {
+                    providers: agent.provider_stats(),
+                    devices: devices(providers),
+                }));
+            }
+            _ = shutdown.changed(), if drain_deadline.is_none() => {
+                tracing::info!(in_flight = tasks.len(), "shutting down: no more pulls; finishing leases in progress");
+                send(&AgentFrame::Providers { providers: Vec::new() });
+                if tasks.is_empty() {
+                    break String::new();
+                }
+                drain_deadline = Some(Instant::now() + agent.opts.drain_timeout);
+            }
+            _ = drain_sleep, if drain_deadline.is_some() => {
+                // Hand back what did not finish in time: the hub requeues it at the front.
+                for job in running.values() {
+                    send(&failed(job.lease, FailureClass::Refused, "the agent shut down before this finished"));
+                }
+                tasks.abort_all();
+                break String::new();
+            }
+        }
+    };
+    agent.connected.store(false, Ordering::Relaxed);
+    tasks.abort_all();
+    for (i, c) in agent.counters.iter().enumerate() {
+        let _ = i;
+        if let Ok(mut c) = c.lock() {
+            c.in_flight = 0;
+        }
+    }
+    if drain_deadline.is_some() && why.is_empty() {
+        let _ = tx.send(Message::Close(Some(CloseFrame {
+            code: CloseCode::Normal,
+            reason: "agent shutting down".into(),
+        })));
+        drop(tx);
+        let _ = writer.await;
+        tracing::info!("drained and closed");
+        return SessionEnd::Drained;
+    }
+    end(tx, writer, why).await
+}
+
+fn failed(lease: u64, class: FailureClass, message: &str) -> AgentFrame {
+    AgentFrame::Failed(Failed {
+        lease,
+        class,
+        retry_after_ms: None,
+        message: message.to_string(),
+    })
+}
+
+fn start_work(
+    agent: &Arc<Agent>,
+    index: usize,
+    work: Work,
+    tasks: &mut JoinSet<(Result<WorkResult, ProviderFailure>, f64)>,
+    running: &mut HashMap<tokio::task::Id, InFlight>,
+    by_lease: &mut HashMap<u64, tokio::task::AbortHandle>,
+) {
+    let provider = agent.providers()[index].clone();
+    let items = match &work.input {
+        protocol::WorkInput::Embed(e) => e.texts.len(),
+        protocol::WorkInput::Rerank(r) => r.documents.len(),
+    };
+    agent.counters(index).in_flight += 1;
+    let handle = tasks.spawn(async move {
+        let started = Instant::now();
+        let result = provider.run(work.input).await;
+        (result, started.elapsed().as_secs_f64() * 1000.0)
+    });
+    running.insert(
+        handle.id(),
+        InFlight {
+            lease: work.lease,
+            provider: index,
+            items,
+        },
+    );
+    by_lease.insert(work.lease, handle);
+}
+
+async fn end(
+    tx: mpsc::UnboundedSender<Message>,
+    writer: tokio::task::JoinHandle<()>,
+    why: String,
+) -> SessionEnd {
+    drop(tx);
+    writer.abort();
+    SessionEnd::Lost(why)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_is_full_jitter_under_a_doubling_ceiling_capped_at_30s() {
+        let mut rng = rand::rng();
+        for attempt in 0..40 {
+            let ceiling = BACKOFF_BASE
+                .saturating_mul(1u32 << attempt.min(16))
+                .min(BACKOFF_CAP);
+            let mut max_seen = Duration::ZERO;
+            for _ in 0..200 {
+                let d = backoff_delay(attempt, &mut rng);
+                assert!(d <= ceiling, "attempt {attempt}: {d:?} > {ceiling:?}");
+                max_seen = max_seen.max(d);
+            }
+            assert!(max_seen >= ceiling / 2, "jitter spans the range");
+        }
+        assert_eq!(
+            BACKOFF_BASE.saturating_mul(1 << 16).min(BACKOFF_CAP),
+            BACKOFF_CAP
+        );
+    }
+}

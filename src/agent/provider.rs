@@ -1,0 +1,153 @@
+//! Providers: one thing that serves one role on this agent. The [`Provider`] trait is the seam
+//! between the pull loop and what does the work: a local candle engine ([`LocalProvider`])
+//! today, cloud routes next. Benchmarks and tests plug in their own.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use crate::inference::{EmbedOptions, Engine, InferenceError, RerankOptions};
+use crate::protocol::{Backend, FailureClass, ProviderInfo, Score, WorkInput, WorkOutput};
+use crate::roles::Role;
+
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// A finished work item.
+#[derive(Debug)]
+pub struct WorkResult {
+    pub output: WorkOutput,
+    pub tokens: u64,
+}
+
+/// A failed work item and what it means (see [`FailureClass`]).
+#[derive(Debug, Clone)]
+pub struct ProviderFailure {
+    pub class: FailureClass,
+    pub message: String,
+    pub retry_after_ms: Option<u64>,
+}
+
+impl ProviderFailure {
+    pub fn new(class: FailureClass, message: impl Into<String>) -> Self {
+        Self {
+            class,
+            message: message.into(),
+            retry_after_ms: None,
+        }
+    }
+}
+
+/// Something that serves one role.
+pub trait Provider: Send + Sync + 'static {
+    /// What the hub is told in `hello`.
+    fn info(&self) -> ProviderInfo;
+    /// Work frames this provider takes at once (the credits of its pull loop).
+    fn pipeline_depth(&self) -> u32;
+    /// Does one work item.
+    fn run(&self, input: WorkInput) -> BoxFuture<Result<WorkResult, ProviderFailure>>;
+}
+
+/// A local model serving one role (a model serving two roles is two providers on one engine).
+pub struct LocalProvider {
+    info: ProviderInfo,
+    engine: Engine,
+    depth: u32,
+}
+
+impl LocalProvider {
+    pub fn new(role: Role, engine: Engine, depth: u32, max_items: usize) -> Self {
+        let e = engine.info();
+        let revision = match &e.provenance {
+            crate::model_source::Provenance::Pinned { revision, .. } => Some(revision.to_string()),
+            _ => None,
+        };
+        let model = match &e.provenance {
+            crate::model_source::Provenance::Pinned { id, .. } => id.clone(),
+            crate::model_source::Provenance::Unpinned { dir, .. }
+            | crate::model_source::Provenance::RandomWeights { dir, .. } => {
+                format!("folder:{}", dir.display())
+            }
+        };
+        let info = ProviderInfo {
+            id: role.to_string(),
+            role,
+            backend: Backend::Local,
+            model,
+            revision,
+            upstream: None,
+            dims: role.is_embedding().then_some(e.dims),
+            dtype: Some(e.dtype.clone()),
+            device: Some(e.device.clone()),
+            max_batch_items: max_items,
+            max_batch_tokens: e.max_batch_tokens,
+        };
+        Self {
+            info,
+            engine,
+            depth,
+        }
+    }
+}
+
+/// Input problems no other provider would solve are fatal; the rest may succeed elsewhere.
+fn classify(e: InferenceError) -> ProviderFailure {
+    let class = match e {
+        InferenceError::Model(_) | InferenceError::Stopped => FailureClass::Transient,
+        InferenceError::WrongTask { .. } => FailureClass::Refused,
+        _ => FailureClass::Fatal,
+    };
+    ProviderFailure::new(class, e.to_string())
+}
+
+impl Provider for LocalProvider {
+    fn info(&self) -> ProviderInfo {
+        self.info.clone()
+    }
+
+    fn pipeline_depth(&self) -> u32 {
+        self.depth
+    }
+
+    fn run(&self, input: WorkInput) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
+        let engine = self.engine.clone();
+        Box::pin(async move {
+            match input {
+                WorkInput::Embed(e) => {
+                    let opts = EmbedOptions {
+                        is_query: e.is_query,
+                        task: e.instruction,
+                        dimensions: e.dimensions,
+                    };
+                    let out = engine
+                        .embed_counted(e.texts, opts)
+                        .await
+                        .map_err(classify)?;
+                    Ok(WorkResult {
+                        output: WorkOutput::Embeddings(out.value),
+                        tokens: out.tokens as u64,
+                    })
+                }
+                WorkInput::Rerank(r) => {
+                    let opts = RerankOptions {
+                        instruction: r.instruction,
+                    };
+                    let out = engine
+                        .rerank_counted(r.query, r.documents, opts)
+                        .await
+                        .map_err(classify)?;
+                    let scores = out
+                        .value
+                        .into_iter()
+                        .map(|s| Score {
+                            score: s.score,
+                            probability: s.probability,
+                        })
+                        .collect();
+                    Ok(WorkResult {
+                        output: WorkOutput::Scores(scores),
+                        tokens: out.tokens as u64,
+                    })
+                }
+            }
+        })
+    }
+}

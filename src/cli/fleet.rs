@@ -1,0 +1,305 @@
+//! The long-running commands: `hub`, `agent`, and `serve` (hub and one agent in one process).
+//! Each prints one JSON line per listener on stdout (`{"listening": NAME, "addr": ADDR}`), so a
+//! supervisor or a test can find a port chosen with `:0`, and stops cleanly on SIGTERM/SIGINT.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use tokio::sync::watch;
+
+use super::ModelArgs;
+use crate::agent::{self, Agent, AgentOptions};
+use crate::config::agent::{AgentConfig, ServedModel};
+use crate::config::tokens;
+use crate::http::{self, TlsFiles};
+use crate::hub::core::HubSettings;
+use crate::hub::{Hub, HubOptions};
+use crate::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
+use crate::roles::Role;
+
+#[derive(Args, Clone, Debug)]
+pub struct HubArgs {
+    /// Address of the client, admin and agent endpoints.
+    #[arg(long, default_value = "127.0.0.1:8090")]
+    listen: SocketAddr,
+    /// Where the hub keeps its safe config and generated tokens ($STATE_DIRECTORY under
+    /// systemd; else ~/.local/state/fantom-sidecar).
+    #[arg(long, env = "FANTOM_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+    /// The admin API's token (generated into the state dir when absent).
+    #[arg(long)]
+    admin_token_file: Option<PathBuf>,
+    /// The agents' token (generated into the state dir when absent).
+    #[arg(long)]
+    fleet_token_file: Option<PathBuf>,
+    /// When given, client endpoints require this token as a bearer key.
+    #[arg(long)]
+    client_token_file: Option<PathBuf>,
+    /// Seconds a lease may run before its items go back to the front of the queue.
+    #[arg(long, default_value_t = 120)]
+    lease_s: u64,
+    /// Items each role queue holds before clients get 429.
+    #[arg(long, default_value_t = 100_000)]
+    queue_capacity: usize,
+    /// Seconds a client request may wait for all its items.
+    #[arg(long, default_value_t = 600)]
+    request_timeout_s: u64,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct TlsArgs {
+    /// PEM certificate chain: serve https:// and wss:// (with --tls-key).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct HubCommand {
+    #[command(flatten)]
+    hub: HubArgs,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+#[derive(Args)]
+pub struct AgentCommand {
+    /// The agent's TOML file (hub URL, id, token source, models).
+    #[arg(long)]
+    config: PathBuf,
+    /// Address of the agent's health and metrics endpoints.
+    #[arg(long, default_value = "127.0.0.1:8098")]
+    http: SocketAddr,
+}
+
+#[derive(Args)]
+pub struct ServeCommand {
+    #[command(flatten)]
+    hub: HubArgs,
+    /// The embedder (--model / --model-dir and the engine flags).
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Roles the embedder serves.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "embedding,code-embedding"
+    )]
+    roles: Vec<Role>,
+    /// A pinned reranker model id (serves the reranker role).
+    #[arg(long)]
+    reranker_model: Option<String>,
+    /// The reranker's files.
+    #[arg(long)]
+    reranker_model_dir: Option<PathBuf>,
+    /// Work frames in flight per provider.
+    #[arg(long, default_value_t = 2)]
+    pipeline_depth: u32,
+    /// Items per work frame.
+    #[arg(long, default_value_t = 64)]
+    max_items_per_work: usize,
+    /// The embedded agent's id (default: the hostname).
+    #[arg(long)]
+    agent_id: Option<String>,
+    /// Also serve the agent's own health/metrics here.
+    #[arg(long)]
+    http: Option<SocketAddr>,
+}
+
+fn default_state_dir() -> PathBuf {
+    if let Ok(dir) = std::env::var("STATE_DIRECTORY") {
+        return PathBuf::from(dir);
+    }
+    let home = std::env::var("HOME").unwrap_or_else(|_| ".".into());
+    Path::new(&home).join(".local/state/fantom-sidecar")
+}
+
+/// SIGTERM or SIGINT flips the returned flag.
+fn shutdown_signal() -> watch::Receiver<bool> {
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        let term = async {
+            #[cfg(unix)]
+            if let Ok(mut s) =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            {
+                s.recv().await;
+                return;
+            }
+            std::future::pending::<()>().await
+        };
+        tokio::select! {
+            _ = term => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        tracing::info!("shutdown requested");
+        let _ = tx.send(true);
+    });
+    rx
+}
+
+async fn signalled(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|v| *v).await;
+}
+
+fn bind(addr: SocketAddr, name: &str) -> anyhow::Result<std::net::TcpListener> {
+    let listener =
+        std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
+    let bound = listener.local_addr()?;
+    println!(
+        "{}",
+        serde_json::json!({"listening": name, "addr": bound.to_string()})
+    );
+    tracing::info!(%bound, name, "listening");
+    Ok(listener)
+}
+
+fn open_hub(args: &HubArgs) -> anyhow::Result<Hub> {
+    let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("cannot create the state dir {}", state_dir.display()))?;
+    let (admin_token, admin_path) =
+        tokens::load_or_generate(args.admin_token_file.as_deref(), &state_dir, "admin.token")?;
+    let (fleet_token, fleet_path) =
+        tokens::load_or_generate(args.fleet_token_file.as_deref(), &state_dir, "fleet.token")?;
+    let client_token = args
+        .client_token_file
+        .as_deref()
+        .map(tokens::read_token_file)
+        .transpose()?;
+    tracing::info!(admin_token = %admin_path.display(), fleet_token = %fleet_path.display(), state_dir = %state_dir.display(), client_auth = client_token.is_some(), "hub tokens (paths only)");
+    let settings = HubSettings {
+        lease: Duration::from_secs(args.lease_s.max(1)),
+        queue_capacity: args.queue_capacity.max(1),
+        request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
+        ..HubSettings::default()
+    };
+    Ok(Hub::open(HubOptions {
+        settings,
+        state_dir,
+        fleet_token,
+        admin_token,
+        client_token,
+    })?)
+}
+
+pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
+    let hub = open_hub(&cmd.hub)?;
+    let tls = match (cmd.tls.tls_cert, cmd.tls.tls_key) {
+        (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+        _ => None,
+    };
+    let listener = bind(cmd.hub.listen, "hub")?;
+    let _maintenance = hub.spawn_maintenance();
+    let stop = shutdown_signal();
+    http::serve(
+        listener,
+        http::hub_router(hub.clone()),
+        tls,
+        signalled(stop),
+    )
+    .await?;
+    hub.core().fail_all();
+    Ok(())
+}
+
+pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
+    let cfg = AgentConfig::load(&cmd.config)?;
+    let fleet_token = tokens::from_file_or_env(
+        cfg.fleet_token_file.as_deref(),
+        cfg.fleet_token_env.as_deref(),
+    )?;
+    let providers = agent::load_providers(&cfg.models).await?;
+    let agent = Agent::new(AgentOptions {
+        hub_url: cfg.hub_url,
+        agent_id: cfg.agent_id.unwrap_or_else(agent::hostname),
+        fleet_token,
+        ca_file: cfg.ca_file,
+        drain_timeout: Duration::from_secs(cfg.drain_timeout_s),
+        max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+        providers,
+    });
+    let listener = bind(cmd.http, "agent")?;
+    let stop = shutdown_signal();
+    let http_stop = signalled(stop.clone());
+    let server = tokio::spawn(http::serve(
+        listener,
+        agent::http::router(agent.clone()),
+        None,
+        http_stop,
+    ));
+    agent.run(stop).await;
+    server.abort();
+    Ok(())
+}
+
+pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
+    let mut models = Vec::new();
+    let embedder = cmd.model.choice();
+    if embedder.model.is_some() || embedder.model_dir.is_some() {
+        models.push(ServedModel {
+            roles: cmd.roles.clone(),
+            pipeline_depth: cmd.pipeline_depth,
+            max_items_per_work: cmd.max_items_per_work,
+            model: embedder.clone(),
+        });
+    }
+    if cmd.reranker_model.is_some() || cmd.reranker_model_dir.is_some() {
+        let mut reranker = embedder;
+        reranker.model = cmd.reranker_model.clone();
+        reranker.model_dir = cmd.reranker_model_dir.clone();
+        reranker.random_weights = false;
+        models.push(ServedModel {
+            roles: vec![Role::Reranker],
+            pipeline_depth: cmd.pipeline_depth,
+            max_items_per_work: cmd.max_items_per_work,
+            model: reranker,
+        });
+    }
+    if models.is_empty() {
+        anyhow::bail!(
+            "serve needs a model: --model/--model-dir and/or --reranker-model/--reranker-model-dir"
+        );
+    }
+    let providers = agent::load_providers(&models).await?;
+    let hub = open_hub(&cmd.hub)?;
+    let listener = bind(cmd.hub.listen, "hub")?;
+    let bound = listener.local_addr()?;
+    let _maintenance = hub.spawn_maintenance();
+    let stop = shutdown_signal();
+    let server = tokio::spawn(http::serve(
+        listener,
+        http::hub_router(hub.clone()),
+        None,
+        signalled(stop.clone()),
+    ));
+    let agent = Agent::new(AgentOptions {
+        hub_url: format!("ws://{bound}/v1/agent"),
+        agent_id: cmd.agent_id.unwrap_or_else(agent::hostname),
+        fleet_token: hub.fleet_token().clone(),
+        ca_file: None,
+        drain_timeout: Duration::from_secs(30),
+        max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+        providers,
+    });
+    if let Some(addr) = cmd.http {
+        let listener = bind(addr, "agent")?;
+        tokio::spawn(http::serve(
+            listener,
+            agent::http::router(agent.clone()),
+            None,
+            signalled(stop.clone()),
+        ));
+    }
+    agent.run(stop).await;
+    hub.core().fail_all();
+    match tokio::time::timeout(Duration::from_secs(10), server).await {
+        Ok(joined) => joined.context("the hub server panicked")??,
+        Err(_) => tracing::warn!("the hub server did not stop within 10 s"),
+    }
+    Ok(())
+}

@@ -1,0 +1,317 @@
+//! The config push (DESIGN §4): Fantom's `payload.openrouter` shape, and the one merge both
+//! front doors (the hub's admin API, an agent's `config` frame) apply.
+//!
+//! Rules: a field present replaces, a field absent keeps (per role); a JSON `null` for a role
+//! in `allowedModels` removes its route. A push to a holder without a key must carry one, or
+//! nothing of it applies. An embedding role without an upstream pin or dims gets no cloud
+//! route (fail closed). Unknown roles and modes are reported per role, never silently kept.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::roles::{Policy, Role};
+use crate::secret::Secret;
+
+/// Widest embedding a route may declare.
+pub const MAX_DIMS: usize = 16384;
+
+/// `payload.openrouter` of a push, as it arrives (admin API body, config frame).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OpenRouterPush {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allowed_models: Option<BTreeMap<String, Option<AllowedModel>>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode_by_role: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
+    /// Write-only. Declared last: the frame encoder keeps it out of a frame's head.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "crate::protocol::codec::key_on_the_wire"
+    )]
+    pub api_key: Option<Secret>,
+}
+
+/// One role's cloud model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AllowedModel {
+    /// The OpenRouter model slug.
+    pub model: String,
+    /// The pinned upstream provider (required for embedding roles).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    /// The vector width (required for embedding roles).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dims: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// What a holder keeps of all pushes so far, the key aside: safe to persist and to show.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CloudSettings {
+    #[serde(default)]
+    pub allowed_models: BTreeMap<Role, AllowedModel>,
+    #[serde(default)]
+    pub policies: BTreeMap<Role, Policy>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub domain: Option<String>,
+}
+
+impl CloudSettings {
+    /// The policy in force for `role` (its default until a push names one).
+    pub fn policy(&self, role: Role) -> Policy {
+        self.policies
+            .get(&role)
+            .copied()
+            .unwrap_or_else(|| role.default_policy())
+    }
+}
+
+/// What became of one part of a push for one role.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum Outcome {
+    Applied,
+    Removed,
+    /// Not applied; the role keeps no cloud route for this part.
+    Refused {
+        reason: String,
+    },
+    /// Not a role here (e.g. Fantom's `rlm`, which `rlm-sandbox` carries).
+    Ignored {
+        reason: String,
+    },
+}
+
+/// The outcomes of one push for one role name.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoleOutcome {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<Outcome>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<Outcome>,
+}
+
+/// A push that applied (maybe with per-role refusals).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MergeReport {
+    pub roles: BTreeMap<String, RoleOutcome>,
+    /// Whether this push carried a key.
+    pub key_included: bool,
+}
+
+/// A push refused whole: nothing of it applied.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum PushRefused {
+    #[error(
+        "pushed with no apiKey and none held: the first push must carry one; nothing was applied"
+    )]
+    FirstPushWithoutKey,
+    #[error("apiKey is empty; nothing was applied")]
+    EmptyKey,
+    #[error(
+        "the push changes nothing: send at least one of apiKey, allowedModels, modeByRole, domain"
+    )]
+    Empty,
+}
+
+/// Merges `push` onto `held`. `holds_key`: whether the holder already has a key (the hub: a
+/// key was pushed before; an agent: one is in memory).
+pub fn merge(
+    held: &mut CloudSettings,
+    holds_key: bool,
+    push: &OpenRouterPush,
+) -> Result<MergeReport, PushRefused> {
+    if push.api_key.is_none()
+        && push.allowed_models.is_none()
+        && push.mode_by_role.is_none()
+        && push.domain.is_none()
+    {
+        return Err(PushRefused::Empty);
+    }
+    match &push.api_key {
+        Some(key) if key.is_empty() => return Err(PushRefused::EmptyKey),
+        None if !holds_key => return Err(PushRefused::FirstPushWithoutKey),
+        _ => {}
+    }
+    let mut next = held.clone();
+    let mut roles: BTreeMap<String, RoleOutcome> = BTreeMap::new();
+    for (name, entry) in push.allowed_models.iter().flatten() {
+        let outcome = match parse_role(name) {
+            Err(ignored) => ignored,
+            Ok(role) => merge_model(&mut next, role, entry.as_ref()),
+        };
+        roles.entry(name.clone()).or_default().model = Some(outcome);
+    }
+    for (name, mode) in push.mode_by_role.iter().flatten() {
+        let outcome = match parse_role(name) {
+            Err(ignored) => ignored,
+            Ok(role) => match Policy::parse_mode(mode) {
+                Ok(Some(policy)) => {
+                    next.policies.insert(role, policy);
+                    Outcome::Applied
+                }
+                Ok(None) => {
+                    next.policies.remove(&role);
+                    Outcome::Applied
+                }
+                Err(reason) => Outcome::Refused { reason },
+            },
+        };
+        roles.entry(name.clone()).or_default().mode = Some(outcome);
+    }
+    if let Some(domain) = &push.domain {
+        next.domain = Some(domain.clone());
+    }
+    *held = next;
+    Ok(MergeReport {
+        roles,
+        key_included: push.api_key.is_some(),
+    })
+}
+
+fn parse_role(name: &str) -> Result<Role, Outcome> {
+    if name == "rlm" {
+        return Err(Outcome::Ignored {
+            reason: "Fantom's rlm policy role; rlm-sandbox carries it here".into(),
+        });
+    }
+    name.parse::<Role>().map_err(|e| Outcome::Ignored {
+        reason: e.to_string(),
+    })
+}
+
+fn merge_model(next: &mut CloudSettings, role: Role, entry: Option<&AllowedModel>) -> Outcome {
+    let Some(model) = entry else {
+        next.allowed_models.remove(&role);
+        return Outcome::Removed;
+    };
+    match validate_model(role, model) {
+        Ok(()) => {
+            next.allowed_models.insert(role, model.clone());
+            Outcome::Applied
+        }
+        Err(reason) => {
+            // Fail closed: a route the operator meant to change is not kept as it was.
+            next.allowed_models.remove(&role);
+            Outcome::Refused { reason }
+        }
+    }
+}
+
+fn validate_model(role: Role, m: &AllowedModel) -> Result<(), String> {
+    if m.model.trim().is_empty() {
+        return Err("model is empty".into());
+    }
+    if !role.is_embedding() {
+        return Ok(());
+    }
+    if m.provider.as_deref().is_none_or(|p| p.trim().is_empty()) {
+        return Err(format!(
+            "{role} needs an upstream provider pin: two upstreams of one model can return different vectors"
+        ));
+    }
+    match m.dims {
+        Some(d) if (1..=MAX_DIMS).contains(&d) => Ok(()),
+        Some(d) => Err(format!("dims {d} is outside 1..={MAX_DIMS}")),
+        None => Err(format!(
+            "{role} needs dims: the vector table's width is part of the route"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn push(json: &str) -> OpenRouterPush {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn the_first_push_needs_a_key_and_later_ones_merge() {
+        let mut held = CloudSettings::default();
+        let no_key = push(r#"{"modeByRole":{"reranker":"local"}}"#);
+        assert_eq!(
+            merge(&mut held, false, &no_key),
+            Err(PushRefused::FirstPushWithoutKey)
+        );
+        assert_eq!(held, CloudSettings::default(), "refused whole: modes too");
+
+        let first = push(
+            r#"{"apiKey":"sk-or-1","allowedModels":{
+                "code-embedding":{"model":"qwen/qwen3-embedding-4b","provider":"deepinfra/bf16","dims":2560},
+                "reranker":{"model":"qwen/qwen3-reranker-8b"}},
+              "modeByRole":{"code-embedding":"aggregate","reranker":"backup"}}"#,
+        );
+        let report = merge(&mut held, false, &first).unwrap();
+        assert!(report.key_included);
+        assert_eq!(held.allowed_models.len(), 2);
+        assert_eq!(held.policy(Role::Reranker), Policy::Backup);
+
+        // No key, one mode: everything else is kept.
+        let second = push(r#"{"modeByRole":{"reranker":"local-only"}}"#);
+        let report = merge(&mut held, true, &second).unwrap();
+        assert!(!report.key_included);
+        assert_eq!(held.policy(Role::Reranker), Policy::Local);
+        assert_eq!(held.policy(Role::CodeEmbedding), Policy::Aggregate);
+        assert_eq!(held.allowed_models.len(), 2);
+        assert_eq!(held.policy(Role::RlmSandbox), Policy::Local, "default");
+    }
+
+    #[test]
+    fn embedding_roles_without_pin_or_dims_fail_closed() {
+        let mut held = CloudSettings::default();
+        let good = push(
+            r#"{"apiKey":"k","allowedModels":{"embedding":{"model":"m","provider":"Nebius","dims":4096}}}"#,
+        );
+        merge(&mut held, false, &good).unwrap();
+        let unpinned = push(
+            r#"{"allowedModels":{"embedding":{"model":"m2","dims":4096},
+            "code-embedding":{"model":"m","provider":"Nebius"},
+            "code-assistant":{"model":"poolside/laguna-s-2.1"},
+            "embeddings":{"model":"x"}},"modeByRole":{"rlm":"local-only","reranker":"sometimes"}}"#,
+        );
+        let report = merge(&mut held, true, &unpinned).unwrap();
+        let outcome = |role: &str| report.roles[role].model.clone().unwrap();
+        assert!(
+            matches!(outcome("embedding"), Outcome::Refused { reason } if reason.contains("pin"))
+        );
+        assert!(
+            matches!(outcome("code-embedding"), Outcome::Refused { reason } if reason.contains("dims"))
+        );
+        assert_eq!(outcome("code-assistant"), Outcome::Applied);
+        assert!(
+            matches!(outcome("embeddings"), Outcome::Ignored { reason } if reason.contains("unknown role"))
+        );
+        assert!(matches!(
+            report.roles["rlm"].mode,
+            Some(Outcome::Ignored { .. })
+        ));
+        assert!(matches!(
+            report.roles["reranker"].mode,
+            Some(Outcome::Refused { .. })
+        ));
+        assert!(
+            !held.allowed_models.contains_key(&Role::Embedding),
+            "fail closed"
+        );
+        assert!(held.allowed_models.contains_key(&Role::CodeAssistant));
+
+        let remove = push(r#"{"allowedModels":{"code-assistant":null}}"#);
+        let report = merge(&mut held, true, &remove).unwrap();
+        assert_eq!(report.roles["code-assistant"].model, Some(Outcome::Removed));
+        assert!(held.allowed_models.is_empty());
+    }
+
+    #[test]
+    fn the_push_type_never_prints_its_key() {
+        let p = push(r#"{"apiKey":"sk-or-v1-secret-value","domain":"code"}"#);
+        assert!(!format!("{p:?}").contains("secret-value"));
+    }
+}

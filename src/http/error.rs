@@ -1,0 +1,87 @@
+//! API errors as HTTP responses: a status, OpenAI's error body, and `Retry-After` where the
+//! client should come back.
+
+use axum::Json;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::hub::HubError;
+use crate::hub::core::{RequestFailure, SubmitError};
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+    pub retry_after_s: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+            retry_after_s: None,
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = if self.status.is_server_error() {
+            "server_error"
+        } else {
+            "invalid_request_error"
+        };
+        let body = json!({"error": {"message": self.message, "type": kind, "code": self.code}});
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some(s) = self.retry_after_s
+            && let Ok(v) = HeaderValue::from_str(&s.to_string())
+        {
+            response.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+impl From<HubError> for ApiError {
+    fn from(e: HubError) -> Self {
+        let message = e.to_string();
+        match e {
+            HubError::Submit(SubmitError::NoProvider { .. }) => {
+                let mut err = Self::new(StatusCode::SERVICE_UNAVAILABLE, "no_provider", message);
+                err.retry_after_s = Some(5);
+                err
+            }
+            HubError::Submit(SubmitError::QueueFull { retry_after_s, .. }) => {
+                let mut err = Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", message);
+                err.retry_after_s = Some(retry_after_s);
+                err
+            }
+            HubError::Submit(SubmitError::TooLarge { .. }) => {
+                Self::new(StatusCode::PAYLOAD_TOO_LARGE, "too_many_inputs", message)
+            }
+            HubError::Failed(RequestFailure::Fatal { .. }) => {
+                Self::new(StatusCode::UNPROCESSABLE_ENTITY, "input_refused", message)
+            }
+            HubError::Failed(RequestFailure::TooManyAttempts { .. }) => {
+                Self::new(StatusCode::BAD_GATEWAY, "provider_failures", message)
+            }
+            HubError::Failed(RequestFailure::Stopped) => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", message)
+            }
+            HubError::Timeout(_) => Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout", message),
+        }
+    }
+}

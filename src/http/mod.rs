@@ -1,0 +1,116 @@
+//! The HTTP front doors: the hub's client API ([`client_api`]), its admin API
+//! ([`admin_api`]), health and metrics ([`ops`]), and the agents' WebSocket endpoint; the
+//! agent's own small health/metrics server is in [`crate::agent::http`]. Errors are JSON in
+//! OpenAI's shape (`{"error": {"message", "type", "code"}}`).
+
+pub mod admin_api;
+pub mod auth;
+pub mod client_api;
+pub mod error;
+pub mod ops;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, State, WebSocketUpgrade};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+
+use crate::hub::Hub;
+use crate::hub::socket::serve_agent;
+use error::ApiError;
+
+/// Client request bodies (texts to embed) may be this large.
+pub const MAX_BODY_BYTES: usize = 64 << 20;
+
+/// A certificate chain and key (PEM) to serve `https://` and `wss://`.
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// Every route of the hub.
+pub fn hub_router(hub: Hub) -> Router {
+    Router::new()
+        .route("/v1/agent", get(agent_socket))
+        .route("/v1/embeddings", post(client_api::embeddings))
+        .route("/v1/rerank", post(client_api::rerank))
+        .route(
+            "/admin/config",
+            get(admin_api::get_config).post(admin_api::post_config),
+        )
+        .route("/admin/status", get(admin_api::status))
+        .route("/health", get(ops::health))
+        .route("/metrics", get(ops::metrics))
+        .fallback(ops::not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(hub)
+}
+
+/// `GET /v1/agent`: the fleet token is checked before the upgrade.
+async fn agent_socket(
+    State(hub): State<Hub>,
+    headers: HeaderMap,
+    ws: WebSocketUpgrade,
+) -> Result<Response, ApiError> {
+    auth::require(&headers, hub.fleet_token(), "fleet")?;
+    let max = hub.core().settings.max_frame_bytes;
+    Ok(ws
+        .max_message_size(max)
+        .max_frame_size(max)
+        .on_upgrade(move |socket| serve_agent(socket, hub))
+        .into_response())
+}
+
+/// Serves `router` on `listener` (TLS when `tls` is given) until `shutdown` resolves.
+pub async fn serve(
+    listener: std::net::TcpListener,
+    router: Router,
+    tls: Option<TlsFiles>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    listener.set_nonblocking(true)?;
+    let app = router.into_make_service_with_connect_info::<SocketAddr>();
+    match tls {
+        None => {
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await?;
+        }
+        Some(files) => {
+            install_crypto_provider();
+            let config =
+                axum_server::tls_rustls::RustlsConfig::from_pem_file(&files.cert, &files.key)
+                    .await
+                    .with_context(|| {
+                        format!(
+                            "cannot load the TLS certificate {} / key {}",
+                            files.cert.display(),
+                            files.key.display()
+                        )
+                    })?;
+            let handle = axum_server::Handle::new();
+            let on_shutdown = handle.clone();
+            tokio::spawn(async move {
+                shutdown.await;
+                on_shutdown.graceful_shutdown(Some(std::time::Duration::from_secs(10)));
+            });
+            axum_server::from_tcp_rustls(listener, config)?
+                .handle(handle)
+                .serve(app)
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// rustls needs one process-wide crypto provider; ours is ring (idempotent).
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}

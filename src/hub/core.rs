@@ -1,0 +1,855 @@
+//! The hub's state machine: accepted requests, their items in the role queues, leases out to
+//! providers, and the dispatcher that forms work for pullers. One mutex guards it all; every
+//! operation is short (no I/O: frames go to per-socket channels).
+//!
+//! Invariants: an accepted item is always in exactly one place (its queue, or one live
+//! lease) until its request completes or fails; a result counts only for an item that has
+//! none yet (the first completion wins); a lease that comes back (expiry, disconnect,
+//! transient failure) returns its items to the front of their queue.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::oneshot;
+
+use super::policy::{self, Admission};
+use super::queue::{BatchLimits, Item, RequestId, RoleQueue, Shape};
+use super::registry::{AgentEntry, AgentTx, Outgoing, ProviderEntry, ProviderRef, SocketCount};
+use crate::config::push::CloudSettings;
+use crate::protocol::{
+    self, Backend, ConfigAck, Done, Failed, FailureClass, Heartbeat, Hello, HubFrame,
+    PROTOCOL_VERSION, ProviderInfo, Score, Welcome, Work, WorkOutput,
+};
+use crate::roles::Role;
+
+/// Hub behaviour settings.
+#[derive(Clone, Debug)]
+pub struct HubSettings {
+    /// A lease not done by then goes back to the front of its queue.
+    pub lease: Duration,
+    pub heartbeat_interval: Duration,
+    /// Items per role queue; beyond it clients get 429.
+    pub queue_capacity: usize,
+    /// Leases an item may go through without a result before its request fails.
+    pub max_attempts: u32,
+    /// How long two consecutive failures bench a provider.
+    pub bench: Duration,
+    /// Largest frame with vectors.
+    pub max_frame_bytes: usize,
+    /// How long a client request may wait for all its items.
+    pub request_timeout: Duration,
+}
+
+impl Default for HubSettings {
+    fn default() -> Self {
+        Self {
+            lease: Duration::from_secs(120),
+            heartbeat_interval: Duration::from_secs(5),
+            queue_capacity: 100_000,
+            max_attempts: 5,
+            bench: Duration::from_secs(30),
+            max_frame_bytes: protocol::codec::DEFAULT_MAX_FRAME_BYTES,
+            request_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// One item's result.
+#[derive(Clone, Debug)]
+pub enum ItemOutput {
+    Vector(Vec<f32>),
+    Score(Score),
+}
+
+#[derive(Clone, Debug)]
+pub struct Served {
+    pub output: ItemOutput,
+    pub provider: Arc<ProviderRef>,
+}
+
+/// A request's results, in input order.
+#[derive(Debug)]
+pub struct Completed {
+    pub items: Vec<Served>,
+    pub tokens: u64,
+}
+
+/// Why an accepted request failed.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum RequestFailure {
+    /// A provider said no one can serve this input.
+    #[error("{provider} cannot serve this input: {message}")]
+    Fatal { provider: String, message: String },
+    #[error("an item went through {attempts} leases without a result (last: {last})")]
+    TooManyAttempts { attempts: u32, last: String },
+    #[error("the hub is shutting down")]
+    Stopped,
+}
+
+/// Why a request was not accepted.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error("no provider serves role '{role}' under policy '{policy}'")]
+    NoProvider {
+        role: Role,
+        policy: crate::roles::Policy,
+    },
+    #[error("the {role} queue is full ({depth} items waiting); retry after {retry_after_s} s")]
+    QueueFull {
+        role: Role,
+        depth: usize,
+        retry_after_s: u64,
+    },
+    #[error("{items} items is more than the {role} queue holds ({capacity}); split the request")]
+    TooLarge {
+        role: Role,
+        items: usize,
+        capacity: usize,
+    },
+}
+
+type Reply = oneshot::Sender<Result<Completed, RequestFailure>>;
+
+struct Pending {
+    outputs: Vec<Option<Served>>,
+    remaining: usize,
+    tokens: u64,
+    reply: Reply,
+}
+
+struct Lease {
+    agent: String,
+    session: u64,
+    provider: String,
+    role: Role,
+    items: Vec<Item>,
+    deadline: Instant,
+}
+
+/// Counters for `/metrics`.
+#[derive(Clone, Debug, Default)]
+pub struct Counters {
+    pub requests: BTreeMap<Role, u64>,
+    pub items_accepted: BTreeMap<Role, u64>,
+    pub items_served: BTreeMap<Role, u64>,
+    pub rejected_full: BTreeMap<Role, u64>,
+    pub leases_granted: u64,
+    pub leases_expired: u64,
+    pub leases_lost: u64,
+    pub failures: BTreeMap<&'static str, u64>,
+    pub late_results: u64,
+    pub requests_failed: u64,
+}
+
+pub struct Core {
+    pub settings: HubSettings,
+    pub cloud: CloudSettings,
+    pub counters: Counters,
+    queues: BTreeMap<Role, RoleQueue>,
+    requests: HashMap<RequestId, Pending>,
+    leases: HashMap<u64, Lease>,
+    agents: BTreeMap<String, AgentEntry>,
+    sockets: BTreeMap<String, SocketCount>,
+    next_request: RequestId,
+    next_lease: u64,
+    next_session: u64,
+    turn: usize,
+}
+
+fn unix_ms(at: SystemTime) -> u64 {
+    at.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn failure_name(class: FailureClass) -> &'static str {
+    match class {
+        FailureClass::RateLimited => "rate_limited",
+        FailureClass::Transient => "transient",
+        FailureClass::Fatal => "fatal",
+        FailureClass::Refused => "refused",
+    }
+}
+
+impl Core {
+    pub fn new(settings: HubSettings, cloud: CloudSettings) -> Self {
+        let queues = Role::ALL
+            .into_iter()
+            .map(|r| (r, RoleQueue::new(settings.queue_capacity)))
+            .collect();
+        Self {
+            settings,
+            cloud,
+            counters: Counters::default(),
+            queues,
+            requests: HashMap::new(),
+            leases: HashMap::new(),
+            agents: BTreeMap::new(),
+            sockets: BTreeMap::new(),
+            next_request: 1,
+            next_lease: 1,
+            next_session: 1,
+            turn: 0,
+        }
+    }
+
+    // ---- clients ------------------------------------------------------------------------
+
+    /// Accepts a request of `texts` (one item each) for `role`, or says why not.
+    pub fn submit(
+        &mut self,
+        role: Role,
+        shape: Shape,
+        texts: Vec<String>,
+    ) -> Result<
+        (
+            RequestId,
+            oneshot::Receiver<Result<Completed, RequestFailure>>,
+        ),
+        SubmitError,
+    > {
+        let policy = self.cloud.policy(role);
+        if !self.role_has_provider(role) {
+            return Err(SubmitError::NoProvider { role, policy });
+        }
+        let n = texts.len();
+        let queue = &self.queues[&role];
+        if n > queue.capacity() {
+            return Err(SubmitError::TooLarge {
+                role,
+                items: n,
+                capacity: queue.capacity(),
+            });
+        }
+        if !queue.has_room(n) {
+            *self.counters.rejected_full.entry(role).or_default() += 1;
+            return Err(SubmitError::QueueFull {
+                role,
+                depth: queue.len(),
+                retry_after_s: self.retry_after_s(role),
+            });
+        }
+        let id = self.next_request;
+        self.next_request += 1;
+        let (reply, rx) = oneshot::channel();
+        self.requests.insert(
+            id,
+            Pending {
+                outputs: vec![None; n],
+                remaining: n,
+                tokens: 0,
+                reply,
+            },
+        );
+        let shape = Arc::new(shape);
+        let items = texts.into_iter().enumerate().map(|(index, text)| Item {
+            request: id,
+            index: index as u32,
+            text,
+            shape: shape.clone(),
+            attempts: 0,
+        });
+        if let Some(q) = self.queues.get_mut(&role) {
+            q.push_back(items);
+        }
+        *self.counters.requests.entry(role).or_default() += 1;
+        *self.counters.items_accepted.entry(role).or_default() += n as u64;
+        self.dispatch(role);
+        Ok((id, rx))
+    }
+
+    /// Forgets a request (its client timed out or went away); its items die where they are.
+    pub fn cancel_request(&mut self, id: RequestId) {
+        self.requests.remove(&id);
+    }
+
+    /// Whether a connected provider could ever take `role`'s work under its policy.
+    fn role_has_provider(&self, role: Role) -> bool {
+        let policy = self.cloud.policy(role);
+        let healthy_local = true; // a backup cloud provider counts as a provider of the role
+        self.providers().any(|p| {
+            p.role() == role
+                && policy::admit(policy, p.info.backend, healthy_local) == Admission::Serve
+        })
+    }
+
+    /// A retry hint: seconds to drain the queue at the served rate, 1..=60.
+    fn retry_after_s(&self, role: Role) -> u64 {
+        let (mut items_per_s, depth) = (0.0, self.queues[&role].len() as f64);
+        for p in self.providers().filter(|p| p.role() == role) {
+            if let Some(ms) = p.latency_ewma_ms {
+                items_per_s += p.info.max_batch_items as f64 * 1000.0 / ms.max(1.0);
+            }
+        }
+        if items_per_s <= 0.0 {
+            return 1;
+        }
+        ((depth / items_per_s).ceil() as u64).clamp(1, 60)
+    }
+
+    fn providers(&self) -> impl Iterator<Item = &ProviderEntry> {
+        self.agents.values().flat_map(|a| a.providers.values())
+    }
+
+    // ---- agents ---------------------------------------------------------------------------
+
+    /// Registers an agent's session (superseding an older one of the same id) and sends
+    /// `welcome` before anything else can reach the socket.
+    pub fn hello(&mut self, hello: Hello, tx: AgentTx) -> Result<u64, String> {
+        if hello.protocol_version != PROTOCOL_VERSION {
+            return Err(format!(
+                "protocol version {} is not spoken here (this hub speaks {PROTOCOL_VERSION})",
+                hello.protocol_version
+            ));
+        }
+        if hello.agent_id.trim().is_empty() {
+            return Err("hello needs a non-empty agent_id".into());
+        }
+        let providers = build_providers(&hello.agent_id, hello.providers)?;
+        if let Some(old) = self.agents.remove(&hello.agent_id) {
+            tracing::info!(agent = %hello.agent_id, old_session = old.session, "superseding the older session of this agent");
+            let _ = old
+                .tx
+                .send(Outgoing::Close("superseded by a newer session".into()));
+            self.requeue_session_leases(&hello.agent_id, old.session);
+        }
+        let session = self.next_session;
+        self.next_session += 1;
+        let welcome = HubFrame::Welcome(Welcome {
+            session,
+            protocol_version: PROTOCOL_VERSION,
+            heartbeat_interval_ms: self.settings.heartbeat_interval.as_millis() as u64,
+            lease_ms: self.settings.lease.as_millis() as u64,
+        });
+        let _ = tx.send(Outgoing::Frame(protocol::encode(&welcome)));
+        let count = self.sockets.entry(hello.agent_id.clone()).or_default();
+        count.open += 1;
+        count.total += 1;
+        count.max_concurrent = count.max_concurrent.max(count.open);
+        self.agents.insert(
+            hello.agent_id.clone(),
+            AgentEntry {
+                session,
+                hostname: hello.hostname,
+                version: hello.version,
+                connected_at: Instant::now(),
+                tx,
+                providers,
+                devices: hello.devices,
+                last_config_ack: None,
+            },
+        );
+        self.dispatch_all();
+        Ok(session)
+    }
+
+    /// A socket that said hello has ended. Only its own session is removed: a close on an
+    /// old socket never tears down a newer one.
+    pub fn disconnect(&mut self, agent: &str, session: u64) {
+        if let Some(count) = self.sockets.get_mut(agent) {
+            count.open = count.open.saturating_sub(1);
+        }
+        if self.agents.get(agent).is_some_and(|a| a.session == session) {
+            self.agents.remove(agent);
+            tracing::info!(agent, session, "agent disconnected");
+        }
+        self.requeue_session_leases(agent, session);
+    }
+
+    fn requeue_session_leases(&mut self, agent: &str, session: u64) {
+        let lost: Vec<u64> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.agent == agent && l.session == session)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in lost {
+            if let Some(lease) = self.leases.remove(&id) {
+                self.counters.leases_lost += 1;
+                let role = lease.role;
+                self.requeue(role, lease.items, true, "the agent disconnected");
+                self.dispatch(role);
+            }
+        }
+    }
+
+    fn session_agent(&mut self, agent: &str, session: u64) -> Result<&mut AgentEntry, String> {
+        match self.agents.get_mut(agent) {
+            Some(a) if a.session == session => Ok(a),
+            _ => Err("this session was superseded or closed".into()),
+        }
+    }
+
+    pub fn set_providers(
+        &mut self,
+        agent: &str,
+        session: u64,
+        infos: Vec<ProviderInfo>,
+    ) -> Result<(), String> {
+        let mut next = build_providers(agent, infos)?;
+        let entry = self.session_agent(agent, session)?;
+        for (id, p) in next.iter_mut() {
+            if let Some(old) = entry.providers.remove(id)
+                && old.info == p.info
+            {
+                *p = old;
+            }
+        }
+        entry.providers = next;
+        self.dispatch_all();
+        Ok(())
+    }
+
+    pub fn pull(
+        &mut self,
+        agent: &str,
+        session: u64,
+        provider: &str,
+        credits: u32,
+    ) -> Result<(), String> {
+        let entry = self.session_agent(agent, session)?;
+        let Some(p) = entry.providers.get_mut(provider) else {
+            return Err(format!("pull for unknown provider '{provider}'"));
+        };
+        p.credits = p.credits.saturating_add(credits).min(1024);
+        let role = p.role();
+        self.dispatch(role);
+        Ok(())
+    }
+
+    pub fn heartbeat(&mut self, agent: &str, session: u64, hb: Heartbeat) -> Result<(), String> {
+        let entry = self.session_agent(agent, session)?;
+        entry.devices = hb.devices;
+        for stats in hb.providers {
+            if let Some(p) = entry.providers.get_mut(&stats.provider) {
+                p.heartbeat = Some(stats);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn config_ack(&mut self, agent: &str, session: u64, ack: ConfigAck) -> Result<(), String> {
+        self.session_agent(agent, session)?.last_config_ack = Some(ack);
+        Ok(())
+    }
+
+    /// Sends a frame to every connected agent; returns their ids.
+    pub fn broadcast(&self, frame: &str) -> Vec<String> {
+        self.agents
+            .iter()
+            .filter(|(_, a)| a.send(frame.to_string()))
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    // ---- results ---------------------------------------------------------------------------
+
+    /// Takes the lease `id` if it is live and belongs to this session; `None`: a late result.
+    fn take_lease(&mut self, agent: &str, session: u64, id: u64) -> Option<Lease> {
+        match self.leases.get(&id) {
+            Some(l) if l.agent == agent && l.session == session => self.leases.remove(&id),
+            _ => {
+                self.counters.late_results += 1;
+                None
+            }
+        }
+    }
+
+    fn provider_mut(&mut self, lease: &Lease) -> Option<&mut ProviderEntry> {
+        self.agents
+            .get_mut(&lease.agent)
+            .filter(|a| a.session == lease.session)
+            .and_then(|a| a.providers.get_mut(&lease.provider))
+    }
+
+    pub fn done(&mut self, agent: &str, session: u64, done: Done) -> Result<(), String> {
+        let Some(lease) = self.take_lease(agent, session, done.lease) else {
+            tracing::debug!(agent, lease = done.lease, "late result dropped");
+            return Ok(());
+        };
+        let outputs = match check_outputs(&lease, done.output) {
+            Ok(outputs) => outputs,
+            Err(message) => {
+                let role = lease.role;
+                self.count_failure(&lease, FailureClass::Transient);
+                self.requeue(role, lease.items, true, &message);
+                self.dispatch(role);
+                return Err(message);
+            }
+        };
+        let Some(p) = self.provider_mut(&lease) else {
+            // The provider left the set while this lease ran; its results still count.
+            return self.deliver(lease, outputs, done.tokens, None);
+        };
+        p.in_flight = p.in_flight.saturating_sub(1);
+        p.consecutive_failures = 0;
+        p.served_items += lease.items.len() as u64;
+        p.record_latency(done.latency_ms);
+        let reference = p.reference.clone();
+        self.deliver(lease, outputs, done.tokens, Some(reference))
+    }
+
+    fn deliver(
+        &mut self,
+        lease: Lease,
+        outputs: Vec<ItemOutput>,
+        tokens: u64,
+        reference: Option<Arc<ProviderRef>>,
+    ) -> Result<(), String> {
+        let reference = reference.unwrap_or_else(|| {
+            Arc::new(ProviderRef {
+                provider: format!("{}/{}", lease.agent, lease.provider),
+                agent: lease.agent.clone(),
+                backend: Backend::Local,
+                model: String::new(),
+                revision: None,
+                upstream: None,
+            })
+        });
+        let n = lease.items.len() as u64;
+        *self.counters.items_served.entry(lease.role).or_default() += n;
+        for (item, output) in lease.items.into_iter().zip(outputs) {
+            let Some(pending) = self.requests.get_mut(&item.request) else {
+                continue;
+            };
+            let slot = &mut pending.outputs[item.index as usize];
+            if slot.is_some() {
+                self.counters.late_results += 1;
+                continue;
+            }
+            *slot = Some(Served {
+                output,
+                provider: reference.clone(),
+            });
+            pending.remaining -= 1;
+            pending.tokens += tokens / n.max(1);
+            if pending.remaining == 0
+                && let Some(done) = self.requests.remove(&item.request)
+            {
+                let items = done.outputs.into_iter().flatten().collect();
+                let _ = done.reply.send(Ok(Completed {
+                    items,
+                    tokens: done.tokens,
+                }));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn failed(&mut self, agent: &str, session: u64, failed: Failed) -> Result<(), String> {
+        let Some(lease) = self.take_lease(agent, session, failed.lease) else {
+            return Ok(());
+        };
+        let role = lease.role;
+        tracing::debug!(agent, lease = failed.lease, class = failure_name(failed.class), message = %failed.message, "lease failed");
+        self.count_failure(&lease, failed.class);
+        match failed.class {
+            FailureClass::Fatal => {
+                let provider = format!("{}/{}", lease.agent, lease.provider);
+                for item in &lease.items {
+                    self.fail_request(
+                        item.request,
+                        RequestFailure::Fatal {
+                            provider: provider.clone(),
+                            message: failed.message.clone(),
+                        },
+                    );
+                }
+            }
+            FailureClass::RateLimited => {
+                let wait = Duration::from_millis(failed.retry_after_ms.unwrap_or(1000));
+                if let Some(p) = self.provider_mut(&lease) {
+                    p.paused_until = Some(Instant::now() + wait);
+                }
+                self.requeue(role, lease.items, false, &failed.message);
+            }
+            FailureClass::Transient | FailureClass::Refused => {
+                self.requeue(role, lease.items, true, &failed.message);
+            }
+        }
+        self.dispatch(role);
+        Ok(())
+    }
+
+    /// Provider bookkeeping of a failed lease (`rate_limited` never counts against it).
+    fn count_failure(&mut self, lease: &Lease, class: FailureClass) {
+        *self
+            .counters
+            .failures
+            .entry(failure_name(class))
+            .or_default() += 1;
+        let bench = self.settings.bench;
+        let Some(p) = self.provider_mut(lease) else {
+            return;
+        };
+        p.in_flight = p.in_flight.saturating_sub(1);
+        if class == FailureClass::RateLimited {
+            return;
+        }
+        p.failures += 1;
+        p.consecutive_failures += 1;
+        if p.consecutive_failures >= 2 {
+            p.benched_until = Some(Instant::now() + bench);
+            p.consecutive_failures = 0;
+            tracing::warn!(provider = %p.reference.provider, bench_s = bench.as_secs(), "two failures in a row: provider benched");
+        }
+    }
+
+    fn fail_request(&mut self, id: RequestId, failure: RequestFailure) {
+        if let Some(pending) = self.requests.remove(&id) {
+            self.counters.requests_failed += 1;
+            let _ = pending.reply.send(Err(failure));
+        }
+    }
+
+    /// Items back to the front of their queue; an item out of attempts fails its request.
+    fn requeue(&mut self, role: Role, items: Vec<Item>, count_attempt: bool, why: &str) {
+        let max = self.settings.max_attempts;
+        let mut kept = Vec::with_capacity(items.len());
+        for mut item in items {
+            if !self.requests.contains_key(&item.request) {
+                continue;
+            }
+            if count_attempt {
+                item.attempts += 1;
+            }
+            if item.attempts >= max {
+                self.fail_request(
+                    item.request,
+                    RequestFailure::TooManyAttempts {
+                        attempts: item.attempts,
+                        last: why.to_string(),
+                    },
+                );
+            } else {
+                kept.push(item);
+            }
+        }
+        if let Some(q) = self.queues.get_mut(&role) {
+            q.requeue_front(kept);
+        }
+    }
+
+    /// Leases past their deadline go back to the front; their agents are told to stop.
+    pub fn expire(&mut self, now: Instant) {
+        let expired: Vec<u64> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            let Some(lease) = self.leases.remove(&id) else {
+                continue;
+            };
+            self.counters.leases_expired += 1;
+            tracing::warn!(lease = id, agent = %lease.agent, provider = %lease.provider, "lease expired; its items go back to the front");
+            if let Some(a) = self
+                .agents
+                .get(&lease.agent)
+                .filter(|a| a.session == lease.session)
+            {
+                a.send(protocol::encode(&HubFrame::Cancel {
+                    lease: id,
+                    reason: "the lease expired".into(),
+                }));
+            }
+            self.count_failure(&lease, FailureClass::Transient);
+            let role = lease.role;
+            self.requeue(role, lease.items, true, "the lease expired");
+            self.dispatch(role);
+        }
+    }
+
+    // ---- dispatch --------------------------------------------------------------------------
+
+    pub fn dispatch_all(&mut self) {
+        for role in Role::ALL {
+            self.dispatch(role);
+        }
+    }
+
+    /// Forms work for providers of `role` that have credits, while the queue has items.
+    fn dispatch(&mut self, role: Role) {
+        let now = Instant::now();
+        let policy = self.cloud.policy(role);
+        loop {
+            let requests = &self.requests;
+            let Some(queue) = self.queues.get_mut(&role) else {
+                return;
+            };
+            queue.drop_dead_head(|r| requests.contains_key(&r));
+            if queue.is_empty() {
+                return;
+            }
+            let healthy_local = self
+                .agents
+                .values()
+                .flat_map(|a| a.providers.values())
+                .any(|p| p.role() == role && p.info.backend == Backend::Local && p.is_healthy(now));
+            // The provider with the most credits; ties go round the fleet in turn.
+            let mut best: Option<(u32, usize, &str, &str)> = None;
+            let mut k = 0usize;
+            for (agent_id, agent) in &self.agents {
+                for (pid, p) in &agent.providers {
+                    k += 1;
+                    if p.role() != role || p.credits == 0 || !p.is_available(now) {
+                        continue;
+                    }
+                    if policy::admit(policy, p.info.backend, healthy_local) != Admission::Serve {
+                        continue;
+                    }
+                    let rank = k.wrapping_sub(self.turn) % 1024;
+                    let better = match best {
+                        None => true,
+                        Some((c, r, _, _)) => p.credits > c || (p.credits == c && rank < r),
+                    };
+                    if better {
+                        best = Some((p.credits, rank, agent_id, pid));
+                    }
+                }
+            }
+            let Some((_, _, agent_id, pid)) = best else {
+                return;
+            };
+            let (agent_id, pid) = (agent_id.to_string(), pid.to_string());
+            self.turn = self.turn.wrapping_add(1);
+            let Some(agent) = self.agents.get_mut(&agent_id) else {
+                return;
+            };
+            let session = agent.session;
+            let Some(info) = agent.providers.get(&pid).map(|p| &p.info) else {
+                return;
+            };
+            let limits = BatchLimits {
+                max_items: info.max_batch_items.max(1),
+                max_tokens: info.max_batch_tokens.max(1),
+            };
+            let requests = &self.requests;
+            let Some(queue) = self.queues.get_mut(&role) else {
+                return;
+            };
+            let items = queue.take_batch(limits, |r| requests.contains_key(&r));
+            let Some(shape) = items.first().map(|i| i.shape.clone()) else {
+                return;
+            };
+            let lease_id = self.next_lease;
+            self.next_lease += 1;
+            let deadline = now + self.settings.lease;
+            let frame = HubFrame::Work(Work {
+                lease: lease_id,
+                provider: pid.clone(),
+                role,
+                input: shape.work_input(items.iter().map(|i| i.text.clone()).collect()),
+                deadline_ms: unix_ms(SystemTime::now() + self.settings.lease),
+            });
+            let sent = agent.send(protocol::encode(&frame));
+            let Some(p) = agent.providers.get_mut(&pid) else {
+                return;
+            };
+            if !sent {
+                // The socket is going away; its disconnect will clean up the session.
+                p.credits = 0;
+                queue.requeue_front(items);
+                continue;
+            }
+            p.credits -= 1;
+            p.in_flight += 1;
+            self.counters.leases_granted += 1;
+            self.leases.insert(
+                lease_id,
+                Lease {
+                    agent: agent_id,
+                    session,
+                    provider: pid,
+                    role,
+                    items,
+                    deadline,
+                },
+            );
+        }
+    }
+
+    // ---- views -----------------------------------------------------------------------------
+
+    pub fn agents(&self) -> &BTreeMap<String, AgentEntry> {
+        &self.agents
+    }
+
+    pub fn sockets(&self) -> &BTreeMap<String, SocketCount> {
+        &self.sockets
+    }
+
+    pub fn queue_depth(&self, role: Role) -> usize {
+        self.queues.get(&role).map_or(0, RoleQueue::len)
+    }
+
+    /// Leases out and the items on them, per role.
+    pub fn leases_by_role(&self) -> BTreeMap<Role, (usize, usize)> {
+        let mut out = BTreeMap::new();
+        for lease in self.leases.values() {
+            let e: &mut (usize, usize) = out.entry(lease.role).or_default();
+            e.0 += 1;
+            e.1 += lease.items.len();
+        }
+        out
+    }
+
+    pub fn leases_of(&self, agent: &str) -> usize {
+        self.leases.values().filter(|l| l.agent == agent).count()
+    }
+
+    pub fn requests_waiting(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Fails every waiting request (shutdown).
+    pub fn fail_all(&mut self) {
+        let ids: Vec<RequestId> = self.requests.keys().copied().collect();
+        for id in ids {
+            self.fail_request(id, RequestFailure::Stopped);
+        }
+    }
+}
+
+fn build_providers(
+    agent: &str,
+    infos: Vec<ProviderInfo>,
+) -> Result<BTreeMap<String, ProviderEntry>, String> {
+    let mut out = BTreeMap::new();
+    for info in infos {
+        if info.id.is_empty() {
+            return Err("a provider needs a non-empty id".into());
+        }
+        let id = info.id.clone();
+        if out
+            .insert(id.clone(), ProviderEntry::new(agent, info))
+            .is_some()
+        {
+            return Err(format!("provider id '{id}' appears twice"));
+        }
+    }
+    Ok(out)
+}
+
+/// The lease's outputs, one per item and of the kind its op makes.
+fn check_outputs(lease: &Lease, output: WorkOutput) -> Result<Vec<ItemOutput>, String> {
+    let n = lease.items.len();
+    if output.len() != n {
+        return Err(format!(
+            "done has {} outputs for {n} items; the items were requeued",
+            output.len()
+        ));
+    }
+    let embed = matches!(
+        lease.items.first().map(|i| &*i.shape),
+        Some(Shape::Embed { .. })
+    );
+    match (output, embed) {
+        (WorkOutput::Embeddings(v), true) => Ok(v.into_iter().map(ItemOutput::Vector).collect()),
+        (WorkOutput::Scores(s), false) => Ok(s.into_iter().map(ItemOutput::Score).collect()),
+        _ => {
+            Err("done carries the wrong kind of output for its op; the items were requeued".into())
+        }
+    }
+}

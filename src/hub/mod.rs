@@ -1,0 +1,249 @@
+//! The hub: the controller of the fleet. It owns the shared role queues and the leases
+//! ([`core`]), the agents' sockets ([`socket`]), the routing policy ([`policy`]), the safe
+//! persisted config ([`state`]) and the views of it all ([`status`]). HTTP front doors live in
+//! [`crate::http`]; they call the [`Hub`] handle.
+
+pub mod core;
+pub mod policy;
+pub mod queue;
+pub mod registry;
+pub mod socket;
+pub mod state;
+pub mod status;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+
+use self::core::{Completed, Core, HubSettings, RequestFailure, SubmitError};
+use self::queue::{RequestId, Shape};
+use self::state::{HubState, KeyRecord, StateError};
+use crate::config::push::{self, OpenRouterPush, PushRefused, RoleOutcome};
+use crate::protocol::{self, ConfigFrame, ConfigPayload, HubFrame};
+use crate::roles::Role;
+use crate::secret::Secret;
+
+/// How a hub starts.
+pub struct HubOptions {
+    pub settings: HubSettings,
+    pub state_dir: PathBuf,
+    pub fleet_token: Secret,
+    pub admin_token: Secret,
+    /// When set, client endpoints require it as a bearer token.
+    pub client_token: Option<Secret>,
+}
+
+/// A handle to the running hub; clones share it.
+#[derive(Clone)]
+pub struct Hub {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    core: Mutex<Core>,
+    state: Mutex<HubState>,
+    state_dir: PathBuf,
+    fleet_token: Secret,
+    admin_token: Secret,
+    client_token: Option<Secret>,
+    started: Instant,
+    next_config: AtomicU64,
+}
+
+/// Why a client request did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum HubError {
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    #[error(transparent)]
+    Failed(#[from] RequestFailure),
+    #[error("the request was not served within {0} s")]
+    Timeout(u64),
+}
+
+/// Why a config push did not apply.
+#[derive(Debug, thiserror::Error)]
+pub enum PushError {
+    #[error(transparent)]
+    Refused(#[from] PushRefused),
+    #[error(transparent)]
+    State(#[from] StateError),
+}
+
+/// What an admin push did.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PushResult {
+    pub id: String,
+    pub applied: bool,
+    pub key_included: bool,
+    pub roles: std::collections::BTreeMap<String, RoleOutcome>,
+    /// Agents the config frame went to (their acks show in `/admin/status`).
+    pub sent_to: Vec<String>,
+}
+
+/// Cancels a request whose client stopped waiting (timeout, dropped connection).
+struct CancelOnDrop {
+    hub: Hub,
+    id: RequestId,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            self.hub.core().cancel_request(self.id);
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Hub {
+    /// Opens the hub's state dir and builds the hub (no sockets yet).
+    pub fn open(opts: HubOptions) -> Result<Self, StateError> {
+        let state = HubState::load(&opts.state_dir)?;
+        let core = Core::new(opts.settings, state.cloud.clone());
+        Ok(Self {
+            inner: Arc::new(Inner {
+                core: Mutex::new(core),
+                state: Mutex::new(state),
+                state_dir: opts.state_dir,
+                fleet_token: opts.fleet_token,
+                admin_token: opts.admin_token,
+                client_token: opts.client_token,
+                started: Instant::now(),
+                next_config: AtomicU64::new(1),
+            }),
+        })
+    }
+
+    /// The state machine (short critical sections only; no await while held).
+    pub fn core(&self) -> MutexGuard<'_, Core> {
+        self.inner
+            .core
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub fn fleet_token(&self) -> &Secret {
+        &self.inner.fleet_token
+    }
+
+    pub fn admin_token(&self) -> &Secret {
+        &self.inner.admin_token
+    }
+
+    pub fn client_token(&self) -> Option<&Secret> {
+        self.inner.client_token.as_ref()
+    }
+
+    pub fn uptime(&self) -> Duration {
+        self.inner.started.elapsed()
+    }
+
+    /// Queues `texts` for `role` and waits for every item's result.
+    pub async fn run(
+        &self,
+        role: Role,
+        shape: Shape,
+        texts: Vec<String>,
+    ) -> Result<Completed, HubError> {
+        let (id, rx, timeout) = {
+            let mut core = self.core();
+            let timeout = core.settings.request_timeout;
+            let (id, rx) = core.submit(role, shape, texts)?;
+            (id, rx, timeout)
+        };
+        let mut guard = CancelOnDrop {
+            hub: self.clone(),
+            id,
+            armed: true,
+        };
+        let result = tokio::time::timeout(timeout, rx).await;
+        match result {
+            Ok(Ok(outcome)) => {
+                guard.armed = false;
+                Ok(outcome?)
+            }
+            Ok(Err(_)) => Err(RequestFailure::Stopped.into()),
+            Err(_) => Err(HubError::Timeout(timeout.as_secs())),
+        }
+    }
+
+    /// Applies an admin push: merge (the hub holds no key, only that one was pushed),
+    /// persist, send the push to every connected agent, then drop it (and the key with it).
+    pub fn push_config(&self, push: OpenRouterPush) -> Result<PushResult, PushError> {
+        let mut core = self.core();
+        let mut state = self
+            .inner
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut next = state.clone();
+        let report = push::merge(&mut next.cloud, state.key.is_some(), &push)?;
+        let at = now_ms();
+        next.last_push_ms = Some(at);
+        if report.key_included {
+            next.key = Some(KeyRecord {
+                pushed_at_ms: at,
+                pushes: state.key.as_ref().map_or(0, |k| k.pushes) + 1,
+            });
+        }
+        next.save(&self.inner.state_dir)?;
+        core.cloud = next.cloud.clone();
+        *state = next;
+        let id = format!(
+            "cfg-{}",
+            self.inner.next_config.fetch_add(1, Ordering::Relaxed)
+        );
+        let frame = protocol::encode(&HubFrame::Config(ConfigFrame {
+            id: id.clone(),
+            payload: ConfigPayload {
+                openrouter: Some(push),
+            },
+        }));
+        let sent_to = core.broadcast(&frame);
+        drop(frame);
+        core.dispatch_all();
+        tracing::info!(config_id = %id, key_included = report.key_included, agents = sent_to.len(), "config push applied");
+        Ok(PushResult {
+            id,
+            applied: true,
+            key_included: report.key_included,
+            roles: report.roles,
+            sent_to,
+        })
+    }
+
+    /// The safe config as persisted.
+    pub fn state(&self) -> HubState {
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Expires leases on a short tick; runs until the hub is dropped by every other holder.
+    pub fn spawn_maintenance(&self) -> tokio::task::JoinHandle<()> {
+        let weak = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else {
+                    return;
+                };
+                Hub { inner }.core().expire(Instant::now());
+            }
+        })
+    }
+}

@@ -1,0 +1,270 @@
+//! One role's shared queue: the items of accepted client requests, waiting for a provider's
+//! pull. Items leave from the head, sized to the puller; items that come back (an expired
+//! lease, a lost agent, a transient failure) go back to the **front**, in their order.
+//!
+//! An item is one text to embed or one document to score. Items of a request share its
+//! [`Shape`] (options, the rerank query); one work frame carries items of one shape only.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use crate::protocol::{EmbedInput, RerankInput, WorkInput};
+
+/// A client request's id (hub-local).
+pub type RequestId = u64;
+
+/// What every item of a request shares.
+#[derive(Debug, PartialEq)]
+pub enum Shape {
+    Embed {
+        dimensions: Option<usize>,
+        is_query: bool,
+        instruction: Option<String>,
+    },
+    Rerank {
+        query: String,
+        instruction: Option<String>,
+    },
+}
+
+impl Shape {
+    /// The work input for `texts` of this shape.
+    pub fn work_input(&self, texts: Vec<String>) -> WorkInput {
+        match self {
+            Shape::Embed {
+                dimensions,
+                is_query,
+                instruction,
+            } => WorkInput::Embed(EmbedInput {
+                texts,
+                dimensions: *dimensions,
+                is_query: *is_query,
+                instruction: instruction.clone(),
+            }),
+            Shape::Rerank { query, instruction } => WorkInput::Rerank(RerankInput {
+                query: query.clone(),
+                documents: texts,
+                instruction: instruction.clone(),
+            }),
+        }
+    }
+
+    /// Tokens a work frame pays once for all its items (the rerank query).
+    fn shared_tokens(&self) -> usize {
+        match self {
+            Shape::Embed { .. } => 0,
+            Shape::Rerank { query, .. } => estimate_tokens(query),
+        }
+    }
+}
+
+/// One unit of work.
+#[derive(Debug)]
+pub struct Item {
+    pub request: RequestId,
+    /// Position in the request's input.
+    pub index: u32,
+    pub text: String,
+    pub shape: Arc<Shape>,
+    /// Leases this item has been on without a result.
+    pub attempts: u32,
+}
+
+/// A cheap upper estimate of a text's tokens (sub-word tokenizers average 3–4 bytes per token
+/// on code and prose; counting 3 keeps a batch under the puller's budget).
+pub fn estimate_tokens(text: &str) -> usize {
+    text.len() / 3 + 2
+}
+
+/// A role's FIFO with a capacity in items.
+#[derive(Debug)]
+pub struct RoleQueue {
+    items: VecDeque<Item>,
+    capacity: usize,
+}
+
+/// Limits of one work frame (the puller's size hints).
+#[derive(Clone, Copy, Debug)]
+pub struct BatchLimits {
+    pub max_items: usize,
+    pub max_tokens: usize,
+}
+
+impl RoleQueue {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            items: VecDeque::new(),
+            capacity,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Whether `n` more items fit (a requeue always fits: those items were accepted).
+    pub fn has_room(&self, n: usize) -> bool {
+        self.items.len() + n <= self.capacity
+    }
+
+    pub fn push_back(&mut self, items: impl IntoIterator<Item = Item>) {
+        self.items.extend(items);
+    }
+
+    /// Puts items back at the head, keeping their order.
+    pub fn requeue_front(&mut self, items: Vec<Item>) {
+        for item in items.into_iter().rev() {
+            self.items.push_front(item);
+        }
+    }
+
+    /// Drops items at the head whose request is gone.
+    pub fn drop_dead_head(&mut self, alive: impl Fn(RequestId) -> bool) {
+        while self.items.front().is_some_and(|i| !alive(i.request)) {
+            self.items.pop_front();
+        }
+    }
+
+    /// Takes a batch from the head: items of the head's shape, while they fit the limits (the
+    /// first item always goes, however long). Items of gone requests are skipped on the way.
+    pub fn take_batch(
+        &mut self,
+        limits: BatchLimits,
+        alive: impl Fn(RequestId) -> bool,
+    ) -> Vec<Item> {
+        self.drop_dead_head(&alive);
+        let Some(first) = self.items.pop_front() else {
+            return Vec::new();
+        };
+        let shape = first.shape.clone();
+        let mut tokens = shape.shared_tokens() + estimate_tokens(&first.text);
+        let mut batch = vec![first];
+        while batch.len() < limits.max_items {
+            let Some(next) = self.items.front() else {
+                break;
+            };
+            if !alive(next.request) {
+                self.items.pop_front();
+                continue;
+            }
+            if !(Arc::ptr_eq(&next.shape, &shape) || *next.shape == *shape) {
+                break;
+            }
+            let cost = estimate_tokens(&next.text);
+            if tokens + cost > limits.max_tokens {
+                break;
+            }
+            tokens += cost;
+            batch.extend(self.items.pop_front());
+        }
+        batch
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn items(request: RequestId, shape: &Arc<Shape>, n: u32) -> Vec<Item> {
+        (0..n)
+            .map(|index| Item {
+                request,
+                index,
+                text: format!("text {index}"),
+                shape: shape.clone(),
+                attempts: 0,
+            })
+            .collect()
+    }
+
+    fn embed_shape(dimensions: Option<usize>) -> Arc<Shape> {
+        Arc::new(Shape::Embed {
+            dimensions,
+            is_query: false,
+            instruction: None,
+        })
+    }
+
+    const WIDE: BatchLimits = BatchLimits {
+        max_items: 64,
+        max_tokens: 1 << 20,
+    };
+
+    #[test]
+    fn batches_follow_the_head_shape_and_the_puller_limits() {
+        let (a, b) = (embed_shape(None), embed_shape(Some(64)));
+        let mut q = RoleQueue::new(100);
+        q.push_back(items(1, &a, 5));
+        q.push_back(items(2, &embed_shape(None), 2)); // equal shape, other request: merges
+        q.push_back(items(3, &b, 3));
+        let limits = BatchLimits {
+            max_items: 4,
+            max_tokens: 1 << 20,
+        };
+        let first = q.take_batch(limits, |_| true);
+        assert_eq!(
+            first.iter().map(|i| i.index).collect::<Vec<_>>(),
+            [0, 1, 2, 3]
+        );
+        let second = q.take_batch(WIDE, |_| true);
+        assert_eq!(
+            second
+                .iter()
+                .map(|i| (i.request, i.index))
+                .collect::<Vec<_>>(),
+            [(1, 4), (2, 0), (2, 1)]
+        );
+        assert_eq!(q.take_batch(WIDE, |_| true).len(), 3);
+        assert!(q.take_batch(WIDE, |_| true).is_empty());
+    }
+
+    #[test]
+    fn requeued_items_go_back_to_the_front_in_order_and_dead_requests_are_skipped() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(10);
+        q.push_back(items(1, &s, 6));
+        let taken = q.take_batch(
+            BatchLimits {
+                max_items: 3,
+                max_tokens: 1 << 20,
+            },
+            |_| true,
+        );
+        q.requeue_front(taken);
+        let order: Vec<u32> = q
+            .take_batch(WIDE, |_| true)
+            .iter()
+            .map(|i| i.index)
+            .collect();
+        assert_eq!(order, [0, 1, 2, 3, 4, 5]);
+
+        q.push_back(items(7, &s, 2));
+        q.push_back(items(8, &s, 2));
+        let alive = q.take_batch(WIDE, |r| r != 7);
+        assert!(alive.iter().all(|i| i.request == 8) && alive.len() == 2);
+        assert!(!q.has_room(11) && q.has_room(10));
+    }
+
+    #[test]
+    fn the_token_budget_bounds_a_batch_but_one_long_item_still_goes() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(10);
+        let mut long = items(1, &s, 3);
+        long[0].text = "x".repeat(3000);
+        q.push_back(long);
+        let limits = BatchLimits {
+            max_items: 64,
+            max_tokens: 100,
+        };
+        assert_eq!(q.take_batch(limits, |_| true).len(), 1);
+        assert_eq!(q.take_batch(limits, |_| true).len(), 2);
+    }
+}

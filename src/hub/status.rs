@@ -1,0 +1,284 @@
+//! Views of the hub for operators: the `/admin/status` document and the Prometheus text of
+//! `/metrics`. Both read one snapshot under the core's lock; neither can see a secret (the
+//! core holds none).
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::Hub;
+use super::registry::SocketCount;
+use crate::protocol::{Backend, ConfigAck, DeviceInfo, ProviderStats};
+use crate::roles::{Policy, Role};
+
+#[derive(Debug, Serialize)]
+pub struct StatusView {
+    pub uptime_s: u64,
+    pub agents: Vec<AgentView>,
+    /// Sockets per agent id since start (`max_concurrent` stays 1 when agents behave).
+    pub sockets: BTreeMap<String, SocketCount>,
+    pub roles: BTreeMap<Role, RoleView>,
+    pub requests_waiting: usize,
+    pub config: ConfigView,
+}
+
+#[derive(Debug, Serialize)]
+pub struct AgentView {
+    pub id: String,
+    pub session: u64,
+    pub hostname: String,
+    pub version: String,
+    pub connected_s: u64,
+    pub leases: usize,
+    pub providers: Vec<ProviderView>,
+    pub devices: Vec<DeviceInfo>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_config_ack: Option<ConfigAck>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ProviderView {
+    pub provider: String,
+    pub role: Role,
+    pub backend: Backend,
+    pub model: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dims: Option<usize>,
+    pub credits: u32,
+    pub in_flight: u32,
+    pub served_items: u64,
+    pub failures: u64,
+    pub benched: bool,
+    pub paused: bool,
+    /// Work-frame latency the agent measured (hub-side EWMA of `done.latency_ms`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub latency_ewma_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heartbeat: Option<ProviderStats>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RoleView {
+    pub policy: Policy,
+    pub queue_depth: usize,
+    pub leases: usize,
+    pub items_in_flight: usize,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConfigView {
+    pub key_pushed: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_pushed_at_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_push_ms: Option<u64>,
+    pub cloud_roles: Vec<Role>,
+}
+
+impl Hub {
+    pub fn status(&self) -> StatusView {
+        let state = self.state();
+        let core = self.core();
+        let now = Instant::now();
+        let agents = core
+            .agents()
+            .iter()
+            .map(|(id, a)| AgentView {
+                id: id.clone(),
+                session: a.session,
+                hostname: a.hostname.clone(),
+                version: a.version.clone(),
+                connected_s: a.connected_at.elapsed().as_secs(),
+                leases: core.leases_of(id),
+                providers: a
+                    .providers
+                    .values()
+                    .map(|p| ProviderView {
+                        provider: p.reference.provider.clone(),
+                        role: p.role(),
+                        backend: p.info.backend,
+                        model: p.info.model.clone(),
+                        revision: p.info.revision.clone(),
+                        upstream: p.info.upstream.clone(),
+                        dims: p.info.dims,
+                        credits: p.credits,
+                        in_flight: p.in_flight,
+                        served_items: p.served_items,
+                        failures: p.failures,
+                        benched: !p.is_healthy(now),
+                        paused: p.paused_until.is_some_and(|t| t > now),
+                        latency_ewma_ms: p.latency_ewma_ms,
+                        heartbeat: p.heartbeat.clone(),
+                    })
+                    .collect(),
+                devices: a.devices.clone(),
+                last_config_ack: a.last_config_ack.clone(),
+            })
+            .collect();
+        let leases = core.leases_by_role();
+        let roles = Role::ALL
+            .into_iter()
+            .map(|role| {
+                let (n, items) = leases.get(&role).copied().unwrap_or_default();
+                let view = RoleView {
+                    policy: core.cloud.policy(role),
+                    queue_depth: core.queue_depth(role),
+                    leases: n,
+                    items_in_flight: items,
+                };
+                (role, view)
+            })
+            .collect();
+        StatusView {
+            uptime_s: self.uptime().as_secs(),
+            agents,
+            sockets: core.sockets().clone(),
+            roles,
+            requests_waiting: core.requests_waiting(),
+            config: ConfigView {
+                key_pushed: state.key.is_some(),
+                key_pushed_at_ms: state.key.as_ref().map(|k| k.pushed_at_ms),
+                last_push_ms: state.last_push_ms,
+                cloud_roles: state.cloud.allowed_models.keys().copied().collect(),
+            },
+        }
+    }
+
+    /// Prometheus text exposition of the hub's counters and gauges.
+    pub fn metrics_text(&self) -> String {
+        let core = self.core();
+        let c = &core.counters;
+        let mut out = String::new();
+        let mut family = |name: &str, kind: &str, help: &str, rows: Vec<(String, f64)>| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for (labels, value) in rows {
+                let _ = writeln!(out, "{name}{labels} {value}");
+            }
+        };
+        let per_role = |m: &BTreeMap<Role, u64>| -> Vec<(String, f64)> {
+            Role::ALL
+                .iter()
+                .map(|r| {
+                    (
+                        format!("{{role=\"{r}\"}}"),
+                        m.get(r).copied().unwrap_or(0) as f64,
+                    )
+                })
+                .collect()
+        };
+        family(
+            "fantom_hub_requests_total",
+            "counter",
+            "Client requests accepted.",
+            per_role(&c.requests),
+        );
+        family(
+            "fantom_hub_items_accepted_total",
+            "counter",
+            "Items (texts, documents) accepted into a role queue.",
+            per_role(&c.items_accepted),
+        );
+        family(
+            "fantom_hub_items_served_total",
+            "counter",
+            "Items a provider returned a result for.",
+            per_role(&c.items_served),
+        );
+        family(
+            "fantom_hub_rejected_queue_full_total",
+            "counter",
+            "Requests answered 429 because the role queue was full.",
+            per_role(&c.rejected_full),
+        );
+        let depth = Role::ALL
+            .iter()
+            .map(|r| (format!("{{role=\"{r}\"}}"), core.queue_depth(*r) as f64))
+            .collect();
+        family(
+            "fantom_hub_queue_depth",
+            "gauge",
+            "Items waiting in a role queue.",
+            depth,
+        );
+        let leases = core.leases_by_role();
+        let in_flight = Role::ALL
+            .iter()
+            .map(|r| {
+                let n = leases.get(r).map_or(0, |l| l.0);
+                (format!("{{role=\"{r}\"}}"), n as f64)
+            })
+            .collect();
+        family(
+            "fantom_hub_leases_in_flight",
+            "gauge",
+            "Leases out to providers.",
+            in_flight,
+        );
+        family(
+            "fantom_hub_leases_total",
+            "counter",
+            "Leases by outcome other than done.",
+            vec![
+                ("{outcome=\"granted\"}".into(), c.leases_granted as f64),
+                ("{outcome=\"expired\"}".into(), c.leases_expired as f64),
+                ("{outcome=\"lost\"}".into(), c.leases_lost as f64),
+            ],
+        );
+        family(
+            "fantom_hub_failures_total",
+            "counter",
+            "Failed leases by class.",
+            c.failures
+                .iter()
+                .map(|(k, v)| (format!("{{class=\"{k}\"}}"), *v as f64))
+                .collect(),
+        );
+        family(
+            "fantom_hub_late_results_total",
+            "counter",
+            "Results dropped because the item already had one or its lease was gone.",
+            vec![(String::new(), c.late_results as f64)],
+        );
+        family(
+            "fantom_hub_agents_connected",
+            "gauge",
+            "Agents with an open session.",
+            vec![(String::new(), core.agents().len() as f64)],
+        );
+        let mut latency = Vec::new();
+        let mut served = Vec::new();
+        for a in core.agents().values() {
+            for p in a.providers.values() {
+                let labels = format!(
+                    "{{provider=\"{}\",role=\"{}\"}}",
+                    p.reference.provider,
+                    p.role()
+                );
+                if let Some(ms) = p.latency_ewma_ms {
+                    latency.push((labels.clone(), ms));
+                }
+                served.push((labels, p.served_items as f64));
+            }
+        }
+        family(
+            "fantom_hub_provider_latency_ewma_ms",
+            "gauge",
+            "Work-frame latency measured by the agent around the model call (EWMA).",
+            latency,
+        );
+        family(
+            "fantom_hub_provider_items_served",
+            "gauge",
+            "Items a connected provider served in its current session.",
+            served,
+        );
+        out
+    }
+}

@@ -1,0 +1,300 @@
+//! The fleet protocol (hub ⇄ agent), version 1: every frame as a typed struct.
+//!
+//! WebSocket text frames of JSON, `type` always the first key (serde writes an internal tag
+//! first). [`codec`] turns frames into text and back, with the size limits and the error
+//! classes a peer is told about. `docs/protocol.md` has one example of each frame.
+
+pub mod codec;
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::push::{OpenRouterPush, RoleOutcome};
+use crate::roles::Role;
+
+pub use codec::{FrameError, decode_agent, decode_hub, encode};
+
+/// The protocol version this build speaks; `hello` carries it and the hub refuses others.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Frames an agent sends.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum AgentFrame {
+    /// The first frame on a socket: who the agent is and what it can serve.
+    Hello(Hello),
+    /// The provider set changed (an empty set: the agent is draining).
+    Providers {
+        providers: Vec<ProviderInfo>,
+    },
+    Heartbeat(Heartbeat),
+    /// A provider can take `credits` more work items (added to what it already offered).
+    Pull(Pull),
+    Done(Done),
+    Failed(Failed),
+    ConfigAck(ConfigAck),
+    ProbeResult(ProbeResult),
+}
+
+/// Frames the hub sends.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum HubFrame {
+    Welcome(Welcome),
+    /// Something the agent sent was refused; the socket stays open unless it is closed next.
+    Error {
+        message: String,
+    },
+    /// A partial config push (DESIGN §4); the only frame that may carry the key.
+    Config(ConfigFrame),
+    Work(Work),
+    Probe(Probe),
+    /// Stop working on a lease: it expired or its request is gone; a result is dropped.
+    Cancel {
+        lease: u64,
+        reason: String,
+    },
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Hello {
+    pub agent_id: String,
+    pub hostname: String,
+    /// The agent's build (crate version).
+    pub version: String,
+    pub protocol_version: u32,
+    pub providers: Vec<ProviderInfo>,
+    #[serde(default)]
+    pub devices: Vec<DeviceInfo>,
+}
+
+/// Whether a provider computes here or calls a cloud upstream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    Local,
+    Cloud,
+}
+
+/// One provider: one thing that serves one role on one agent.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProviderInfo {
+    /// Unique within the agent (the hub names it `agent_id/id`).
+    pub id: String,
+    pub role: Role,
+    pub backend: Backend,
+    pub model: String,
+    /// Local: the resolved revision of the pinned model (absent when unpinned).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    /// Cloud: the pinned upstream provider.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<String>,
+    /// Output width of an embedder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dims: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// The most items (texts, documents) one work frame may carry.
+    pub max_batch_items: usize,
+    /// The most tokens (estimated by the hub) one work frame may carry.
+    pub max_batch_tokens: usize,
+}
+
+/// A compute device and its memory (absent where the backend cannot tell).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_total_mb: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_free_mb: Option<u64>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub providers: Vec<ProviderStats>,
+    #[serde(default)]
+    pub devices: Vec<DeviceInfo>,
+}
+
+/// A provider's counters since the agent started.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProviderStats {
+    pub provider: String,
+    pub in_flight: u32,
+    /// Items served.
+    pub served: u64,
+    pub failures: u64,
+    /// Latency of the model or upstream call per work item (successes only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_ewma_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_p50_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_p95_ms: Option<f64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Pull {
+    pub provider: String,
+    pub credits: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Done {
+    pub lease: u64,
+    pub output: WorkOutput,
+    /// Measured around the model or upstream call alone.
+    pub latency_ms: f64,
+    /// Tokens the model read (usage reports).
+    #[serde(default)]
+    pub tokens: u64,
+}
+
+/// What a failure means for the item and for the provider.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureClass {
+    /// Upstream throttling: requeue, do not count against the provider.
+    RateLimited,
+    /// Requeue at the front; counts against the provider (two in a row bench it).
+    Transient,
+    /// The input cannot be served by anyone: the client request fails with the message.
+    Fatal,
+    /// The provider will not serve this (draining, gate): requeue, counts like transient.
+    Refused,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Failed {
+    pub lease: u64,
+    pub class: FailureClass,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
+    pub message: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ConfigAck {
+    pub id: String,
+    /// False when the push was refused whole (`reason` says why).
+    pub applied: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default)]
+    pub roles: BTreeMap<String, RoleOutcome>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ProbeResult {
+    pub probe: String,
+    pub provider: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vectors: Option<Vec<Vec<f32>>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Welcome {
+    pub session: u64,
+    pub protocol_version: u32,
+    pub heartbeat_interval_ms: u64,
+    pub lease_ms: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ConfigFrame {
+    pub id: String,
+    pub payload: ConfigPayload,
+}
+
+/// The push payload, in Fantom's shape; keys other than `openrouter` are ignored.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ConfigPayload {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub openrouter: Option<OpenRouterPush>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Work {
+    pub lease: u64,
+    pub provider: String,
+    pub role: Role,
+    #[serde(flatten)]
+    pub input: WorkInput,
+    /// When the lease expires (milliseconds since the Unix epoch).
+    pub deadline_ms: u64,
+}
+
+/// What to compute: `op` names the operation, `input` holds its arguments.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", content = "input", rename_all = "snake_case")]
+pub enum WorkInput {
+    Embed(EmbedInput),
+    Rerank(RerankInput),
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EmbedInput {
+    pub texts: Vec<String>,
+    /// Matryoshka truncation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dimensions: Option<usize>,
+    /// Apply the model's query template.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub is_query: bool,
+    /// The instruction of instruction-aware models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instruction: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RerankInput {
+    pub query: String,
+    pub documents: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instruction: Option<String>,
+}
+
+/// A result, one entry per input item, in order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkOutput {
+    Embeddings(Vec<Vec<f32>>),
+    Scores(Vec<Score>),
+}
+
+impl WorkOutput {
+    pub fn len(&self) -> usize {
+        match self {
+            WorkOutput::Embeddings(v) => v.len(),
+            WorkOutput::Scores(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A reranker's output for one document.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Score {
+    /// The raw relevance logit.
+    pub score: f32,
+    /// `sigmoid(score)` where the model defines one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probability: Option<f32>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Probe {
+    pub probe: String,
+    pub provider: String,
+    pub texts: Vec<String>,
+}
