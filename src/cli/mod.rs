@@ -135,9 +135,19 @@ impl ModelArgs {
     }
 }
 
+/// Dependencies whose trace logs would print frame payloads or headers.
+const CAPPED_LOG_TARGETS: [&str; 2] = ["tungstenite=debug", "tokio_tungstenite=debug"];
+
 fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // The WebSocket library logs whole frames at trace level, and a config frame carries the
+    // OpenRouter key: its logs stop at debug whatever RUST_LOG asks for.
+    for cap in CAPPED_LOG_TARGETS {
+        if let Ok(directive) = cap.parse() {
+            filter = filter.add_directive(directive);
+        }
+    }
     let json = match format {
         LogFormat::Json => true,
         LogFormat::Text => false,

@@ -3,10 +3,9 @@
 //! `GET /admin/status`.
 
 use axum::Json;
+use axum::body::Bytes;
 use axum::extract::State;
-use axum::extract::rejection::JsonRejection;
 use axum::http::{HeaderMap, StatusCode};
-use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::auth;
@@ -16,12 +15,34 @@ use crate::hub::status::StatusView;
 use crate::hub::{Hub, PushError, PushResult};
 use crate::roles::Role;
 
-/// A push body: Fantom's payload (`{"openrouter": {...}}`) or the bare `openrouter` object.
-#[derive(Deserialize)]
-#[serde(untagged)]
-pub enum PushBody {
-    Payload { openrouter: OpenRouterPush },
-    Bare(OpenRouterPush),
+/// Reads a push body: Fantom's payload (`{"openrouter": {...}}`) or the bare `openrouter`
+/// object. Errors quote no value (a misplaced key must not come back in a response).
+fn parse_push(body: &[u8]) -> Result<OpenRouterPush, String> {
+    let mut object: serde_json::Map<String, Value> =
+        serde_json::from_slice(body).map_err(|e| redact(&e.to_string()))?;
+    let push = match object.remove("openrouter") {
+        Some(inner) => inner,
+        None => Value::Object(object),
+    };
+    serde_json::from_value(push).map_err(|e| redact(&e.to_string()))
+}
+
+/// Replaces every double-quoted string of a parser message (values; field names are quoted
+/// with backticks).
+fn redact(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut quoted = false;
+    for c in message.chars() {
+        if c == '"' {
+            if !quoted {
+                out.push_str("\"…\"");
+            }
+            quoted = !quoted;
+        } else if !quoted {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn admin(hub: &Hub, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -53,19 +74,11 @@ pub async fn get_config(
 pub async fn post_config(
     State(hub): State<Hub>,
     headers: HeaderMap,
-    request: Result<Json<PushBody>, JsonRejection>,
+    body: Bytes,
 ) -> Result<Json<PushResult>, ApiError> {
     admin(&hub, &headers)?;
-    let push = match request {
-        Ok(Json(PushBody::Payload { openrouter } | PushBody::Bare(openrouter))) => openrouter,
-        // An untagged body that fits neither shape reports only that, never a field's value.
-        Err(e) => {
-            return Err(ApiError::bad_request(format!(
-                "invalid config push: {}",
-                e.body_text()
-            )));
-        }
-    };
+    let push = parse_push(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid config push: {e}")))?;
     match hub.push_config(push) {
         Ok(result) => Ok(Json(result)),
         Err(PushError::Refused(e)) => Err(ApiError::new(
@@ -87,4 +100,20 @@ pub async fn status(
 ) -> Result<Json<StatusView>, ApiError> {
     admin(&hub, &headers)?;
     Ok(Json(hub.status()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn push_bodies_parse_in_both_shapes_and_errors_quote_no_value() {
+        let wrapped = parse_push(br#"{"openrouter":{"domain":"code"}}"#).unwrap();
+        let bare = parse_push(br#"{"domain":"code"}"#).unwrap();
+        assert_eq!(wrapped.domain, bare.domain);
+        let err = parse_push(br#"{"openrouter":{"allowedModels":"sk-or-v1-oops"}}"#).unwrap_err();
+        assert!(!err.contains("sk-or"), "{err}");
+        assert!(err.contains("invalid type"), "{err}");
+        assert!(parse_push(b"[1]").is_err());
+    }
 }

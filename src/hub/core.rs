@@ -571,7 +571,7 @@ impl Core {
         Ok(())
     }
 
-    /// Provider bookkeeping of a failed lease (`rate_limited` never counts against it).
+    /// Provider bookkeeping of a failed lease (only `transient` and `refused` count against it).
     fn count_failure(&mut self, lease: &Lease, class: FailureClass) {
         *self
             .counters
@@ -583,7 +583,8 @@ impl Core {
             return;
         };
         p.in_flight = p.in_flight.saturating_sub(1);
-        if class == FailureClass::RateLimited {
+        // Throttling is not the provider's fault, and a fatal input would fail anywhere.
+        if matches!(class, FailureClass::RateLimited | FailureClass::Fatal) {
             return;
         }
         p.failures += 1;

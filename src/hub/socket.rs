@@ -18,7 +18,7 @@ use crate::protocol::{self, AgentFrame, FrameError, HubFrame};
 pub async fn serve_agent(socket: WebSocket, hub: Hub) {
     let (mut sink, mut stream) = socket.split();
     let (tx, mut rx) = mpsc::unbounded_channel::<Outgoing>();
-    let writer = tokio::spawn(async move {
+    let mut writer = tokio::spawn(async move {
         while let Some(out) = rx.recv().await {
             let sent = match out {
                 Outgoing::Frame(text) => sink.send(Message::Text(text.into())).await,
@@ -48,7 +48,18 @@ pub async fn serve_agent(socket: WebSocket, hub: Hub) {
     let mut session: Option<(String, u64)> = None;
     let error = |message: String| Outgoing::Frame(protocol::encode(&HubFrame::Error { message }));
     loop {
-        let next = match tokio::time::timeout(silence, stream.next()).await {
+        let next = tokio::select! {
+            next = tokio::time::timeout(silence, stream.next()) => next,
+            // The writer ends after a close it was asked to send (superseded, refused): this
+            // socket is done; stop reading so its session is released now.
+            _ = &mut writer => {
+                if let Some((agent, sid)) = session {
+                    hub.core().disconnect(&agent, sid);
+                }
+                return;
+            }
+        };
+        let next = match next {
             Ok(next) => next,
             Err(_) => {
                 tracing::warn!(agent = ?session.as_ref().map(|s| &s.0), silent_s = silence.as_secs(), "agent socket silent; closing it");

@@ -1,0 +1,14 @@
+//! The fleet end to end: real hub, agent and serve processes on loopback sockets.
+
+#[path = "../local_inference/support.rs"]
+#[allow(dead_code)]
+mod local_support;
+
+mod support;
+
+mod bad_input;
+mod kill;
+mod leases;
+mod reconnect;
+mod secrets;
+mod serve;

@@ -1,0 +1,420 @@
+//! Test support for the fleet: real `fantom-sidecar` processes (hub, agent, serve) on loopback
+//! ports they choose themselves, an HTTP client, and a raw WebSocket "agent" that speaks the
+//! protocol frame by frame (for leases, bad input and supersede cases a real agent never
+//! produces on purpose).
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{Value, json};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::{self, Message};
+
+pub use crate::local_support::{cosine, minilm_dir};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_fantom-sidecar");
+
+/// Every wait in these tests is bounded by this.
+pub const PATIENCE: Duration = Duration::from_secs(120);
+
+/// A running process of ours; killed when dropped.
+pub struct Proc {
+    child: Option<Child>,
+    pub addr: SocketAddr,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// Starts `fantom-sidecar args…`, stderr to `log`, and waits for its `listener` line.
+    pub fn start(args: &[String], envs: &[(&str, &str)], log: &Path, listener: &str) -> Proc {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["--log-format", "json"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(log).expect("log file"));
+        if !envs.iter().any(|(k, _)| *k == "RUST_LOG") {
+            cmd.env("RUST_LOG", "info");
+        }
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn fantom-sidecar");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel::<Value>();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                    let _ = tx.send(v);
+                }
+            }
+        });
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(v) if v["listening"] == listener => {
+                    let addr = v["addr"].as_str().unwrap().parse().unwrap();
+                    return Proc {
+                        child: Some(child),
+                        addr,
+                        log: log.to_path_buf(),
+                    };
+                }
+                Ok(_) => continue,
+                Err(_) => {
+                    let _ = child.kill();
+                    let log = std::fs::read_to_string(log).unwrap_or_default();
+                    panic!("fantom-sidecar {args:?} never listened ({listener}); log:\n{log}");
+                }
+            }
+        }
+    }
+
+    /// SIGKILL: no goodbye, sockets just drop.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then wait (bounded) for the exit status.
+    pub fn terminate(&mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "no exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A hub process with its state dir and tokens.
+pub struct HubProc {
+    pub proc: Proc,
+    pub state: PathBuf,
+    pub admin: String,
+    pub fleet: String,
+    pub fleet_file: PathBuf,
+    pub http: reqwest::Client,
+}
+
+impl HubProc {
+    /// `hub --listen ADDR --state-dir DIR/state` (+ `extra`), logging to `DIR/<log>`.
+    pub fn start(
+        dir: &Path,
+        addr: Option<SocketAddr>,
+        extra: &[&str],
+        envs: &[(&str, &str)],
+        log: &str,
+    ) -> HubProc {
+        let state = dir.join("state");
+        let listen = addr.map_or_else(|| "127.0.0.1:0".to_string(), |a| a.to_string());
+        let mut args: Vec<String> = vec![
+            "hub".into(),
+            "--listen".into(),
+            listen,
+            "--state-dir".into(),
+        ];
+        args.push(state.display().to_string());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let proc = Proc::start(&args, envs, &dir.join(log), "hub");
+        Self::around(proc, state)
+    }
+
+    /// Wraps a process that runs a hub (`hub` or `serve`) with its state dir.
+    pub fn around(proc: Proc, state: PathBuf) -> HubProc {
+        let read = |name: &str| {
+            std::fs::read_to_string(state.join(name))
+                .unwrap()
+                .trim()
+                .to_string()
+        };
+        HubProc {
+            admin: read("admin.token"),
+            fleet: read("fleet.token"),
+            fleet_file: state.join("fleet.token"),
+            proc,
+            state,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        self.proc.url(path)
+    }
+
+    pub fn ws_url(&self) -> String {
+        format!("ws://{}/v1/agent", self.proc.addr)
+    }
+
+    pub async fn status(&self) -> Value {
+        self.admin_get("/admin/status").await
+    }
+
+    pub async fn admin_get(&self, path: &str) -> Value {
+        let r = self
+            .http
+            .get(self.url(path))
+            .bearer_auth(&self.admin)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{path}: {}", r.status());
+        r.json().await.unwrap()
+    }
+
+    pub async fn push(&self, body: Value) -> (u16, Value) {
+        let r = self
+            .http
+            .post(self.url("/admin/config"))
+            .bearer_auth(&self.admin)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let r = self
+            .http
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Waits until `agent` is connected with a provider for `role`.
+    pub async fn wait_for_agent(&self, agent: &str) -> Value {
+        eventually(&format!("agent {agent} connected"), || async {
+            let s = self.status().await;
+            s["agents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|a| a["id"] == agent)
+                .cloned()
+        })
+        .await
+    }
+
+    /// A counter or gauge from `/metrics` (summed over matching label sets).
+    pub async fn metric(&self, name_and_labels: &str) -> f64 {
+        let text = self
+            .http
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .filter(|l| l.starts_with(name_and_labels))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+/// Polls `probe` until it yields `Some` (bounded by [`PATIENCE`]).
+pub async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + PATIENCE;
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    loop {
+        tick.tick().await;
+        if let Some(v) = probe().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "gave up waiting for: {what}");
+    }
+}
+
+/// An agent process serving the MiniLM embedder (and so both embedding roles).
+pub fn start_agent(dir: &Path, hub: &HubProc, id: &str, envs: &[(&str, &str)]) -> Proc {
+    let config = dir.join(format!("{id}.toml"));
+    let toml = format!(
+        r#"hub_url = "{}"
+agent_id = "{id}"
+fleet_token_file = "{}"
+drain_timeout_s = 60
+
+[[models]]
+roles = ["embedding", "code-embedding"]
+model = "all-minilm-l6-v2"
+model_dir = "{}"
+device = "cpu"
+pipeline_depth = 2
+max_items_per_work = 16
+"#,
+        hub.ws_url(),
+        hub.fleet_file.display(),
+        minilm_dir().display()
+    );
+    std::fs::write(&config, toml).unwrap();
+    let args: Vec<String> = ["agent", "--config"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([
+            config.display().to_string(),
+            "--http".into(),
+            "127.0.0.1:0".into(),
+        ])
+        .collect();
+    Proc::start(&args, envs, &dir.join(format!("{id}.log")), "agent")
+}
+
+/// A protocol-level agent driven frame by frame.
+pub struct RawAgent {
+    ws: tokio_tungstenite::WebSocketStream<
+        tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
+    >,
+}
+
+impl RawAgent {
+    pub async fn connect(url: &str, token: Option<&str>) -> Result<RawAgent, tungstenite::Error> {
+        let mut request = url.into_client_request()?;
+        if let Some(t) = token {
+            request
+                .headers_mut()
+                .insert("authorization", format!("Bearer {t}").parse().unwrap());
+        }
+        let (ws, _) = tokio_tungstenite::connect_async(request).await?;
+        Ok(RawAgent { ws })
+    }
+
+    pub async fn send(&mut self, frame: Value) {
+        self.send_text(&frame.to_string()).await;
+    }
+
+    pub async fn send_text(&mut self, text: &str) {
+        self.ws.send(Message::Text(text.into())).await.unwrap();
+    }
+
+    pub async fn send_binary(&mut self, bytes: Vec<u8>) {
+        self.ws.send(Message::Binary(bytes.into())).await.unwrap();
+    }
+
+    /// The next text frame as text; `None` when the socket closed (bounded wait).
+    pub async fn recv_text(&mut self) -> Option<String> {
+        loop {
+            let next = tokio::time::timeout(PATIENCE, self.ws.next())
+                .await
+                .expect("a frame in time");
+            match next {
+                Some(Ok(Message::Text(t))) => return Some(t.to_string()),
+                Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return None,
+                Some(Ok(_)) => continue,
+            }
+        }
+    }
+
+    /// The next text frame, parsed; panics on close.
+    pub async fn recv(&mut self) -> Value {
+        let text = self.recv_text().await.expect("socket open");
+        serde_json::from_str(&text).unwrap()
+    }
+
+    /// The next frame of `kind`, skipping others (e.g. frames of other kinds in between).
+    pub async fn recv_kind(&mut self, kind: &str) -> Value {
+        loop {
+            let v = self.recv().await;
+            if v["type"] == kind {
+                return v;
+            }
+        }
+    }
+
+    /// Says hello with one embedding provider `id` (dims 2) and returns `welcome`.
+    pub async fn hello(&mut self, agent: &str, providers: Value) -> Value {
+        self.send(
+            json!({"type":"hello","agent_id":agent,"hostname":"test","version":"0",
+            "protocol_version":1,"providers":providers}),
+        )
+        .await;
+        let w = self.recv().await;
+        assert_eq!(w["type"], "welcome", "{w}");
+        w
+    }
+
+    pub async fn close(mut self) {
+        let _ = self.ws.close(None).await;
+    }
+}
+
+/// A fake embedding provider's description.
+pub fn fake_provider(id: &str, role: &str, max_items: usize) -> Value {
+    json!({"id":id,"role":role,"backend":"local","model":"fake","dims":2,
+           "max_batch_items":max_items,"max_batch_tokens":1_000_000})
+}
+
+/// Texts for the kill test: varied lengths, code and prose, all distinct.
+pub fn many_texts(n: usize) -> Vec<String> {
+    let words = [
+        "vector",
+        "fn",
+        "index",
+        "lease",
+        "queue",
+        "tensor",
+        "struct",
+        "embedding",
+        "hub",
+        "agent",
+        "während",
+        "数据",
+        "async",
+        "await",
+        "let",
+        "match",
+        "impl",
+        "pub",
+        "mod",
+        "crate",
+    ];
+    (0..n)
+        .map(|i| {
+            let len = 3 + (i * 7919) % 40;
+            let body: Vec<&str> = (0..len)
+                .map(|k| words[(i * 31 + k * 17) % words.len()])
+                .collect();
+            format!("{i}: {}", body.join(" "))
+        })
+        .collect()
+}
+
+pub fn vector(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
