@@ -12,3 +12,4 @@ mod leases;
 mod reconnect;
 mod secrets;
 mod serve;
+mod tls;

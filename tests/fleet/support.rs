@@ -260,12 +260,25 @@ where
 
 /// An agent process serving the MiniLM embedder (and so both embedding roles).
 pub fn start_agent(dir: &Path, hub: &HubProc, id: &str, envs: &[(&str, &str)]) -> Proc {
+    start_agent_with(dir, &hub.ws_url(), &hub.fleet_file, id, "", envs)
+}
+
+/// [`start_agent`] for any hub URL, with extra top-level TOML lines.
+pub fn start_agent_with(
+    dir: &Path,
+    hub_url: &str,
+    fleet_file: &Path,
+    id: &str,
+    extra: &str,
+    envs: &[(&str, &str)],
+) -> Proc {
     let config = dir.join(format!("{id}.toml"));
     let toml = format!(
-        r#"hub_url = "{}"
+        r#"hub_url = "{hub_url}"
 agent_id = "{id}"
 fleet_token_file = "{}"
 drain_timeout_s = 60
+{extra}
 
 [[models]]
 roles = ["embedding", "code-embedding"]
@@ -275,8 +288,7 @@ device = "cpu"
 pipeline_depth = 2
 max_items_per_work = 16
 "#,
-        hub.ws_url(),
-        hub.fleet_file.display(),
+        fleet_file.display(),
         minilm_dir().display()
     );
     std::fs::write(&config, toml).unwrap();
