@@ -196,14 +196,13 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
     let listener = bind(cmd.hub.listen, "hub")?;
     let _maintenance = hub.spawn_maintenance();
     let stop = shutdown_signal();
-    http::serve(
-        listener,
-        http::hub_router(hub.clone()),
-        tls,
-        signalled(stop),
-    )
-    .await?;
-    hub.core().fail_all();
+    let draining = hub.clone();
+    let shutdown = async move {
+        signalled(stop).await;
+        // Waiting clients are told now; they would otherwise hold the server open.
+        draining.core().fail_all();
+    };
+    http::serve(listener, http::hub_router(hub.clone()), tls, shutdown).await?;
     Ok(())
 }
 

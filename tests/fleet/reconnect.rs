@@ -22,7 +22,9 @@ async fn the_agent_reconnects_after_a_hub_restart_and_the_safe_config_survives()
     assert_eq!(code, 200, "{result}");
     assert_eq!(result["sentTo"], json!(["gpu-r"]));
 
-    hub.proc.kill();
+    // A hub stops cleanly on SIGTERM with an agent connected.
+    let exit = hub.proc.terminate();
+    assert!(exit.success(), "{exit:?}");
     let hub = HubProc::start(dir.path(), Some(addr), &[], &[], "hub-2.log");
     let back = hub.wait_for_agent("gpu-r").await;
     assert_eq!(back["providers"].as_array().unwrap().len(), 2);
