@@ -32,7 +32,7 @@ pub struct AgentConfig {
     pub fleet_token_file: Option<PathBuf>,
     #[serde(default)]
     pub fleet_token_env: Option<String>,
-    /// A PEM CA bundle to trust for `wss://` (besides the system roots).
+    /// A PEM CA bundle to trust for `wss://` (instead of the system roots).
     #[serde(default)]
     pub ca_file: Option<PathBuf>,
     /// How long SIGTERM waits for leases in progress before handing them back.

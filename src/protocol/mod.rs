@@ -29,7 +29,7 @@ pub enum AgentFrame {
         providers: Vec<ProviderInfo>,
     },
     Heartbeat(Heartbeat),
-    /// A provider can take `credits` more work items (added to what it already offered).
+    /// A provider can take `credits` more work frames (added to what it already offered).
     Pull(Pull),
     Done(Done),
     Failed(Failed),
