@@ -557,7 +557,9 @@ impl Core {
                 }
             }
             FailureClass::RateLimited => {
-                let wait = Duration::from_millis(failed.retry_after_ms.unwrap_or(1000));
+                // Clamped: an agent's number must not overflow the clock or park a provider for long.
+                let wait =
+                    Duration::from_millis(failed.retry_after_ms.unwrap_or(1000).min(300_000));
                 if let Some(p) = self.provider_mut(&lease) {
                     p.paused_until = Some(Instant::now() + wait);
                 }

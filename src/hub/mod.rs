@@ -242,7 +242,11 @@ impl Hub {
                 let Some(inner) = weak.upgrade() else {
                     return;
                 };
-                Hub { inner }.core().expire(Instant::now());
+                let hub = Hub { inner };
+                let mut core = hub.core();
+                core.expire(Instant::now());
+                // A provider whose bench or pause ended gets work without waiting for a pull.
+                core.dispatch_all();
             }
         })
     }
