@@ -55,10 +55,7 @@ impl Provider for NullProvider {
     }
 
     fn run(&self, input: WorkInput) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
-        let n = match &input {
-            WorkInput::Embed(e) => e.texts.len(),
-            WorkInput::Rerank(r) => r.documents.len(),
-        };
+        let n = input.items();
         Box::pin(async move {
             Ok(WorkResult {
                 output: WorkOutput::Embeddings(vec![vec![0.125; 8]; n]),
@@ -124,6 +121,7 @@ fn start(rt: &Runtime) -> Fleet {
                 drain_timeout: Duration::from_secs(5),
                 max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
                 providers: vec![Arc::new(NullProvider)],
+                cloud: Default::default(),
             });
             let (_tx, rx) = tokio::sync::watch::channel(false);
             tokio::spawn(async move {

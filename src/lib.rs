@@ -17,6 +17,7 @@
 
 pub mod agent;
 pub mod cli;
+pub mod cloud;
 pub mod config;
 pub mod http;
 pub mod hub;

@@ -20,12 +20,12 @@ use tokio_tungstenite::tungstenite::protocol::frame::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{self, Message};
 
-use super::provider::{ProviderFailure, WorkResult};
+use super::provider::{Provider, ProviderFailure, WorkResult};
 use super::{Agent, devices, hostname};
 use crate::protocol::codec::encode_agent;
 use crate::protocol::{
     self, AgentFrame, Done, Failed, FailureClass, Heartbeat, Hello, HubFrame, PROTOCOL_VERSION,
-    Pull, Work,
+    ProviderInfo, Pull, Work,
 };
 
 /// Reconnect delays: full jitter over `min(CAP, BASE · 2^attempt)`.
@@ -145,8 +145,14 @@ fn client_tls(path: &std::path::Path) -> anyhow::Result<rustls::ClientConfig> {
 
 struct InFlight {
     lease: u64,
-    provider: usize,
+    /// The provider as it was when the work started (a push may change the set meanwhile).
+    provider: ProviderInfo,
     items: usize,
+}
+
+/// The provider of `id` in `set`.
+fn find<'a>(set: &'a [Arc<dyn Provider>], id: &str) -> Option<&'a Arc<dyn Provider>> {
+    set.iter().find(|p| p.info().id == id)
 }
 
 /// One socket's life: hello, welcome, pulls, work, heartbeats, until it drops or we drain.
@@ -169,14 +175,14 @@ async fn session(
     let send = |frame: &AgentFrame| {
         let _ = tx.send(Message::Text(encode_agent(frame).into()));
     };
-    let providers = agent.providers();
+    let mut providers = agent.providers();
     send(&AgentFrame::Hello(Hello {
         agent_id: agent.id().to_string(),
         hostname: hostname(),
         version: env!("CARGO_PKG_VERSION").to_string(),
         protocol_version: PROTOCOL_VERSION,
         providers: providers.iter().map(|p| p.info()).collect(),
-        devices: devices(providers),
+        devices: devices(&providers),
     }));
 
     let max_frame = agent.opts.max_frame_bytes;
@@ -202,17 +208,12 @@ async fn session(
     agent.sessions.fetch_add(1, Ordering::Relaxed);
     agent.connected.store(true, Ordering::Relaxed);
     tracing::info!(session = welcome.session, hub = %agent.opts.hub_url, "connected to the hub");
-    for p in providers {
+    for p in &providers {
         send(&AgentFrame::Pull(Pull {
             provider: p.info().id,
             credits: p.pipeline_depth(),
         }));
     }
-    let index_of: HashMap<String, usize> = providers
-        .iter()
-        .enumerate()
-        .map(|(i, p)| (p.info().id, i))
-        .collect();
 
     let mut heartbeat = tokio::time::interval(Duration::from_millis(
         welcome.heartbeat_interval_ms.max(100),
@@ -245,11 +246,11 @@ async fn session(
                             send(&failed(work.lease, FailureClass::Refused, "the agent is shutting down"));
                             continue;
                         }
-                        let Some(&index) = index_of.get(&work.provider) else {
+                        let Some(provider) = find(&providers, &work.provider).cloned() else {
                             send(&failed(work.lease, FailureClass::Refused, &format!("no provider '{}' here", work.provider)));
                             continue;
                         };
-                        start_work(agent, index, work, &mut tasks, &mut running, &mut by_lease);
+                        start_work(agent, provider, work, &mut tasks, &mut running, &mut by_lease);
                     }
                     Ok(HubFrame::Cancel { lease, reason }) => {
                         if let Some(handle) = by_lease.remove(&lease) {
@@ -263,6 +264,27 @@ async fn session(
                             None => crate::protocol::ConfigAck { id: cfg.id, applied: false, reason: Some("the push has no openrouter object".into()), roles: Default::default() },
                         };
                         send(&AgentFrame::ConfigAck(ack));
+                        let next = agent.providers();
+                        let infos: Vec<ProviderInfo> = next.iter().map(|p| p.info()).collect();
+                        if drain_deadline.is_none() && infos != providers.iter().map(|p| p.info()).collect::<Vec<_>>() {
+                            // The hub keeps the credits of an unchanged provider; new or changed
+                            // ones start from a fresh pull.
+                            send(&AgentFrame::Providers { providers: infos });
+                            for p in &next {
+                                let info = p.info();
+                                if find(&providers, &info.id).is_none_or(|old| old.info() != info) {
+                                    send(&AgentFrame::Pull(Pull { provider: info.id, credits: p.pipeline_depth() }));
+                                }
+                            }
+                            providers = next;
+                        }
+                    }
+                    Ok(HubFrame::Discover) => {
+                        let (agent, tx) = (agent.clone(), tx.clone());
+                        tokio::spawn(async move {
+                            let limits = agent.discover_limits().await;
+                            let _ = tx.send(Message::Text(encode_agent(&AgentFrame::Limits(limits)).into()));
+                        });
                     }
                     Ok(HubFrame::Error { message }) => tracing::warn!(message = %message, "the hub reported an error"),
                     Ok(HubFrame::Welcome(_) | HubFrame::Probe(_)) => {}
@@ -276,16 +298,14 @@ async fn session(
                 };
                 let Some(job) = running.remove(&id) else { continue };
                 by_lease.remove(&job.lease);
-                let provider = &providers[job.provider];
-                {
-                    let mut c = agent.counters(job.provider);
+                agent.with_counters(&job.provider.id, |c| {
                     c.in_flight = c.in_flight.saturating_sub(1);
                     match &outcome {
                         Some((Ok(_), latency_ms)) => c.record_success(job.items, *latency_ms),
                         Some((Err(_), _)) => c.failures += 1,
                         None => {}
                     }
-                }
+                });
                 match outcome {
                     Some((Ok(result), latency_ms)) => send(&AgentFrame::Done(Done {
                         lease: job.lease,
@@ -297,12 +317,16 @@ async fn session(
                         lease: job.lease,
                         class: f.class,
                         retry_after_ms: f.retry_after_ms,
+                        limit: f.limit,
                         message: f.message,
                     })),
                     None => {} // cancelled: the hub already took the lease back
                 }
                 if drain_deadline.is_none() {
-                    send(&AgentFrame::Pull(Pull { provider: provider.info().id, credits: 1 }));
+                    // One more credit, unless a push removed or changed the provider meanwhile.
+                    if find(&providers, &job.provider.id).is_some_and(|p| p.info() == job.provider) {
+                        send(&AgentFrame::Pull(Pull { provider: job.provider.id, credits: 1 }));
+                    }
                 } else if tasks.is_empty() {
                     break String::new();
                 }
@@ -310,7 +334,7 @@ async fn session(
             _ = heartbeat.tick() => {
                 send(&AgentFrame::Heartbeat(Heartbeat {
                     providers: agent.provider_stats(),
-                    devices: devices(providers),
+                    devices: devices(&providers),
                 }));
             }
             _ = shutdown.changed(), if drain_deadline.is_none() => {
@@ -333,11 +357,8 @@ async fn session(
     };
     agent.connected.store(false, Ordering::Relaxed);
     tasks.abort_all();
-    for (i, c) in agent.counters.iter().enumerate() {
-        let _ = i;
-        if let Ok(mut c) = c.lock() {
-            c.in_flight = 0;
-        }
+    for p in &providers {
+        agent.with_counters(&p.info().id, |c| c.in_flight = 0);
     }
     if drain_deadline.is_some() && why.is_empty() {
         let _ = tx.send(Message::Close(Some(CloseFrame {
@@ -357,24 +378,22 @@ fn failed(lease: u64, class: FailureClass, message: &str) -> AgentFrame {
         lease,
         class,
         retry_after_ms: None,
+        limit: None,
         message: message.to_string(),
     })
 }
 
 fn start_work(
     agent: &Arc<Agent>,
-    index: usize,
+    provider: Arc<dyn Provider>,
     work: Work,
     tasks: &mut JoinSet<(Result<WorkResult, ProviderFailure>, f64)>,
     running: &mut HashMap<tokio::task::Id, InFlight>,
     by_lease: &mut HashMap<u64, tokio::task::AbortHandle>,
 ) {
-    let provider = agent.providers()[index].clone();
-    let items = match &work.input {
-        protocol::WorkInput::Embed(e) => e.texts.len(),
-        protocol::WorkInput::Rerank(r) => r.documents.len(),
-    };
-    agent.counters(index).in_flight += 1;
+    let items = work.input.items();
+    let info = provider.info();
+    agent.with_counters(&info.id, |c| c.in_flight += 1);
     let handle = tasks.spawn(async move {
         let started = Instant::now();
         let result = provider.run(work.input).await;
@@ -384,7 +403,7 @@ fn start_work(
         handle.id(),
         InFlight {
             lease: work.lease,
-            provider: index,
+            provider: info,
             items,
         },
     );

@@ -57,7 +57,8 @@ async fn metrics(State(agent): State<Arc<Agent>>) -> impl IntoResponse {
                 let _ = writeln!(
                     out,
                     "{name}{{provider=\"{}\",role=\"{}\"}} {v}",
-                    s.provider, roles[i]
+                    s.provider,
+                    roles.get(i).map_or("", String::as_str)
                 );
             }
         }

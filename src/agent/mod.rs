@@ -7,11 +7,13 @@
 //! finishes (or hands back) its leases, and closes cleanly. Config pushes merge into what it
 //! holds; the key stays in memory only.
 
+pub mod cloud_provider;
 pub mod connection;
 pub mod http;
 pub mod provider;
 pub mod stats;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -19,10 +21,13 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use self::cloud_provider::CloudProvider;
 use self::provider::Provider;
 use self::stats::ProviderCounters;
-use crate::config::push::{self, CloudSettings, OpenRouterPush};
-use crate::protocol::{ConfigAck, DeviceInfo, ProviderStats};
+use crate::cloud::openrouter::OpenRouterClient;
+use crate::cloud::route::CloudRoute;
+use crate::config::push::{self, CloudSettings, OpenRouterPush, Outcome};
+use crate::protocol::{AccountLimits, ConfigAck, DeviceInfo, ProviderStats};
 use crate::secret::Secret;
 
 /// How an agent runs.
@@ -36,31 +41,56 @@ pub struct AgentOptions {
     /// How long shutdown waits for leases in progress.
     pub drain_timeout: Duration,
     pub max_frame_bytes: usize,
+    /// The local providers (loaded models); cloud providers come from config pushes.
     pub providers: Vec<Arc<dyn Provider>>,
+    pub cloud: CloudOptions,
+}
+
+/// How cloud routes are served once a push gives this agent a key.
+#[derive(Clone, Debug)]
+pub struct CloudOptions {
+    /// OpenRouter's API base (`https://openrouter.ai/api/v1`; tests point it at loopback).
+    pub openrouter_url: String,
+    /// Work frames one cloud provider takes at once (the hub's budget decides how many run).
+    pub pipeline_depth: u32,
+    /// One upstream call may take this long.
+    pub request_timeout: Duration,
+}
+
+impl Default for CloudOptions {
+    fn default() -> Self {
+        Self {
+            openrouter_url: crate::cloud::openrouter::DEFAULT_BASE_URL.to_string(),
+            pipeline_depth: 8,
+            request_timeout: Duration::from_secs(120),
+        }
+    }
 }
 
 /// The agent's shared state (sessions come and go; this stays).
 pub struct Agent {
     opts: AgentOptions,
-    counters: Vec<Mutex<ProviderCounters>>,
+    counters: Mutex<BTreeMap<String, ProviderCounters>>,
     cloud: Mutex<HeldConfig>,
     connected: AtomicBool,
     sessions: AtomicU64,
 }
 
-/// What config pushes left here: the safe part, and the key (memory only).
+/// What config pushes left here: the safe part, the key (memory only), and the cloud
+/// providers built from them.
 #[derive(Default)]
 struct HeldConfig {
     settings: CloudSettings,
     key: Option<Secret>,
+    client: Option<Arc<OpenRouterClient>>,
+    providers: Vec<Arc<dyn Provider>>,
 }
 
 impl Agent {
     pub fn new(opts: AgentOptions) -> Arc<Self> {
-        let counters = opts.providers.iter().map(|_| Mutex::default()).collect();
         Arc::new(Self {
             opts,
-            counters,
+            counters: Mutex::default(),
             cloud: Mutex::new(HeldConfig::default()),
             connected: AtomicBool::new(false),
             sessions: AtomicU64::new(0),
@@ -71,8 +101,11 @@ impl Agent {
         &self.opts.agent_id
     }
 
-    pub fn providers(&self) -> &[Arc<dyn Provider>] {
-        &self.opts.providers
+    /// Every provider now: the local ones, then the cloud routes pushes created.
+    pub fn providers(&self) -> Vec<Arc<dyn Provider>> {
+        let mut all = self.opts.providers.clone();
+        all.extend(self.held().providers.iter().cloned());
+        all
     }
 
     pub fn is_connected(&self) -> bool {
@@ -84,18 +117,22 @@ impl Agent {
         self.sessions.load(Ordering::Relaxed)
     }
 
-    fn counters(&self, index: usize) -> std::sync::MutexGuard<'_, ProviderCounters> {
-        self.counters[index]
+    /// Runs `f` on the counters of provider `id`.
+    fn with_counters<T>(&self, id: &str, f: impl FnOnce(&mut ProviderCounters) -> T) -> T {
+        let mut all = self
+            .counters
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        f(all.entry(id.to_string()).or_default())
     }
 
     pub fn provider_stats(&self) -> Vec<ProviderStats> {
-        self.opts
-            .providers
+        self.providers()
             .iter()
-            .enumerate()
-            .map(|(i, p)| self.counters(i).snapshot(&p.info().id))
+            .map(|p| {
+                let id = p.info().id;
+                self.with_counters(&id, |c| c.snapshot(&id))
+            })
             .collect()
     }
 
@@ -115,16 +152,32 @@ impl Agent {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Merges a config push (DESIGN §4) and says what became of it.
+    /// Merges a config push (DESIGN §4), rebuilds the cloud providers from what is held, and
+    /// says what became of it.
     pub fn apply_config(&self, id: String, mut push: OpenRouterPush) -> ConfigAck {
         let mut held = self.held();
         let holds_key = held.key.is_some();
         match push::merge(&mut held.settings, holds_key, &push) {
-            Ok(report) => {
+            Ok(mut report) => {
+                let key_changed = push.api_key.is_some();
                 if let Some(key) = push.api_key.take() {
+                    match OpenRouterClient::new(
+                        &self.opts.cloud.openrouter_url,
+                        key.clone(),
+                        self.opts.cloud.request_timeout,
+                    ) {
+                        Ok(client) => held.client = Some(Arc::new(client)),
+                        Err(e) => {
+                            tracing::error!(error = %e, "no OpenRouter client: cloud routes stay off")
+                        }
+                    }
                     held.key = Some(key);
                 }
-                tracing::info!(config_id = %id, key_included = report.key_included, "config push applied");
+                let refusals = self.rebuild_cloud(&mut held, key_changed);
+                for (role, reason) in refusals {
+                    report.roles.entry(role).or_default().model = Some(Outcome::Refused { reason });
+                }
+                tracing::info!(config_id = %id, key_included = report.key_included, cloud_providers = held.providers.len(), "config push applied");
                 ConfigAck {
                     id,
                     applied: true,
@@ -141,6 +194,64 @@ impl Agent {
                     roles: Default::default(),
                 }
             }
+        }
+    }
+
+    /// One cloud provider per role whose policy lets the cloud serve and whose model is
+    /// mapped; an unchanged route keeps its provider. Returns routes that could not be built.
+    fn rebuild_cloud(&self, held: &mut HeldConfig, key_changed: bool) -> Vec<(String, String)> {
+        let mut refusals = Vec::new();
+        let Some(client) = held.client.clone() else {
+            held.providers.clear();
+            return refusals;
+        };
+        let mut next: Vec<Arc<dyn Provider>> = Vec::new();
+        for (role, allowed) in &held.settings.allowed_models {
+            if held.settings.policy(*role) == crate::roles::Policy::Local {
+                continue;
+            }
+            let route = match CloudRoute::from_allowed(*role, allowed) {
+                Ok(route) => route,
+                Err(e) => {
+                    refusals.push((role.to_string(), e.to_string()));
+                    continue;
+                }
+            };
+            let provider =
+                CloudProvider::new(route, client.clone(), self.opts.cloud.pipeline_depth);
+            // A new key means new clients; otherwise an unchanged route keeps its provider.
+            let kept = held
+                .providers
+                .iter()
+                .find(|p| !key_changed && p.info() == provider.info())
+                .cloned();
+            next.push(kept.unwrap_or_else(|| Arc::new(provider)));
+        }
+        held.providers = next;
+        refusals
+    }
+
+    /// Asks OpenRouter what the pushed key's account allows (numbers only).
+    pub async fn discover_limits(&self) -> AccountLimits {
+        let client = self.held().client.clone();
+        let Some(client) = client else {
+            return AccountLimits {
+                error: Some("no key has been pushed to this agent".into()),
+                ..Default::default()
+            };
+        };
+        match client.key_info().await {
+            Ok(info) => AccountLimits {
+                rpm: info.rpm,
+                funded: info.funded(),
+                credits_remaining_usd: info.credits_remaining_usd,
+                limit_remaining_usd: info.limit_remaining_usd,
+                error: None,
+            },
+            Err(e) => AccountLimits {
+                error: Some(e.to_string()),
+                ..Default::default()
+            },
         }
     }
 

@@ -6,7 +6,9 @@ use std::future::Future;
 use std::pin::Pin;
 
 use crate::inference::{EmbedOptions, Engine, InferenceError, RerankOptions};
-use crate::protocol::{Backend, FailureClass, ProviderInfo, Score, WorkInput, WorkOutput};
+use crate::protocol::{
+    Backend, FailureClass, LimitKind, ProviderInfo, Score, WorkInput, WorkOutput,
+};
 use crate::roles::Role;
 
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
@@ -24,6 +26,8 @@ pub struct ProviderFailure {
     pub class: FailureClass,
     pub message: String,
     pub retry_after_ms: Option<u64>,
+    /// The limit that refused a cloud call, when one did.
+    pub limit: Option<LimitKind>,
 }
 
 impl ProviderFailure {
@@ -32,6 +36,7 @@ impl ProviderFailure {
             class,
             message: message.into(),
             retry_after_ms: None,
+            limit: None,
         }
     }
 }
@@ -147,6 +152,10 @@ impl Provider for LocalProvider {
                         tokens: out.tokens as u64,
                     })
                 }
+                WorkInput::Chat(_) => Err(ProviderFailure::new(
+                    FailureClass::Refused,
+                    "chat roles are served by cloud routes, not local models",
+                )),
             }
         })
     }

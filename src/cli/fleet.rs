@@ -74,6 +74,9 @@ pub struct AgentCommand {
     /// Address of the agent's health and metrics endpoints.
     #[arg(long, default_value = "127.0.0.1:8098")]
     http: SocketAddr,
+    /// OpenRouter's API base for cloud routes (overrides `openrouter_url` of the config).
+    #[arg(long)]
+    openrouter_url: Option<String>,
 }
 
 #[derive(Args)]
@@ -108,6 +111,9 @@ pub struct ServeCommand {
     /// Also serve the agent's own health/metrics here.
     #[arg(long)]
     http: Option<SocketAddr>,
+    /// OpenRouter's API base for cloud routes (default https://openrouter.ai/api/v1).
+    #[arg(long)]
+    openrouter_url: Option<String>,
 }
 
 fn default_state_dir() -> PathBuf {
@@ -206,6 +212,15 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn cloud_options(openrouter_url: Option<String>, depth: u32) -> agent::CloudOptions {
+    let mut cloud = agent::CloudOptions::default();
+    if let Some(url) = openrouter_url {
+        cloud.openrouter_url = url;
+    }
+    cloud.pipeline_depth = depth.clamp(1, 256);
+    cloud
+}
+
 pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
     let cfg = AgentConfig::load(&cmd.config)?;
     let fleet_token = tokens::from_file_or_env(
@@ -213,14 +228,23 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
         cfg.fleet_token_env.as_deref(),
     )?;
     let providers = agent::load_providers(&cfg.models).await?;
+    if providers.is_empty() {
+        tracing::info!(
+            "no local models: this agent serves cloud routes only, once a push gives it a key"
+        );
+    }
     let agent = Agent::new(AgentOptions {
         hub_url: cfg.hub_url,
         agent_id: cfg.agent_id.unwrap_or_else(agent::hostname),
         fleet_token,
         ca_file: cfg.ca_file,
-        drain_timeout: Duration::from_secs(cfg.drain_timeout_s),
+        drain_timeout: Duration::from_secs(cfg.drain_timeout_s.clamp(1, 3600)),
         max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
         providers,
+        cloud: cloud_options(
+            cmd.openrouter_url.or(cfg.openrouter_url),
+            cfg.cloud_pipeline_depth,
+        ),
     });
     let listener = bind(cmd.http, "agent")?;
     let stop = shutdown_signal();
@@ -260,8 +284,8 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
         });
     }
     if models.is_empty() {
-        anyhow::bail!(
-            "serve needs a model: --model/--model-dir and/or --reranker-model/--reranker-model-dir"
+        tracing::info!(
+            "no local model (--model/--model-dir, --reranker-model/--reranker-model-dir): cloud routes only, once a push gives a key"
         );
     }
     let providers = agent::load_providers(&models).await?;
@@ -284,6 +308,7 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
         drain_timeout: Duration::from_secs(30),
         max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
         providers,
+        cloud: cloud_options(cmd.openrouter_url.clone(), 8),
     });
     if let Some(addr) = cmd.http {
         let listener = bind(addr, "agent")?;

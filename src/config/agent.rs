@@ -12,6 +12,9 @@
 //! model_dir = "/var/lib/fantom-sidecar/models/qwen3-embedding-4b"
 //! pipeline_depth = 2
 //! ```
+//!
+//! Cloud routes need no table: a config push with a key creates them. `openrouter_url`
+//! (default `https://openrouter.ai/api/v1`) and `cloud_pipeline_depth` (default 8) tune them.
 
 use std::path::{Path, PathBuf};
 
@@ -38,6 +41,13 @@ pub struct AgentConfig {
     /// How long SIGTERM waits for leases in progress before handing them back.
     #[serde(default = "default_drain_s")]
     pub drain_timeout_s: u64,
+    /// OpenRouter's API base for cloud routes (default `https://openrouter.ai/api/v1`).
+    #[serde(default)]
+    pub openrouter_url: Option<String>,
+    /// Work frames one cloud provider takes at once (the hub's budget decides how many run).
+    #[serde(default = "default_cloud_depth")]
+    pub cloud_pipeline_depth: u32,
+    /// Local models; none is fine (the agent then serves cloud routes only, after a push).
     #[serde(default)]
     pub models: Vec<ServedModel>,
 }
@@ -59,6 +69,9 @@ pub struct ServedModel {
 
 fn default_drain_s() -> u64 {
     30
+}
+fn default_cloud_depth() -> u32 {
+    8
 }
 fn default_depth() -> u32 {
     2

@@ -46,6 +46,9 @@ pub struct AllowedModel {
     /// The vector width (required for embedding roles).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dims: Option<usize>,
+    /// The pinned upstream's quantization (`bf16`, `fp8`, ...), sent as a routing filter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
 }

@@ -94,6 +94,45 @@ pub async fn post_config(
     }
 }
 
+/// `POST /admin/budget`: `{"permits": 1..=256}` overrides the cloud budget's ceiling at
+/// once; `{"permits": null}` returns it to what the account allows. Persisted.
+pub async fn post_budget(
+    State(hub): State<Hub>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    admin(&hub, &headers)?;
+    let value: Value = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::bad_request(format!("invalid budget body: {}", redact(&e.to_string())))
+    })?;
+    let permits = match value.get("permits") {
+        Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(n @ 1..=256) => Some(n as u32),
+            _ => {
+                return Err(ApiError::bad_request(
+                    "permits must be an integer in 1..=256, or null",
+                ));
+            }
+        },
+        None => {
+            return Err(ApiError::bad_request(
+                "send {\"permits\": N} (1..=256) or {\"permits\": null}",
+            ));
+        }
+    };
+    hub.set_budget_override(permits).map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "state_write",
+            e.to_string(),
+        )
+    })?;
+    Ok(Json(
+        json!({ "override": permits, "budget": hub.status().budget }),
+    ))
+}
+
 pub async fn status(
     State(hub): State<Hub>,
     headers: HeaderMap,

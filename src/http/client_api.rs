@@ -113,7 +113,7 @@ pub struct RerankDocument {
     pub text: String,
 }
 
-fn client_auth(hub: &Hub, headers: &HeaderMap) -> Result<(), ApiError> {
+pub(super) fn client_auth(hub: &Hub, headers: &HeaderMap) -> Result<(), ApiError> {
     match hub.client_token() {
         Some(token) => auth::require(headers, token, "client"),
         None => Ok(()),
@@ -126,7 +126,7 @@ fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
 }
 
 /// The role a request names, checked against the operation of its endpoint.
-fn role_for(name: &str, op: Op) -> Result<Role, ApiError> {
+pub(super) fn role_for(name: &str, op: Op) -> Result<Role, ApiError> {
     let role: Role = name
         .parse()
         .map_err(|e: crate::roles::UnknownRole| ApiError::bad_request(e.to_string()))?;

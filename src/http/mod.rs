@@ -5,6 +5,7 @@
 
 pub mod admin_api;
 pub mod auth;
+pub mod chat_api;
 pub mod client_api;
 pub mod error;
 pub mod ops;
@@ -39,11 +40,13 @@ pub fn hub_router(hub: Hub) -> Router {
         .route("/v1/agent", get(agent_socket))
         .route("/v1/embeddings", post(client_api::embeddings))
         .route("/v1/rerank", post(client_api::rerank))
+        .route("/v1/chat/completions", post(chat_api::completions))
         .route(
             "/admin/config",
             get(admin_api::get_config).post(admin_api::post_config),
         )
         .route("/admin/status", get(admin_api::status))
+        .route("/admin/budget", post(admin_api::post_budget))
         .route("/health", get(ops::health))
         .route("/metrics", get(ops::metrics))
         .fallback(ops::not_found)

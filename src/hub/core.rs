@@ -13,13 +13,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::oneshot;
 
+use super::budget::{self, Budget, BudgetSettings};
 use super::policy::{self, Admission};
 use super::queue::{BatchLimits, Item, RequestId, RoleQueue, Shape};
 use super::registry::{AgentEntry, AgentTx, Outgoing, ProviderEntry, ProviderRef, SocketCount};
 use crate::config::push::CloudSettings;
 use crate::protocol::{
-    self, Backend, ConfigAck, Done, Failed, FailureClass, Heartbeat, Hello, HubFrame,
-    PROTOCOL_VERSION, ProviderInfo, Score, Welcome, Work, WorkOutput,
+    self, AccountLimits, Backend, ConfigAck, Done, Failed, FailureClass, Heartbeat, Hello,
+    HubFrame, PROTOCOL_VERSION, ProviderInfo, Score, Welcome, Work, WorkOutput,
 };
 use crate::roles::Role;
 
@@ -60,6 +61,8 @@ impl Default for HubSettings {
 pub enum ItemOutput {
     Vector(Vec<f32>),
     Score(Score),
+    /// A chat completion object, as the upstream returned it.
+    Chat(serde_json::Value),
 }
 
 #[derive(Clone, Debug)]
@@ -122,6 +125,10 @@ struct Lease {
     agent: String,
     session: u64,
     provider: String,
+    /// Who serves it (kept here: the provider may leave the set while the lease runs).
+    reference: Arc<ProviderRef>,
+    /// The budget route a cloud lease holds a permit of.
+    permit: Option<String>,
     role: Role,
     items: Vec<Item>,
     deadline: Instant,
@@ -146,6 +153,8 @@ pub struct Core {
     pub settings: HubSettings,
     pub cloud: CloudSettings,
     pub counters: Counters,
+    /// The global cloud budget: permits for cloud leases.
+    pub budget: Budget,
     queues: BTreeMap<Role, RoleQueue>,
     requests: HashMap<RequestId, Pending>,
     leases: HashMap<u64, Lease>,
@@ -181,6 +190,7 @@ impl Core {
             settings,
             cloud,
             counters: Counters::default(),
+            budget: Budget::new(BudgetSettings::default(), rand::random(), Instant::now()),
             queues,
             requests: HashMap::new(),
             leases: HashMap::new(),
@@ -248,6 +258,8 @@ impl Core {
             text,
             shape: shape.clone(),
             attempts: 0,
+            solo: false,
+            failed_locally: false,
         });
         if let Some(q) = self.queues.get_mut(&role) {
             q.push_back(items);
@@ -260,13 +272,19 @@ impl Core {
 
     /// Forgets a request (its client timed out or went away); its items die where they are.
     pub fn cancel_request(&mut self, id: RequestId) {
-        self.requests.remove(&id);
+        if self.requests.remove(&id).is_some() {
+            // Its waiting items leave the queue: they must not hold room others could use.
+            for q in self.queues.values_mut() {
+                q.remove_request(id);
+            }
+        }
     }
 
     /// Whether a connected provider could ever take `role`'s work under its policy.
     fn role_has_provider(&self, role: Role) -> bool {
         let policy = self.cloud.policy(role);
-        let healthy_local = true; // a backup cloud provider counts as a provider of the role
+        // Whether anything could ever serve it: a backup cloud provider counts.
+        let healthy_local = false;
         self.providers().any(|p| {
             p.role() == role
                 && policy::admit(policy, p.info.backend, healthy_local) == Admission::Serve
@@ -366,8 +384,11 @@ impl Core {
         for id in lost {
             if let Some(lease) = self.leases.remove(&id) {
                 self.counters.leases_lost += 1;
+                self.release_permit(&lease, budget::Outcome::Other);
                 let role = lease.role;
-                self.requeue(role, lease.items, true, "the agent disconnected");
+                let local = lease.reference.backend == Backend::Local;
+                let items = mark_failed_locally(lease.items, local);
+                self.requeue(role, items, true, "the agent disconnected");
                 self.dispatch(role);
             }
         }
@@ -433,6 +454,35 @@ impl Core {
         Ok(())
     }
 
+    /// An agent's answer to `discover`.
+    pub fn account_limits(
+        &mut self,
+        agent: &str,
+        session: u64,
+        limits: AccountLimits,
+    ) -> Result<(), String> {
+        self.session_agent(agent, session)?;
+        tracing::info!(agent, rpm = ?limits.rpm, funded = ?limits.funded, error = ?limits.error, "account limits discovered");
+        self.budget.set_account(limits, Instant::now());
+        self.dispatch_all();
+        Ok(())
+    }
+
+    /// Asks one agent that holds cloud routes for the account's limits, when due (every 10
+    /// minutes; at once after a new key).
+    pub fn discover_if_due(&mut self, now: Instant) {
+        let Some(agent) = self
+            .agents
+            .values()
+            .find(|a| a.providers.values().any(|p| p.route.is_some()))
+        else {
+            return;
+        };
+        if self.budget.take_discovery_due(now) {
+            agent.send(protocol::encode(&HubFrame::Discover));
+        }
+    }
+
     /// Sends a frame to every connected agent; returns their ids.
     pub fn broadcast(&self, frame: &str) -> Vec<String> {
         self.agents
@@ -471,22 +521,34 @@ impl Core {
             Ok(outputs) => outputs,
             Err(message) => {
                 let role = lease.role;
+                self.release_permit(&lease, budget::Outcome::Other);
                 self.count_failure(&lease, FailureClass::Transient);
                 self.requeue(role, lease.items, true, &message);
                 self.dispatch(role);
                 return Err(message);
             }
         };
-        let Some(p) = self.provider_mut(&lease) else {
-            // The provider left the set while this lease ran; its results still count.
-            return self.deliver(lease, outputs, done.tokens, None);
-        };
-        p.in_flight = p.in_flight.saturating_sub(1);
-        p.consecutive_failures = 0;
-        p.served_items += lease.items.len() as u64;
-        p.record_latency(done.latency_ms);
-        let reference = p.reference.clone();
-        self.deliver(lease, outputs, done.tokens, Some(reference))
+        self.release_permit(
+            &lease,
+            budget::Outcome::Success {
+                latency_ms: done.latency_ms,
+            },
+        );
+        // The provider may have left the set while this lease ran; its results still count.
+        if let Some(p) = self.provider_mut(&lease) {
+            p.in_flight = p.in_flight.saturating_sub(1);
+            p.consecutive_failures = 0;
+            p.served_items += lease.items.len() as u64;
+            p.record_latency(done.latency_ms);
+        }
+        self.deliver(lease, outputs, done.tokens)
+    }
+
+    /// Returns a cloud lease's budget permit (each lease ends exactly once).
+    fn release_permit(&mut self, lease: &Lease, outcome: budget::Outcome) {
+        if let Some(route) = &lease.permit {
+            self.budget.release(route, outcome, Instant::now());
+        }
     }
 
     fn deliver(
@@ -494,18 +556,8 @@ impl Core {
         lease: Lease,
         outputs: Vec<ItemOutput>,
         tokens: u64,
-        reference: Option<Arc<ProviderRef>>,
     ) -> Result<(), String> {
-        let reference = reference.unwrap_or_else(|| {
-            Arc::new(ProviderRef {
-                provider: format!("{}/{}", lease.agent, lease.provider),
-                agent: lease.agent.clone(),
-                backend: Backend::Local,
-                model: String::new(),
-                revision: None,
-                upstream: None,
-            })
-        });
+        let reference = lease.reference.clone();
         let n = lease.items.len() as u64;
         *self.counters.items_served.entry(lease.role).or_default() += n;
         for (item, output) in lease.items.into_iter().zip(outputs) {
@@ -542,10 +594,40 @@ impl Core {
         };
         let role = lease.role;
         tracing::debug!(agent, lease = failed.lease, class = failure_name(failed.class), message = %failed.message, "lease failed");
+        let outcome = match failed.limit {
+            Some(kind) => budget::Outcome::Limited {
+                kind,
+                retry_after: failed
+                    .retry_after_ms
+                    .map(|ms| Duration::from_millis(ms.min(300_000))),
+            },
+            None => budget::Outcome::Other,
+        };
+        self.release_permit(&lease, outcome);
+        if failed.limit.is_some() {
+            // A limit is the account's or the upstream's, not this provider's fault.
+            self.count_failure(&lease, FailureClass::RateLimited);
+            self.requeue(role, lease.items, false, &failed.message);
+            self.dispatch(role);
+            return Ok(());
+        }
         self.count_failure(&lease, failed.class);
+        let local = lease.reference.backend == Backend::Local;
         match failed.class {
+            FailureClass::Fatal if lease.items.len() > 1 => {
+                // One item may be at fault: each goes again on its own, so only its request fails.
+                let items = lease
+                    .items
+                    .into_iter()
+                    .map(|mut i| {
+                        i.solo = true;
+                        i
+                    })
+                    .collect();
+                self.requeue(role, items, false, &failed.message);
+            }
             FailureClass::Fatal => {
-                let provider = format!("{}/{}", lease.agent, lease.provider);
+                let provider = lease.reference.provider.clone();
                 for item in &lease.items {
                     self.fail_request(
                         item.request,
@@ -563,10 +645,12 @@ impl Core {
                 if let Some(p) = self.provider_mut(&lease) {
                     p.paused_until = Some(Instant::now() + wait);
                 }
+                // (Cloud limits name their kind and went to the budget above.)
                 self.requeue(role, lease.items, false, &failed.message);
             }
             FailureClass::Transient | FailureClass::Refused => {
-                self.requeue(role, lease.items, true, &failed.message);
+                let items = mark_failed_locally(lease.items, local);
+                self.requeue(role, items, true, &failed.message);
             }
         }
         self.dispatch(role);
@@ -657,9 +741,12 @@ impl Core {
                     reason: "the lease expired".into(),
                 }));
             }
+            self.release_permit(&lease, budget::Outcome::Other);
             self.count_failure(&lease, FailureClass::Transient);
             let role = lease.role;
-            self.requeue(role, lease.items, true, "the lease expired");
+            let local = lease.reference.backend == Backend::Local;
+            let items = mark_failed_locally(lease.items, local);
+            self.requeue(role, items, true, "the lease expired");
             self.dispatch(role);
         }
     }
@@ -685,6 +772,7 @@ impl Core {
             if queue.is_empty() {
                 return;
             }
+            let head_failed_locally = queue.head_failed_locally();
             let healthy_local = self
                 .agents
                 .values()
@@ -699,7 +787,18 @@ impl Core {
                     if p.role() != role || p.credits == 0 || !p.is_available(now) {
                         continue;
                     }
-                    if policy::admit(policy, p.info.backend, healthy_local) != Admission::Serve {
+                    let backup_retry = policy == crate::roles::Policy::Backup
+                        && p.info.backend == Backend::Cloud
+                        && head_failed_locally;
+                    if policy::admit(policy, p.info.backend, healthy_local) != Admission::Serve
+                        && !backup_retry
+                    {
+                        continue;
+                    }
+                    // Cloud providers also need a permit of the global budget.
+                    if let Some(route) = &p.route
+                        && self.budget.check(route, now).is_some()
+                    {
                         continue;
                     }
                     let rank = k.wrapping_sub(self.turn) % 1024;
@@ -721,13 +820,20 @@ impl Core {
                 return;
             };
             let session = agent.session;
-            let Some(info) = agent.providers.get(&pid).map(|p| &p.info) else {
+            let Some(entry) = agent.providers.get(&pid) else {
                 return;
             };
+            let info = &entry.info;
+            let (reference, permit) = (entry.reference.clone(), entry.route.clone());
             let limits = BatchLimits {
                 max_items: info.max_batch_items.max(1),
                 max_tokens: info.max_batch_tokens.max(1),
             };
+            if let Some(route) = &permit
+                && !self.budget.try_acquire(route, now)
+            {
+                return;
+            }
             let requests = &self.requests;
             let Some(queue) = self.queues.get_mut(&role) else {
                 return;
@@ -754,6 +860,9 @@ impl Core {
                 // The socket is going away; its disconnect will clean up the session.
                 p.credits = 0;
                 queue.requeue_front(items);
+                if let Some(route) = &permit {
+                    self.budget.release(route, budget::Outcome::Other, now);
+                }
                 continue;
             }
             p.credits -= 1;
@@ -765,6 +874,8 @@ impl Core {
                     agent: agent_id,
                     session,
                     provider: pid,
+                    reference,
+                    permit,
                     role,
                     items,
                     deadline,
@@ -815,6 +926,21 @@ impl Core {
     }
 }
 
+/// Items of a lease that failed on a local provider are marked so (`backup` lets the cloud
+/// take them).
+fn mark_failed_locally(items: Vec<Item>, local: bool) -> Vec<Item> {
+    if !local {
+        return items;
+    }
+    items
+        .into_iter()
+        .map(|mut i| {
+            i.failed_locally = true;
+            i
+        })
+        .collect()
+}
+
 fn build_providers(
     agent: &str,
     infos: Vec<ProviderInfo>,
@@ -844,13 +970,18 @@ fn check_outputs(lease: &Lease, output: WorkOutput) -> Result<Vec<ItemOutput>, S
             output.len()
         ));
     }
-    let embed = matches!(
-        lease.items.first().map(|i| &*i.shape),
-        Some(Shape::Embed { .. })
-    );
-    match (output, embed) {
-        (WorkOutput::Embeddings(v), true) => Ok(v.into_iter().map(ItemOutput::Vector).collect()),
-        (WorkOutput::Scores(s), false) => Ok(s.into_iter().map(ItemOutput::Score).collect()),
+    let shape = lease.items.first().map(|i| &*i.shape);
+    match (output, shape) {
+        (WorkOutput::Embeddings(v), Some(Shape::Embed { .. })) => {
+            if v.iter().flatten().any(|x| !x.is_finite()) {
+                return Err("done carries a non-finite number; the items were requeued".into());
+            }
+            Ok(v.into_iter().map(ItemOutput::Vector).collect())
+        }
+        (WorkOutput::Scores(s), Some(Shape::Rerank { .. })) => {
+            Ok(s.into_iter().map(ItemOutput::Score).collect())
+        }
+        (WorkOutput::Chat(c), Some(Shape::Chat { .. })) => Ok(vec![ItemOutput::Chat(c)]),
         _ => {
             Err("done carries the wrong kind of output for its op; the items were requeued".into())
         }

@@ -3,6 +3,7 @@
 //! persisted config ([`state`]) and the views of it all ([`status`]). HTTP front doors live in
 //! [`crate::http`]; they call the [`Hub`] handle.
 
+pub mod budget;
 pub mod core;
 pub mod policy;
 pub mod queue;
@@ -110,7 +111,11 @@ impl Hub {
     /// Opens the hub's state dir and builds the hub (no sockets yet).
     pub fn open(opts: HubOptions) -> Result<Self, StateError> {
         let state = HubState::load(&opts.state_dir)?;
-        let core = Core::new(opts.settings, state.cloud.clone());
+        let mut core = Core::new(opts.settings, state.cloud.clone());
+        if state.budget_override.is_some() {
+            core.budget
+                .set_override(state.budget_override, Instant::now());
+        }
         Ok(Self {
             inner: Arc::new(Inner {
                 core: Mutex::new(core),
@@ -181,7 +186,8 @@ impl Hub {
     /// Applies an admin push: merge (the hub holds no key, only that one was pushed),
     /// persist, send the push to every connected agent, then drop it (and the key with it).
     pub fn push_config(&self, push: OpenRouterPush) -> Result<PushResult, PushError> {
-        let mut core = self.core();
+        // The state lock first: the file is written (and synced) before the core is held, so
+        // dispatch never waits on a disk.
         let mut state = self
             .inner
             .state
@@ -198,8 +204,14 @@ impl Hub {
             });
         }
         next.save(&self.inner.state_dir)?;
+        let mut core = self.core();
         core.cloud = next.cloud.clone();
+        if report.key_included {
+            // A new key: forget a hard stop and the old account's limits; ask again.
+            core.budget.key_changed(Instant::now());
+        }
         *state = next;
+        drop(state);
         let id = format!(
             "cfg-{}",
             self.inner.next_config.fetch_add(1, Ordering::Relaxed)
@@ -223,6 +235,25 @@ impl Hub {
         })
     }
 
+    /// The operator's live budget override (`None` clears it); persisted.
+    pub fn set_budget_override(&self, permits: Option<u32>) -> Result<(), StateError> {
+        let mut state = self
+            .inner
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut next = state.clone();
+        next.budget_override = permits;
+        next.save(&self.inner.state_dir)?;
+        *state = next;
+        drop(state);
+        let mut core = self.core();
+        core.budget.set_override(permits, Instant::now());
+        core.dispatch_all();
+        tracing::info!(permits = ?permits, "budget override set");
+        Ok(())
+    }
+
     /// The safe config as persisted.
     pub fn state(&self) -> HubState {
         self.inner
@@ -244,7 +275,9 @@ impl Hub {
                 };
                 let hub = Hub { inner };
                 let mut core = hub.core();
-                core.expire(Instant::now());
+                let now = Instant::now();
+                core.expire(now);
+                core.discover_if_due(now);
                 // A provider whose bench or pause ended gets work without waiting for a pull.
                 core.dispatch_all();
             }

@@ -25,6 +25,8 @@ pub enum Shape {
         query: String,
         instruction: Option<String>,
     },
+    /// One chat completion (the client's body; one item, whose text is empty).
+    Chat { body: serde_json::Value },
 }
 
 impl Shape {
@@ -46,6 +48,7 @@ impl Shape {
                 documents: texts,
                 instruction: instruction.clone(),
             }),
+            Shape::Chat { body } => WorkInput::Chat(body.clone()),
         }
     }
 
@@ -54,6 +57,7 @@ impl Shape {
         match self {
             Shape::Embed { .. } => 0,
             Shape::Rerank { query, .. } => estimate_tokens(query),
+            Shape::Chat { body } => body.to_string().len() / 3 + 2,
         }
     }
 }
@@ -68,6 +72,11 @@ pub struct Item {
     pub shape: Arc<Shape>,
     /// Leases this item has been on without a result.
     pub attempts: u32,
+    /// Goes in a work frame of its own (it was in a batch that failed fatally: only the
+    /// item at fault should fail its request).
+    pub solo: bool,
+    /// Failed on a local provider: under `backup`, the cloud may take it.
+    pub failed_locally: bool,
 }
 
 /// A cheap upper estimate of a text's tokens (sub-word tokenizers average 3–4 bytes per token
@@ -126,6 +135,11 @@ impl RoleQueue {
         }
     }
 
+    /// Drops every waiting item of a request (it was cancelled).
+    pub fn remove_request(&mut self, id: RequestId) {
+        self.items.retain(|i| i.request != id);
+    }
+
     /// Drops items at the head whose request is gone.
     pub fn drop_dead_head(&mut self, alive: impl Fn(RequestId) -> bool) {
         while self.items.front().is_some_and(|i| !alive(i.request)) {
@@ -133,8 +147,14 @@ impl RoleQueue {
         }
     }
 
+    /// Whether the head item already failed on a local provider.
+    pub fn head_failed_locally(&self) -> bool {
+        self.items.front().is_some_and(|i| i.failed_locally)
+    }
+
     /// Takes a batch from the head: items of the head's shape, while they fit the limits (the
-    /// first item always goes, however long). Items of gone requests are skipped on the way.
+    /// first item always goes, however long). Items of gone requests are skipped on the way;
+    /// a solo item goes alone, and items that failed locally go only with each other.
     pub fn take_batch(
         &mut self,
         limits: BatchLimits,
@@ -144,7 +164,11 @@ impl RoleQueue {
         let Some(first) = self.items.pop_front() else {
             return Vec::new();
         };
+        if first.solo {
+            return vec![first];
+        }
         let shape = first.shape.clone();
+        let retry = first.failed_locally;
         let mut tokens = shape.shared_tokens() + estimate_tokens(&first.text);
         let mut batch = vec![first];
         while batch.len() < limits.max_items {
@@ -154,6 +178,9 @@ impl RoleQueue {
             if !alive(next.request) {
                 self.items.pop_front();
                 continue;
+            }
+            if next.solo || next.failed_locally != retry {
+                break;
             }
             if !(Arc::ptr_eq(&next.shape, &shape) || *next.shape == *shape) {
                 break;
@@ -181,6 +208,8 @@ mod tests {
                 text: format!("text {index}"),
                 shape: shape.clone(),
                 attempts: 0,
+                solo: false,
+                failed_locally: false,
             })
             .collect()
     }
@@ -251,6 +280,25 @@ mod tests {
         let alive = q.take_batch(WIDE, |r| r != 7);
         assert!(alive.iter().all(|i| i.request == 8) && alive.len() == 2);
         assert!(!q.has_room(11) && q.has_room(10));
+    }
+
+    #[test]
+    fn solo_items_go_alone_and_local_failures_go_together() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(10);
+        let mut batch = items(1, &s, 6);
+        batch[1].solo = true;
+        batch[3].failed_locally = true;
+        batch[4].failed_locally = true;
+        q.push_back(batch);
+        let mut sizes = Vec::new();
+        while !q.is_empty() {
+            let head_retry = q.head_failed_locally();
+            let b = q.take_batch(WIDE, |_| true);
+            assert!(b.iter().all(|i| i.failed_locally == head_retry));
+            sizes.push(b.iter().map(|i| i.index).collect::<Vec<_>>());
+        }
+        assert_eq!(sizes, [vec![0], vec![1], vec![2], vec![3, 4], vec![5]]);
     }
 
     #[test]

@@ -40,6 +40,8 @@ pub struct ProviderRef {
 pub struct ProviderEntry {
     pub info: ProviderInfo,
     pub reference: Arc<ProviderRef>,
+    /// The budget route of a cloud provider (`role:model@upstream`); `None` for local ones.
+    pub route: Option<String>,
     /// Work frames the provider still asked for.
     pub credits: u32,
     pub in_flight: u32,
@@ -65,9 +67,14 @@ impl ProviderEntry {
             revision: info.revision.clone(),
             upstream: info.upstream.clone(),
         });
+        let route = (info.backend == Backend::Cloud).then(|| match &info.upstream {
+            Some(up) => format!("{}:{}@{up}", info.role, info.model),
+            None => format!("{}:{}", info.role, info.model),
+        });
         Self {
             info,
             reference,
+            route,
             credits: 0,
             in_flight: 0,
             served_items: 0,

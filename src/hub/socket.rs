@@ -123,6 +123,7 @@ pub async fn serve_agent(socket: WebSocket, hub: Hub) {
                 AgentFrame::Failed(failed) => core.failed(agent, *sid, failed),
                 AgentFrame::ConfigAck(ack) => core.config_ack(agent, *sid, ack),
                 AgentFrame::ProbeResult(_) => Ok(()),
+                AgentFrame::Limits(limits) => core.account_limits(agent, *sid, limits),
             }
         };
         if let Err(message) = result {

@@ -31,6 +31,9 @@ pub struct HubState {
     /// When the last push (with or without a key) applied.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_push_ms: Option<u64>,
+    /// The operator's cloud budget override (permits, 1..=256).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_override: Option<u32>,
 }
 
 #[derive(Debug, thiserror::Error)]

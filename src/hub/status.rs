@@ -9,6 +9,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::Hub;
+use super::budget::BudgetView;
 use super::registry::SocketCount;
 use crate::protocol::{Backend, ConfigAck, DeviceInfo, ProviderStats};
 use crate::roles::{Policy, Role};
@@ -22,6 +23,8 @@ pub struct StatusView {
     pub roles: BTreeMap<Role, RoleView>,
     pub requests_waiting: usize,
     pub config: ConfigView,
+    /// The global cloud budget (DESIGN §5).
+    pub budget: BudgetView,
 }
 
 #[derive(Debug, Serialize)]
@@ -85,8 +88,10 @@ pub struct ConfigView {
 impl Hub {
     pub fn status(&self) -> StatusView {
         let state = self.state();
-        let core = self.core();
+        let mut core = self.core();
         let now = Instant::now();
+        core.budget.tick(now);
+        let budget = core.budget.view(now);
         let agents = core
             .agents()
             .iter()
@@ -148,12 +153,16 @@ impl Hub {
                 last_push_ms: state.last_push_ms,
                 cloud_roles: state.cloud.allowed_models.keys().copied().collect(),
             },
+            budget,
         }
     }
 
     /// Prometheus text exposition of the hub's counters and gauges.
     pub fn metrics_text(&self) -> String {
-        let core = self.core();
+        let mut core = self.core();
+        let now = Instant::now();
+        core.budget.tick(now);
+        let budget = core.budget.view(now);
         let c = &core.counters;
         let mut out = String::new();
         let mut family = |name: &str, kind: &str, help: &str, rows: Vec<(String, f64)>| {
@@ -258,7 +267,7 @@ impl Hub {
             for p in a.providers.values() {
                 let labels = format!(
                     "{{provider=\"{}\",role=\"{}\"}}",
-                    p.reference.provider,
+                    label(&p.reference.provider),
                     p.role()
                 );
                 if let Some(ms) = p.latency_ewma_ms {
@@ -279,6 +288,88 @@ impl Hub {
             "Items a connected provider served in its current session.",
             served,
         );
+        let one = |v: f64| vec![(String::new(), v)];
+        family(
+            "fantom_hub_budget_ceiling",
+            "gauge",
+            "Cloud budget ceiling (permits).",
+            one(budget.ceiling as f64),
+        );
+        family(
+            "fantom_hub_budget_limit",
+            "gauge",
+            "Cloud budget effective limit now (permits).",
+            one(budget.limit as f64),
+        );
+        family(
+            "fantom_hub_budget_in_flight",
+            "gauge",
+            "Cloud leases holding a permit.",
+            one(budget.in_flight as f64),
+        );
+        family(
+            "fantom_hub_budget_granted_total",
+            "counter",
+            "Cloud permits granted.",
+            one(budget.granted as f64),
+        );
+        family(
+            "fantom_hub_budget_throttles_total",
+            "counter",
+            "Global throttle signals (platform 429, in-flight 402).",
+            one(budget.throttles as f64),
+        );
+        family(
+            "fantom_hub_budget_cooldown_remaining_ms",
+            "gauge",
+            "Global cooldown left.",
+            one(budget.cooldown_remaining_ms as f64),
+        );
+        family(
+            "fantom_hub_budget_latency_ewma_ms",
+            "gauge",
+            "Upstream latency EWMA of successful cloud calls.",
+            one(budget.latency_ewma_ms),
+        );
+        family(
+            "fantom_hub_budget_stopped",
+            "gauge",
+            "1 when a hard 402 stopped cloud work.",
+            one(if budget.stopped.is_some() { 1.0 } else { 0.0 }),
+        );
+        let route_rows = |f: &dyn Fn(&super::budget::RouteView) -> f64| -> Vec<(String, f64)> {
+            budget
+                .routes
+                .iter()
+                .map(|r| (format!("{{route=\"{}\"}}", label(&r.route)), f(r)))
+                .collect()
+        };
+        family(
+            "fantom_hub_budget_route_limit",
+            "gauge",
+            "Cloud route sub-limit (permits).",
+            route_rows(&|r| r.limit as f64),
+        );
+        family(
+            "fantom_hub_budget_route_in_flight",
+            "gauge",
+            "Cloud route leases holding a permit.",
+            route_rows(&|r| r.in_flight as f64),
+        );
+        family(
+            "fantom_hub_budget_route_throttles_total",
+            "counter",
+            "Upstream 429s per route.",
+            route_rows(&|r| r.throttles as f64),
+        );
         out
     }
+}
+
+/// A Prometheus label value: backslash, quote and newline escaped.
+pub fn label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }

@@ -243,6 +243,7 @@ mod tests {
             lease: 7,
             class: FailureClass::RateLimited,
             retry_after_ms: Some(2000),
+            limit: Some(LimitKind::Upstream),
             message: "429".into(),
         }));
         round_trip_agent(AgentFrame::ConfigAck(ConfigAck {

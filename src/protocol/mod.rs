@@ -35,6 +35,8 @@ pub enum AgentFrame {
     Failed(Failed),
     ConfigAck(ConfigAck),
     ProbeResult(ProbeResult),
+    /// The answer to `discover`: what the pushed key's account allows, numbers only.
+    Limits(AccountLimits),
 }
 
 /// Frames the hub sends.
@@ -55,6 +57,28 @@ pub enum HubFrame {
         lease: u64,
         reason: String,
     },
+    /// Ask the account's limits with the pushed key (answered by `limits`).
+    Discover,
+}
+
+/// What an agent learned about the pushed key's account (`GET /key`, `GET /credits`). Numbers
+/// only: never the key, its label or anything that names it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct AccountLimits {
+    /// Requests per minute, when the account reports a usable one (the deprecated `-1` is
+    /// reported as absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rpm: Option<f64>,
+    /// Whether the account has money to spend (`None`: nothing said).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub funded: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credits_remaining_usd: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit_remaining_usd: Option<f64>,
+    /// Why discovery failed, when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -175,7 +199,26 @@ pub struct Failed {
     pub class: FailureClass,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
+    /// Which limit refused the call, when a limit did: the budget's scope.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<LimitKind>,
     pub message: String,
+}
+
+/// Which limit a cloud call ran into (the budget reacts per kind, DESIGN §5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LimitKind {
+    /// OpenRouter's own limit for the key (every route shares it).
+    Platform,
+    /// The pinned upstream's capacity (this route only).
+    Upstream,
+    /// The account's in-flight spending budget (transient 402).
+    InFlightBudget,
+    /// Out of credits (hard 402): cloud work stops until a new key or top-up.
+    Credits,
+    /// The key's own spending cap (hard 402).
+    KeyLimit,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -237,6 +280,20 @@ pub struct Work {
 pub enum WorkInput {
     Embed(EmbedInput),
     Rerank(RerankInput),
+    /// One chat completion: the client's request body (an OpenAI chat object; the hub sets no
+    /// model: the provider's route names it).
+    Chat(serde_json::Value),
+}
+
+impl WorkInput {
+    /// Items in this work frame.
+    pub fn items(&self) -> usize {
+        match self {
+            WorkInput::Embed(e) => e.texts.len(),
+            WorkInput::Rerank(r) => r.documents.len(),
+            WorkInput::Chat(_) => 1,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -267,6 +324,8 @@ pub struct RerankInput {
 pub enum WorkOutput {
     Embeddings(Vec<Vec<f32>>),
     Scores(Vec<Score>),
+    /// The upstream's chat completion object.
+    Chat(serde_json::Value),
 }
 
 impl WorkOutput {
@@ -274,6 +333,7 @@ impl WorkOutput {
         match self {
             WorkOutput::Embeddings(v) => v.len(),
             WorkOutput::Scores(s) => s.len(),
+            WorkOutput::Chat(_) => 1,
         }
     }
 

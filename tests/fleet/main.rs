@@ -13,3 +13,4 @@ mod reconnect;
 mod secrets;
 mod serve;
 mod tls;
+mod upstream;

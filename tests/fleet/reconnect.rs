@@ -27,7 +27,16 @@ async fn the_agent_reconnects_after_a_hub_restart_and_the_safe_config_survives()
     assert!(exit.success(), "{exit:?}");
     let hub = HubProc::start(dir.path(), Some(addr), &[], &[], "hub-2.log");
     let back = hub.wait_for_agent("gpu-r").await;
-    assert_eq!(back["providers"].as_array().unwrap().len(), 2);
+    // Two local providers, and the cloud route the key and the pinned model made.
+    let providers = back["providers"].as_array().unwrap();
+    assert_eq!(providers.len(), 3, "{back}");
+    let cloud: Vec<_> = providers
+        .iter()
+        .filter(|p| p["backend"] == "cloud")
+        .collect();
+    assert_eq!(cloud.len(), 1, "{back}");
+    assert_eq!(cloud[0]["provider"], "gpu-r/cloud:code-embedding");
+    assert_eq!(cloud[0]["upstream"], "deepinfra/bf16");
 
     let config = hub.admin_get("/admin/config").await;
     assert_eq!(config["keyPushed"], true);

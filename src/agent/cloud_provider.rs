@@ -1,0 +1,135 @@
+//! A cloud route as a provider: one role served through OpenRouter with the pushed key. The
+//! hub decides how many of its leases run (the global budget); this turns a work frame into
+//! one upstream call and an upstream failure into a failure class the hub acts on (a limit
+//! names its kind, so the budget can shrink the right scope).
+
+use std::sync::Arc;
+
+use super::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
+use crate::cloud::error::CloudError;
+use crate::cloud::openrouter::OpenRouterClient;
+use crate::cloud::route::CloudRoute;
+use crate::protocol::{Backend, ProviderInfo, Score, WorkInput, WorkOutput};
+use crate::roles::Op;
+
+/// Texts per embeddings call, documents per rerank call.
+const MAX_ITEMS_PER_CALL: usize = 64;
+/// A generous token budget per call (the upstream enforces its own).
+const MAX_TOKENS_PER_CALL: usize = 65_536;
+
+pub struct CloudProvider {
+    route: Arc<CloudRoute>,
+    client: Arc<OpenRouterClient>,
+    depth: u32,
+    info: ProviderInfo,
+}
+
+impl CloudProvider {
+    pub fn new(route: CloudRoute, client: Arc<OpenRouterClient>, depth: u32) -> Self {
+        let role = route.role();
+        let max_items = match role.op() {
+            Op::Chat => 1,
+            Op::Embed | Op::Rerank => MAX_ITEMS_PER_CALL,
+        };
+        let info = ProviderInfo {
+            id: format!("cloud:{role}"),
+            role,
+            backend: Backend::Cloud,
+            model: route.model().to_string(),
+            revision: None,
+            upstream: route.upstream(),
+            dims: route.dims(),
+            dtype: route
+                .pin()
+                .and_then(|p| p.quantization())
+                .map(str::to_string),
+            device: None,
+            max_batch_items: max_items,
+            max_batch_tokens: MAX_TOKENS_PER_CALL,
+        };
+        Self {
+            route: Arc::new(route),
+            client,
+            depth: depth.max(1),
+            info,
+        }
+    }
+}
+
+fn failure(e: CloudError) -> ProviderFailure {
+    ProviderFailure {
+        class: e.failure_class(),
+        retry_after_ms: e.retry_after_ms(),
+        limit: e.limit(),
+        message: e.to_string(),
+    }
+}
+
+/// The relevance probability as a logit, so cloud and local scores share one scale.
+fn logit(p: f32) -> f32 {
+    let p = p.clamp(1e-6, 1.0 - 1e-6);
+    (p / (1.0 - p)).ln()
+}
+
+impl Provider for CloudProvider {
+    fn info(&self) -> ProviderInfo {
+        self.info.clone()
+    }
+
+    fn pipeline_depth(&self) -> u32 {
+        self.depth
+    }
+
+    fn run(&self, input: WorkInput) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
+        let (route, client) = (self.route.clone(), self.client.clone());
+        Box::pin(async move {
+            match input {
+                WorkInput::Embed(e) => {
+                    // Instruction-aware models take the instruction in the text, the way the
+                    // local encoder applies it (Qwen3-Embedding's query format).
+                    let texts: Vec<String> = match (&e.instruction, e.is_query) {
+                        (Some(task), true) => e
+                            .texts
+                            .iter()
+                            .map(|t| format!("Instruct: {task}\nQuery:{t}"))
+                            .collect(),
+                        _ => e.texts,
+                    };
+                    let out = client
+                        .embed(&route, &texts, e.dimensions, None)
+                        .await
+                        .map_err(failure)?;
+                    Ok(WorkResult {
+                        output: WorkOutput::Embeddings(out.vectors),
+                        tokens: out.tokens,
+                    })
+                }
+                WorkInput::Rerank(r) => {
+                    let out = client
+                        .rerank(&route, &r.query, &r.documents)
+                        .await
+                        .map_err(failure)?;
+                    let scores = out
+                        .scores
+                        .into_iter()
+                        .map(|p| Score {
+                            score: logit(p),
+                            probability: Some(p),
+                        })
+                        .collect();
+                    Ok(WorkResult {
+                        output: WorkOutput::Scores(scores),
+                        tokens: out.tokens,
+                    })
+                }
+                WorkInput::Chat(body) => {
+                    let out = client.chat(&route, body).await.map_err(failure)?;
+                    Ok(WorkResult {
+                        output: WorkOutput::Chat(out.response),
+                        tokens: out.tokens,
+                    })
+                }
+            }
+        })
+    }
+}

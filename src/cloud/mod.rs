@@ -1,0 +1,13 @@
+//! Cloud routes served through OpenRouter: a role's pushed model as a [`CloudRoute`] (pinned
+//! to one upstream endpoint where vectors are stored), the HTTP client that calls it
+//! ([`OpenRouterClient`]), and the classification of its failures ([`CloudError`]) into
+//! rate limits, spending limits, config problems and transient errors.
+
+pub mod error;
+pub mod openrouter;
+pub mod route;
+mod wire;
+
+pub use error::{CloudError, HardLimit};
+pub use openrouter::{Chatted, DEFAULT_BASE_URL, Embedded, KeyInfo, OpenRouterClient, Reranked};
+pub use route::{CloudRoute, Pin, RouteError};

@@ -1,0 +1,190 @@
+//! `POST /v1/chat/completions`: OpenAI's chat shape, routed by role (`model` names
+//! `code-assistant` or `rlm-sandbox`). A chat is one item on its role's queue; the provider
+//! that takes it (a cloud route) names the upstream model, so the client's `model` is a role,
+//! never an upstream id.
+//!
+//! `stream: true` answers as server-sent events in OpenAI's chunk format. The fleet protocol
+//! carries whole results, so the chunks are cut from the finished completion: a client that
+//! streams works unchanged, but the first token arrives with the last.
+
+use std::convert::Infallible;
+
+use axum::Json;
+use axum::extract::State;
+use axum::extract::rejection::JsonRejection;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value, json};
+
+use super::client_api::{client_auth, role_for};
+use super::error::ApiError;
+use crate::hub::Hub;
+use crate::hub::core::ItemOutput;
+use crate::hub::queue::Shape;
+use crate::roles::Op;
+
+/// Messages one chat may carry.
+const MAX_MESSAGES: usize = 4096;
+
+pub async fn completions(
+    State(hub): State<Hub>,
+    headers: HeaderMap,
+    request: Result<Json<Value>, JsonRejection>,
+) -> Result<Response, ApiError> {
+    client_auth(&hub, &headers)?;
+    let Json(body) = request
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {}", e.body_text())))?;
+    let Value::Object(mut body) = body else {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        ));
+    };
+    let role = match body.remove("model") {
+        Some(Value::String(name)) => role_for(&name, Op::Chat)?,
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "model must be a string (a chat role)",
+            ));
+        }
+        None => {
+            return Err(ApiError::bad_request(
+                "model is missing: name a chat role (code-assistant or rlm-sandbox)",
+            ));
+        }
+    };
+    let stream = match body.remove("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => b,
+        Some(_) => return Err(ApiError::bad_request("stream must be true or false")),
+    };
+    check_messages(&body)?;
+    // Routing is the hub's: a client cannot steer the upstream.
+    body.remove("provider");
+    body.remove("models");
+    let done = hub
+        .run(
+            role,
+            Shape::Chat {
+                body: Value::Object(body),
+            },
+            vec![String::new()],
+        )
+        .await?;
+    let Some(served) = done.items.into_iter().next() else {
+        return Err(ApiError::new(
+            axum::http::StatusCode::BAD_GATEWAY,
+            "bad_output",
+            "no completion came back",
+        ));
+    };
+    let ItemOutput::Chat(Value::Object(mut completion)) = served.output else {
+        return Err(ApiError::new(
+            axum::http::StatusCode::BAD_GATEWAY,
+            "bad_output",
+            "a provider returned something other than a chat completion",
+        ));
+    };
+    completion.insert(
+        "provenance".into(),
+        serde_json::to_value(&*served.provider).unwrap_or(Value::Null),
+    );
+    if !stream {
+        return Ok(Json(Value::Object(completion)).into_response());
+    }
+    let events: Vec<Result<Event, Infallible>> = chunks(&completion)
+        .into_iter()
+        .map(|c| Ok(Event::default().data(c.to_string())))
+        .chain(std::iter::once(Ok(Event::default().data("[DONE]"))))
+        .collect();
+    Ok(Sse::new(futures_util::stream::iter(events)).into_response())
+}
+
+fn check_messages(body: &Map<String, Value>) -> Result<(), ApiError> {
+    let Some(Value::Array(messages)) = body.get("messages") else {
+        return Err(ApiError::bad_request("messages must be a non-empty array"));
+    };
+    if messages.is_empty() || messages.len() > MAX_MESSAGES {
+        return Err(ApiError::bad_request(format!(
+            "messages has {} entries; 1..={MAX_MESSAGES} are accepted",
+            messages.len()
+        )));
+    }
+    for (i, m) in messages.iter().enumerate() {
+        if !m.get("role").is_some_and(Value::is_string) {
+            return Err(ApiError::bad_request(format!("messages[{i}] has no role")));
+        }
+    }
+    Ok(())
+}
+
+/// OpenAI `chat.completion.chunk` objects for a finished completion: the role, the content,
+/// then the finish reason with the usage.
+fn chunks(completion: &Map<String, Value>) -> Vec<Value> {
+    let id = completion.get("id").cloned().unwrap_or(Value::Null);
+    let model = completion.get("model").cloned().unwrap_or(Value::Null);
+    let created = completion.get("created").cloned().unwrap_or(json!(0));
+    let choice = completion
+        .get("choices")
+        .and_then(|c| c.get(0))
+        .cloned()
+        .unwrap_or(Value::Null);
+    let message = choice.get("message").cloned().unwrap_or(Value::Null);
+    let chunk = |delta: Value, finish: Value, extra: Option<(&str, Value)>| {
+        let mut c = json!({
+            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        });
+        if let (Some((k, v)), Some(obj)) = (extra, c.as_object_mut()) {
+            obj.insert(k.to_string(), v);
+        }
+        c
+    };
+    let mut delta = Map::new();
+    delta.insert(
+        "role".into(),
+        message.get("role").cloned().unwrap_or(json!("assistant")),
+    );
+    if let Some(content) = message.get("content") {
+        delta.insert("content".into(), content.clone());
+    }
+    if let Some(calls) = message.get("tool_calls") {
+        delta.insert("tool_calls".into(), calls.clone());
+    }
+    let finish = choice
+        .get("finish_reason")
+        .cloned()
+        .unwrap_or(json!("stop"));
+    let mut last = vec![(
+        "usage",
+        completion.get("usage").cloned().unwrap_or(Value::Null),
+    )];
+    if let Some(p) = completion.get("provenance") {
+        last.push(("provenance", p.clone()));
+    }
+    let mut end = chunk(json!({}), finish, None);
+    if let Some(obj) = end.as_object_mut() {
+        for (k, v) in last {
+            obj.insert(k.to_string(), v);
+        }
+    }
+    vec![chunk(Value::Object(delta), Value::Null, None), end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_completion_becomes_a_role_content_chunk_and_a_final_one() {
+        let c = json!({"id":"gen-1","created":5,"model":"m","choices":[{"index":0,
+            "message":{"role":"assistant","content":"hello there"},"finish_reason":"stop"}],
+            "usage":{"total_tokens":7}});
+        let out = chunks(c.as_object().unwrap());
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0]["choices"][0]["delta"]["content"], "hello there");
+        assert_eq!(out[0]["object"], "chat.completion.chunk");
+        assert_eq!(out[1]["choices"][0]["finish_reason"], "stop");
+        assert_eq!(out[1]["usage"]["total_tokens"], 7);
+    }
+}

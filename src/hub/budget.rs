@@ -1,0 +1,882 @@
+//! The global cloud budget (DESIGN §5): one number of permits above every cloud provider of
+//! the fleet, because every agent holds the same key and OpenRouter limits per key. A permit
+//! is one outstanding cloud lease; local providers never touch the budget.
+//!
+//! * **Ceiling**: the operator's override (1..=256) if set; else the larger of the RPM-derived
+//!   value (Little's Law, only for a trusted RPM) and the credits-derived value (16 for a
+//!   funded account); else 4. Never above 256.
+//! * **Little's Law**: `ceil(rpm / 60 × latency_s)` with the latency EWMA of successful cloud
+//!   calls (α 0.2, seeded 2 s, floor 50 ms), re-derived as latency drifts. A trusted RPM is
+//!   also enforced as a 60 s sliding window of starts (errors return fast; concurrency alone
+//!   would not bound the rate).
+//! * **Throttle**: a 429 or an in-flight-budget 402 halves the limit of its scope, from what
+//!   is actually in flight, at most once per 15 s window, and cools the scope down for
+//!   `base × [0.5, 1.5)` (`base` = max(Retry-After, backoff); never under Retry-After); the
+//!   backoff doubles 2 s → 60 s and resets after a clean window.
+//! * **Ramp**: each clean 15 s window in which at least half the limit was used adds one
+//!   permit, up to the ceiling.
+//! * **Scopes**: platform 429s and the in-flight 402 shrink the global limit; an upstream 429
+//!   shrinks only its route (role + model + pinned upstream), under the global ceiling.
+//! * **Hard stop**: a credits or key-limit 402 stops cloud work until a new key is pushed.
+//!
+//! Time comes in as arguments (`now`) and jitter from a seeded generator, so the tests and the
+//! simulation bench run on a fake clock.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+use crate::protocol::{AccountLimits, LimitKind};
+
+/// The budget's constants (DESIGN §5); tests and the simulation may change them.
+#[derive(Clone, Debug)]
+pub struct BudgetSettings {
+    /// The ceiling when nothing is known.
+    pub default_ceiling: u32,
+    /// The ceiling of a funded account without a trusted RPM.
+    pub funded_ceiling: u32,
+    /// No ceiling goes above this.
+    pub hard_ceiling: u32,
+    pub latency_seed_ms: f64,
+    pub latency_floor_ms: f64,
+    pub latency_alpha: f64,
+    /// The sliding window a trusted RPM is enforced over.
+    pub rpm_window: Duration,
+    /// An RPM under this on a funded account is not believed.
+    pub min_trusted_rpm: f64,
+    /// One halving per window at most; one permit back per clean window.
+    pub clean_window: Duration,
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+    /// How often the account's limits are asked again.
+    pub rediscover_every: Duration,
+    /// How long a `discover` may go unanswered before it is asked again.
+    pub discover_timeout: Duration,
+}
+
+impl Default for BudgetSettings {
+    fn default() -> Self {
+        Self {
+            default_ceiling: 4,
+            funded_ceiling: 16,
+            hard_ceiling: 256,
+            latency_seed_ms: 2000.0,
+            latency_floor_ms: 50.0,
+            latency_alpha: 0.2,
+            rpm_window: Duration::from_secs(60),
+            min_trusted_rpm: 60.0,
+            clean_window: Duration::from_secs(15),
+            backoff_initial: Duration::from_secs(2),
+            backoff_max: Duration::from_secs(60),
+            rediscover_every: Duration::from_secs(600),
+            discover_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Where the ceiling came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CeilingSource {
+    Override,
+    Rpm,
+    Credits,
+    Default,
+}
+
+/// How a cloud lease ended, as far as the budget cares.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Outcome {
+    /// Done; the upstream call took this long.
+    Success { latency_ms: f64 },
+    /// Refused by a limit.
+    Limited {
+        kind: LimitKind,
+        retry_after: Option<Duration>,
+    },
+    /// Anything else (a failure, an expired or lost lease): no signal, no latency sample.
+    Other,
+}
+
+/// Why a cloud provider gets no item now (shown in status).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Hold {
+    Stopped(String),
+    CoolingDown { scope: String, remaining: Duration },
+    Full { scope: String, limit: u32 },
+    RpmWindow { rpm: u32 },
+}
+
+/// One scope's limiter: the global one, or one route's.
+#[derive(Clone, Debug)]
+struct Limiter {
+    limit: u32,
+    in_flight: u32,
+    cooldown_until: Option<Instant>,
+    backoff: Duration,
+    last_halving: Option<Instant>,
+    window_start: Instant,
+    window_throttled: bool,
+    /// The most permits held at once in the current window.
+    window_peak: u32,
+    throttles: u64,
+    latency_ewma_ms: Option<f64>,
+}
+
+impl Limiter {
+    fn new(limit: u32, backoff: Duration, now: Instant) -> Self {
+        Self {
+            limit,
+            in_flight: 0,
+            cooldown_until: None,
+            backoff,
+            last_halving: None,
+            window_start: now,
+            window_throttled: false,
+            window_peak: 0,
+            throttles: 0,
+            latency_ewma_ms: None,
+        }
+    }
+
+    fn cooling(&self, now: Instant) -> Option<Duration> {
+        self.cooldown_until
+            .filter(|&t| t > now)
+            .map(|t| t.duration_since(now))
+    }
+
+    fn acquire(&mut self) {
+        self.in_flight += 1;
+        self.window_peak = self.window_peak.max(self.in_flight);
+    }
+
+    fn release(&mut self) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+    }
+
+    /// Closes every full window since the last call: a clean, well-used one adds a permit.
+    fn roll(&mut self, now: Instant, ceiling: u32, s: &BudgetSettings) {
+        while now.saturating_duration_since(self.window_start) >= s.clean_window {
+            let used_enough = self.window_peak * 2 >= self.limit;
+            if !self.window_throttled {
+                if used_enough && self.limit < ceiling {
+                    self.limit += 1;
+                }
+                self.backoff = s.backoff_initial;
+            }
+            self.window_start += s.clean_window;
+            self.window_throttled = false;
+            self.window_peak = self.in_flight;
+        }
+        self.limit = self.limit.min(ceiling);
+    }
+
+    /// A throttle signal: halve from what is in flight (once per window) and cool down.
+    fn throttle(
+        &mut self,
+        retry_after: Option<Duration>,
+        now: Instant,
+        s: &BudgetSettings,
+        rng: &mut StdRng,
+    ) {
+        self.throttles += 1;
+        self.window_throttled = true;
+        let retry_after = retry_after.unwrap_or(Duration::ZERO);
+        let halved_recently = self
+            .last_halving
+            .is_some_and(|t| now.saturating_duration_since(t) < s.clean_window);
+        if halved_recently {
+            // Honour a later Retry-After, but do not shrink twice for one burst.
+            let floor = now + retry_after;
+            if self.cooldown_until.is_none_or(|t| t < floor) {
+                self.cooldown_until = Some(floor);
+            }
+            return;
+        }
+        self.limit = (self.limit.min(self.in_flight) / 2).max(1);
+        let base = retry_after.max(self.backoff);
+        let jittered = base.mul_f64(rng.random_range(0.5..1.5));
+        self.cooldown_until = Some(now + jittered.max(retry_after));
+        self.backoff = (self.backoff * 2).min(s.backoff_max);
+        self.last_halving = Some(now);
+    }
+
+    fn record_latency(&mut self, latency_ms: f64, s: &BudgetSettings) {
+        let sample = latency_ms.max(s.latency_floor_ms);
+        self.latency_ewma_ms = Some(match self.latency_ewma_ms {
+            Some(prev) => prev + s.latency_alpha * (sample - prev),
+            None => sample,
+        });
+    }
+}
+
+/// The budget: one global limiter, one per cloud route, what the account is known to allow.
+#[derive(Debug)]
+pub struct Budget {
+    settings: BudgetSettings,
+    rng: StdRng,
+    override_permits: Option<u32>,
+    account: AccountLimits,
+    /// Latency EWMA of successful cloud calls (ms), seeded.
+    latency_ewma_ms: f64,
+    global: Limiter,
+    routes: BTreeMap<String, Limiter>,
+    /// Starts within the RPM window (only kept while an RPM is trusted).
+    starts: VecDeque<Instant>,
+    stopped: Option<String>,
+    last_discovery: Option<Instant>,
+    discover_sent: Option<Instant>,
+    granted: u64,
+}
+
+impl Budget {
+    pub fn new(settings: BudgetSettings, seed: u64, now: Instant) -> Self {
+        let global = Limiter::new(settings.default_ceiling, settings.backoff_initial, now);
+        Self {
+            latency_ewma_ms: settings.latency_seed_ms,
+            rng: StdRng::seed_from_u64(seed),
+            override_permits: None,
+            account: AccountLimits::default(),
+            global,
+            routes: BTreeMap::new(),
+            starts: VecDeque::new(),
+            stopped: None,
+            last_discovery: None,
+            discover_sent: None,
+            granted: 0,
+            settings,
+        }
+    }
+
+    /// The RPM the budget believes, if any (absent, `-1` and implausibly low ones are not).
+    pub fn trusted_rpm(&self) -> Option<f64> {
+        let rpm = self.account.rpm.filter(|r| r.is_finite() && *r > 0.0)?;
+        if self.account.funded == Some(true) && rpm < self.settings.min_trusted_rpm {
+            return None;
+        }
+        Some(rpm)
+    }
+
+    /// The ceiling and where it came from.
+    pub fn ceiling(&self) -> (u32, CeilingSource) {
+        let hard = self.settings.hard_ceiling;
+        if let Some(o) = self.override_permits {
+            return (o.clamp(1, hard), CeilingSource::Override);
+        }
+        let from_rpm = self.trusted_rpm().map(|rpm| {
+            let latency_s = self.latency_ewma_ms.max(self.settings.latency_floor_ms) / 1000.0;
+            ((rpm / 60.0 * latency_s).ceil() as u32).max(1)
+        });
+        let from_credits =
+            (self.account.funded == Some(true)).then_some(self.settings.funded_ceiling);
+        let chosen = match (from_rpm, from_credits) {
+            (Some(r), Some(c)) if r >= c => (r, CeilingSource::Rpm),
+            (Some(_), Some(c)) | (None, Some(c)) => (c, CeilingSource::Credits),
+            (Some(r), None) => (r, CeilingSource::Rpm),
+            (None, None) => (self.settings.default_ceiling, CeilingSource::Default),
+        };
+        (chosen.0.min(hard), chosen.1)
+    }
+
+    /// Re-applies the ceiling after it moved: down at once; up at once unless a throttle
+    /// happened recently (then the ramp brings it back, one permit per clean window).
+    fn retarget(&mut self, now: Instant) {
+        let (ceiling, _) = self.ceiling();
+        let calm = |l: &Limiter, s: &BudgetSettings| {
+            l.last_halving
+                .is_none_or(|t| now.saturating_duration_since(t) >= s.rediscover_every)
+        };
+        if ceiling < self.global.limit || calm(&self.global, &self.settings) {
+            self.global.limit = ceiling;
+        }
+        for route in self.routes.values_mut() {
+            if ceiling < route.limit || calm(route, &self.settings) {
+                route.limit = ceiling;
+            }
+        }
+    }
+
+    /// Advances the windows to `now` (call before reading or deciding).
+    pub fn tick(&mut self, now: Instant) {
+        let (ceiling, _) = self.ceiling();
+        self.global.roll(now, ceiling, &self.settings);
+        for route in self.routes.values_mut() {
+            route.roll(now, ceiling, &self.settings);
+        }
+        let window = self.settings.rpm_window;
+        while self
+            .starts
+            .front()
+            .is_some_and(|&t| now.saturating_duration_since(t) >= window)
+        {
+            self.starts.pop_front();
+        }
+    }
+
+    fn route_mut(&mut self, route: &str, now: Instant) -> &mut Limiter {
+        let (ceiling, _) = self.ceiling();
+        route_entry(&mut self.routes, route, ceiling, &self.settings, now)
+    }
+
+    /// Why a lease on `route` may not start now, or `None`: it may.
+    pub fn check(&mut self, route: &str, now: Instant) -> Option<Hold> {
+        self.tick(now);
+        if let Some(why) = &self.stopped {
+            return Some(Hold::Stopped(why.clone()));
+        }
+        if let Some(remaining) = self.global.cooling(now) {
+            return Some(Hold::CoolingDown {
+                scope: "global".into(),
+                remaining,
+            });
+        }
+        if self.global.in_flight >= self.global.limit {
+            return Some(Hold::Full {
+                scope: "global".into(),
+                limit: self.global.limit,
+            });
+        }
+        if let Some(rpm) = self.trusted_rpm()
+            && self.starts.len() as f64 >= rpm.floor()
+        {
+            return Some(Hold::RpmWindow { rpm: rpm as u32 });
+        }
+        let r = self.route_mut(route, now);
+        if let Some(remaining) = r.cooling(now) {
+            return Some(Hold::CoolingDown {
+                scope: route.to_string(),
+                remaining,
+            });
+        }
+        if r.in_flight >= r.limit {
+            let limit = r.limit;
+            return Some(Hold::Full {
+                scope: route.to_string(),
+                limit,
+            });
+        }
+        None
+    }
+
+    /// Takes a permit for a lease on `route` if one is free now.
+    pub fn try_acquire(&mut self, route: &str, now: Instant) -> bool {
+        if self.check(route, now).is_some() {
+            return false;
+        }
+        self.global.acquire();
+        self.route_mut(route, now).acquire();
+        if self.trusted_rpm().is_some() {
+            self.starts.push_back(now);
+        }
+        self.granted += 1;
+        true
+    }
+
+    /// Returns a permit of `route` and learns from how its lease ended.
+    pub fn release(&mut self, route: &str, outcome: Outcome, now: Instant) {
+        self.tick(now);
+        match outcome {
+            Outcome::Success { latency_ms } if latency_ms.is_finite() && latency_ms >= 0.0 => {
+                let s = &self.settings;
+                let sample = latency_ms.max(s.latency_floor_ms);
+                self.latency_ewma_ms += s.latency_alpha * (sample - self.latency_ewma_ms);
+                let (ceiling, _) = self.ceiling();
+                route_entry(&mut self.routes, route, ceiling, &self.settings, now)
+                    .record_latency(latency_ms, &self.settings);
+                if self.override_permits.is_none() && self.trusted_rpm().is_some() {
+                    self.retarget(now);
+                }
+            }
+            Outcome::Limited { kind, retry_after } => {
+                match kind {
+                    LimitKind::Platform | LimitKind::InFlightBudget => {
+                        self.global
+                            .throttle(retry_after, now, &self.settings, &mut self.rng);
+                    }
+                    LimitKind::Upstream => {
+                        let (ceiling, _) = self.ceiling();
+                        route_entry(&mut self.routes, route, ceiling, &self.settings, now)
+                            .throttle(retry_after, now, &self.settings, &mut self.rng);
+                    }
+                    LimitKind::Credits | LimitKind::KeyLimit => {
+                        let why = match kind {
+                            LimitKind::Credits => "the account is out of credits (hard 402)",
+                            _ => "the key's spending limit is reached (hard 402)",
+                        };
+                        if self.stopped.is_none() {
+                            tracing::error!(
+                                reason = why,
+                                "cloud work stopped: push a new key or raise the limit"
+                            );
+                        }
+                        self.stopped = Some(why.to_string());
+                    }
+                }
+            }
+            Outcome::Success { .. } | Outcome::Other => {}
+        }
+        self.global.release();
+        if let Some(r) = self.routes.get_mut(route) {
+            r.release();
+        }
+    }
+
+    /// The operator's live override (`None` clears it).
+    pub fn set_override(&mut self, permits: Option<u32>, now: Instant) {
+        self.override_permits = permits.map(|p| p.clamp(1, self.settings.hard_ceiling));
+        self.tick(now);
+        let (ceiling, _) = self.ceiling();
+        // An operator's number applies at once, both ways.
+        self.global.limit = ceiling;
+        for r in self.routes.values_mut() {
+            r.limit = ceiling;
+        }
+    }
+
+    pub fn override_permits(&self) -> Option<u32> {
+        self.override_permits
+    }
+
+    /// What an agent learned about the account.
+    pub fn set_account(&mut self, limits: AccountLimits, now: Instant) {
+        self.discover_sent = None;
+        self.last_discovery = Some(now);
+        if limits.error.is_some() {
+            // Keep what was known; try again at the next period.
+            self.account.error = limits.error;
+            return;
+        }
+        self.account = limits;
+        self.retarget(now);
+    }
+
+    /// A new key arrived: forget a hard stop and what the old key's account allowed.
+    pub fn key_changed(&mut self, now: Instant) {
+        self.stopped = None;
+        self.account = AccountLimits::default();
+        self.last_discovery = None;
+        self.discover_sent = None;
+        self.retarget(now);
+    }
+
+    /// Whether the account's limits should be asked now; marks the ask as sent when so.
+    pub fn take_discovery_due(&mut self, now: Instant) -> bool {
+        let asked_recently = self
+            .discover_sent
+            .is_some_and(|t| now.saturating_duration_since(t) < self.settings.discover_timeout);
+        let stale = self
+            .last_discovery
+            .is_none_or(|t| now.saturating_duration_since(t) >= self.settings.rediscover_every);
+        if stale && !asked_recently {
+            self.discover_sent = Some(now);
+            return true;
+        }
+        false
+    }
+
+    pub fn in_flight(&self) -> u32 {
+        self.global.in_flight
+    }
+
+    pub fn limit(&self) -> u32 {
+        self.global.limit
+    }
+
+    /// What `/admin/status` and `/metrics` show.
+    pub fn view(&self, now: Instant) -> BudgetView {
+        let (ceiling, source) = self.ceiling();
+        let cooldown_ms = |l: &Limiter| l.cooling(now).map_or(0, |d| d.as_millis() as u64);
+        BudgetView {
+            ceiling,
+            ceiling_source: source,
+            limit: self.global.limit,
+            in_flight: self.global.in_flight,
+            override_permits: self.override_permits,
+            cooldown_remaining_ms: cooldown_ms(&self.global),
+            backoff_ms: self.global.backoff.as_millis() as u64,
+            throttles: self.global.throttles,
+            latency_ewma_ms: self.latency_ewma_ms,
+            rpm: self.account.rpm,
+            rpm_trusted: self.trusted_rpm().is_some(),
+            rpm_window_starts: self.starts.len(),
+            funded: self.account.funded,
+            discovery_error: self.account.error.clone(),
+            last_discovery_s_ago: self
+                .last_discovery
+                .map(|t| now.saturating_duration_since(t).as_secs()),
+            stopped: self.stopped.clone(),
+            granted: self.granted,
+            routes: self
+                .routes
+                .iter()
+                .map(|(route, l)| RouteView {
+                    route: route.clone(),
+                    limit: l.limit,
+                    in_flight: l.in_flight,
+                    cooldown_remaining_ms: cooldown_ms(l),
+                    throttles: l.throttles,
+                    latency_ewma_ms: l.latency_ewma_ms,
+                })
+                .collect(),
+        }
+    }
+}
+
+fn route_entry<'a>(
+    routes: &'a mut BTreeMap<String, Limiter>,
+    route: &str,
+    ceiling: u32,
+    settings: &BudgetSettings,
+    now: Instant,
+) -> &'a mut Limiter {
+    routes
+        .entry(route.to_string())
+        .or_insert_with(|| Limiter::new(ceiling, settings.backoff_initial, now))
+}
+
+/// The budget as status shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct BudgetView {
+    pub ceiling: u32,
+    pub ceiling_source: CeilingSource,
+    /// The effective limit now (≤ ceiling).
+    pub limit: u32,
+    pub in_flight: u32,
+    pub override_permits: Option<u32>,
+    pub cooldown_remaining_ms: u64,
+    pub backoff_ms: u64,
+    pub throttles: u64,
+    pub latency_ewma_ms: f64,
+    pub rpm: Option<f64>,
+    pub rpm_trusted: bool,
+    pub rpm_window_starts: usize,
+    pub funded: Option<bool>,
+    pub discovery_error: Option<String>,
+    pub last_discovery_s_ago: Option<u64>,
+    pub stopped: Option<String>,
+    pub granted: u64,
+    pub routes: Vec<RouteView>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct RouteView {
+    pub route: String,
+    pub limit: u32,
+    pub in_flight: u32,
+    pub cooldown_remaining_ms: u64,
+    pub throttles: u64,
+    pub latency_ewma_ms: Option<f64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+
+    fn budget() -> (Budget, Instant) {
+        let t0 = Instant::now();
+        (Budget::new(BudgetSettings::default(), 42, t0), t0)
+    }
+
+    fn account(rpm: Option<f64>, funded: Option<bool>) -> AccountLimits {
+        AccountLimits {
+            rpm,
+            funded,
+            ..Default::default()
+        }
+    }
+
+    /// Takes `n` permits on `route` at `now`; panics if one is refused.
+    fn take(b: &mut Budget, route: &str, n: u32, now: Instant) {
+        for i in 0..n {
+            assert!(
+                b.try_acquire(route, now),
+                "permit {i} of {n} refused: {:?}",
+                b.check(route, now)
+            );
+        }
+    }
+
+    #[test]
+    fn ceiling_comes_from_override_then_rpm_or_credits_then_the_default() {
+        let (mut b, t) = budget();
+        assert_eq!(b.ceiling(), (4, CeilingSource::Default));
+        b.set_account(account(None, Some(true)), t);
+        assert_eq!(b.ceiling(), (16, CeilingSource::Credits));
+        // 600/min at the 2 s seed latency: 20 in flight, more than the funded 16.
+        b.set_account(account(Some(600.0), Some(true)), t);
+        assert_eq!(b.ceiling(), (20, CeilingSource::Rpm));
+        // The deprecated -1 is no RPM at all.
+        b.set_account(account(Some(-1.0), Some(true)), t);
+        assert_eq!(b.ceiling(), (16, CeilingSource::Credits));
+        // Implausibly low on a funded account: not believed.
+        b.set_account(account(Some(30.0), Some(true)), t);
+        assert_eq!(b.trusted_rpm(), None);
+        assert_eq!(b.ceiling(), (16, CeilingSource::Credits));
+        // A free-tier 20/min is believed: ceil(20/60 × 2 s) = 1.
+        b.set_account(account(Some(20.0), Some(false)), t);
+        assert_eq!(b.ceiling(), (1, CeilingSource::Rpm));
+        // A huge RPM stops at the hard ceiling.
+        b.set_account(account(Some(1e9), Some(true)), t);
+        assert_eq!(b.ceiling(), (256, CeilingSource::Rpm));
+        b.set_override(Some(1000), t);
+        assert_eq!(b.ceiling(), (256, CeilingSource::Override));
+        b.set_override(Some(0), t);
+        assert_eq!(b.ceiling(), (1, CeilingSource::Override));
+    }
+
+    #[test]
+    fn littles_law_follows_the_success_latency_and_ignores_failures() {
+        let (mut b, t) = budget();
+        b.set_account(account(Some(600.0), None), t);
+        assert_eq!(b.ceiling().0, 20, "seeded at 2 s");
+        for i in 0..60 {
+            let now = t + Duration::from_millis(i);
+            take(&mut b, "r", 1, now);
+            b.release("r", Outcome::Success { latency_ms: 450.0 }, now);
+        }
+        assert_eq!(b.ceiling(), (5, CeilingSource::Rpm), "ceil(10/s × 0.45 s)");
+        assert_eq!(b.limit(), 5, "a lower ceiling applies at once");
+        // Fast failures never count as latency.
+        for _ in 0..60 {
+            take(&mut b, "r", 1, t);
+            b.release("r", Outcome::Other, t);
+        }
+        assert_eq!(b.ceiling().0, 5);
+        // Latency drifts up: the ceiling grows with it (the RPM window still bounds the rate).
+        for _ in 0..60 {
+            take(&mut b, "r", 1, t);
+            b.release("r", Outcome::Success { latency_ms: 3000.0 }, t);
+        }
+        assert_eq!(b.ceiling().0, 30);
+        // The floor: 1 ms calls count as 50 ms.
+        for _ in 0..200 {
+            take(&mut b, "r", 1, t);
+            b.release("r", Outcome::Success { latency_ms: 1.0 }, t);
+        }
+        assert_eq!(b.ceiling().0, 1, "ceil(10/s × 0.05 s)");
+    }
+
+    #[test]
+    fn a_trusted_rpm_is_a_sliding_window_of_starts() {
+        let (mut b, t) = budget();
+        b.set_account(account(Some(120.0), None), t);
+        b.set_override(Some(256), t); // concurrency out of the way
+        for i in 0..120 {
+            let now = t + Duration::from_millis(100 * i);
+            take(&mut b, "r", 1, now);
+            b.release("r", Outcome::Other, now);
+        }
+        let at = t + 12 * S;
+        assert_eq!(b.check("r", at), Some(Hold::RpmWindow { rpm: 120 }));
+        // The first start leaves the window 60 s after it was made.
+        assert!(b.check("r", t + 59 * S).is_some());
+        assert!(b.try_acquire("r", t + 60 * S));
+        // No trusted RPM, no window.
+        let (mut b, t) = budget();
+        b.set_override(Some(256), t);
+        for _ in 0..1000 {
+            take(&mut b, "r", 1, t);
+            b.release("r", Outcome::Other, t);
+        }
+    }
+
+    #[test]
+    fn a_throttle_halves_from_what_is_in_flight_once_per_window() {
+        let (mut b, t) = budget();
+        b.set_override(Some(32), t);
+        b.set_override(None, t);
+        b.set_account(account(None, Some(true)), t);
+        assert_eq!(b.limit(), 16);
+        take(&mut b, "r", 10, t);
+        let platform = Outcome::Limited {
+            kind: LimitKind::Platform,
+            retry_after: None,
+        };
+        b.release("r", platform, t);
+        assert_eq!(b.limit(), 5, "min(16, 10 in flight) / 2");
+        // More 429s of the same burst do not shrink it again.
+        b.release("r", platform, t + S);
+        b.release("r", platform, t + 2 * S);
+        assert_eq!(b.limit(), 5);
+        assert_eq!(b.view(t).throttles, 3);
+        // A window later, a new 429 halves again, from what is in flight (7 still out).
+        b.release("r", platform, t + 16 * S);
+        assert_eq!(b.limit(), 2, "min(5, 7) / 2");
+        for _ in 0..6 {
+            b.release("r", Outcome::Other, t + 16 * S);
+        }
+        assert_eq!(b.in_flight(), 0);
+        // Never below one.
+        let t2 = t + 40 * S;
+        assert!(b.check("r", t2 + 120 * S).is_none());
+        take(&mut b, "r", 1, t2 + 120 * S);
+        b.release("r", platform, t2 + 120 * S);
+        assert_eq!(b.limit(), 1);
+    }
+
+    #[test]
+    fn cooldown_is_jittered_around_the_backoff_and_never_under_retry_after() {
+        for seed in 0..200 {
+            let t = Instant::now();
+            let mut b = Budget::new(BudgetSettings::default(), seed, t);
+            take(&mut b, "r", 2, t);
+            let limited = |s| Outcome::Limited {
+                kind: LimitKind::Platform,
+                retry_after: Some(Duration::from_secs(s)),
+            };
+            // Retry-After 1 s under a 2 s backoff: base 2 s, cooldown in [1 s, 3 s).
+            b.release("r", limited(1), t);
+            b.release("r", Outcome::Other, t);
+            let cd = b.view(t).cooldown_remaining_ms;
+            assert!((1000..3000).contains(&cd), "seed {seed}: {cd} ms");
+            assert!(matches!(b.check("r", t), Some(Hold::CoolingDown { .. })));
+            assert_eq!(b.view(t).backoff_ms, 4000, "the backoff doubles");
+            // Retry-After 10 s: base 10 s, jitter upward only past the floor.
+            let t2 = t + 20 * S;
+            take(&mut b, "r", 1, t2);
+            b.release("r", limited(10), t2);
+            let cd = b.view(t2).cooldown_remaining_ms;
+            assert!((10_000..15_000).contains(&cd), "seed {seed}: {cd} ms");
+        }
+        // The backoff stops at 60 s.
+        let (mut b, t) = budget();
+        for i in 0..10 {
+            let now = t + Duration::from_secs(16 * i);
+            b.release(
+                "r",
+                Outcome::Limited {
+                    kind: LimitKind::Platform,
+                    retry_after: None,
+                },
+                now,
+            );
+        }
+        assert_eq!(b.view(t).backoff_ms, 60_000);
+    }
+
+    #[test]
+    fn a_clean_window_adds_a_permit_only_while_half_the_budget_is_used() {
+        let (mut b, t) = budget();
+        b.set_account(account(None, Some(true)), t);
+        take(&mut b, "r", 16, t);
+        b.release(
+            "r",
+            Outcome::Limited {
+                kind: LimitKind::InFlightBudget,
+                retry_after: None,
+            },
+            t,
+        );
+        for _ in 0..15 {
+            b.release("r", Outcome::Other, t);
+        }
+        assert_eq!(b.limit(), 8);
+        // Idle clean windows: no growth (the budget was not in use).
+        b.tick(t + 120 * S);
+        assert_eq!(b.limit(), 8);
+        // Windows with 4 of 8 in use grow it by one each, up to the ceiling.
+        let mut now = t + 120 * S;
+        for expected in 9..=16 {
+            let held = b.limit() / 2 + 1;
+            take(&mut b, "r", held, now);
+            for _ in 0..held {
+                b.release("r", Outcome::Success { latency_ms: 100.0 }, now);
+            }
+            now += 15 * S;
+            b.tick(now);
+            assert_eq!(b.limit(), expected);
+        }
+        take(&mut b, "r", 16, now);
+        now += 15 * S;
+        b.tick(now);
+        assert_eq!(b.limit(), 16, "never above the ceiling");
+    }
+
+    #[test]
+    fn an_upstream_429_shrinks_its_route_not_the_others() {
+        let (mut b, t) = budget();
+        b.set_account(account(None, Some(true)), t);
+        take(&mut b, "embedding:m@deepinfra/bf16", 8, t);
+        b.release(
+            "embedding:m@deepinfra/bf16",
+            Outcome::Limited {
+                kind: LimitKind::Upstream,
+                retry_after: Some(5 * S),
+            },
+            t,
+        );
+        assert_eq!(b.limit(), 16, "the global limit is untouched");
+        assert!(matches!(
+            b.check("embedding:m@deepinfra/bf16", t + S),
+            Some(Hold::CoolingDown { .. })
+        ));
+        take(&mut b, "code-assistant:chat", 8, t + S);
+        let v = b.view(t + S);
+        let emb = v
+            .routes
+            .iter()
+            .find(|r| r.route.starts_with("embedding"))
+            .unwrap();
+        assert_eq!((emb.limit, emb.throttles), (4, 1));
+        // The global ceiling still holds over all routes: 7 + 8 out, one more fits.
+        assert_eq!(b.in_flight(), 15);
+        take(&mut b, "code-assistant:chat", 1, t + S);
+        assert!(matches!(
+            b.check("code-assistant:chat", t + S),
+            Some(Hold::Full { .. })
+        ));
+    }
+
+    #[test]
+    fn the_override_is_live_and_a_hard_402_stops_until_a_new_key() {
+        let (mut b, t) = budget();
+        b.set_override(Some(40), t);
+        assert_eq!(b.limit(), 40);
+        take(&mut b, "r", 40, t);
+        assert!(!b.try_acquire("r", t));
+        b.set_override(Some(2), t);
+        assert_eq!(b.limit(), 2);
+        b.set_override(None, t);
+        assert_eq!((b.limit(), b.ceiling().1), (4, CeilingSource::Default));
+        b.release(
+            "r",
+            Outcome::Limited {
+                kind: LimitKind::Credits,
+                retry_after: None,
+            },
+            t,
+        );
+        for _ in 0..39 {
+            b.release("r", Outcome::Other, t);
+        }
+        assert!(matches!(b.check("r", t), Some(Hold::Stopped(_))));
+        assert!(b.view(t).stopped.is_some());
+        b.key_changed(t);
+        assert!(b.try_acquire("r", t));
+    }
+
+    #[test]
+    fn limits_are_rediscovered_every_ten_minutes() {
+        let (mut b, t) = budget();
+        assert!(b.take_discovery_due(t), "nothing known yet");
+        assert!(!b.take_discovery_due(t + S), "asked, not answered yet");
+        assert!(b.take_discovery_due(t + 31 * S), "unanswered: ask again");
+        b.set_account(account(None, Some(true)), t + 32 * S);
+        assert!(!b.take_discovery_due(t + 300 * S));
+        assert!(b.take_discovery_due(t + 632 * S));
+        // A failed discovery keeps what was known.
+        b.set_account(
+            AccountLimits {
+                error: Some("401".into()),
+                ..Default::default()
+            },
+            t + 633 * S,
+        );
+        assert_eq!(b.ceiling(), (16, CeilingSource::Credits));
+    }
+}
