@@ -74,9 +74,9 @@ impl Upstream {
             self.window.pop_front();
         }
         if let Some(rpm) = self.s.rpm {
-            let full = self.window.len() >= rpm as usize;
-            self.window.push_back(now_ms); // a refused request still counts, as OpenRouter's do
-            if full {
+            // Like the test upstream: a request the window refuses does not count in it (so
+            // X-RateLimit-Reset stays truthful); every other arrival does.
+            if self.window.len() >= rpm as usize {
                 let oldest = self.window.front().copied().unwrap_or(now_ms);
                 let wait = (oldest + 60_000).saturating_sub(now_ms).div_ceil(1000) * 1000;
                 return Answer::Throttled {
@@ -85,6 +85,7 @@ impl Upstream {
                     retry_after_ms: wait.max(1000),
                 };
             }
+            self.window.push_back(now_ms);
         }
         if let Some(c) = self.s.concurrency
             && self.in_flight >= c

@@ -276,8 +276,9 @@ async fn session(
                                     send(&AgentFrame::Pull(Pull { provider: info.id, credits: p.pipeline_depth() }));
                                 }
                             }
-                            providers = next;
                         }
+                        // Always the new set: a new key rebuilds providers with equal infos.
+                        providers = next;
                     }
                     Ok(HubFrame::Discover) => {
                         let (agent, tx) = (agent.clone(), tx.clone());

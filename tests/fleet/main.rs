@@ -7,6 +7,7 @@ mod local_support;
 mod support;
 
 mod bad_input;
+mod cloud;
 mod kill;
 mod leases;
 mod reconnect;

@@ -272,13 +272,8 @@ pub fn start_agent_with(
     extra: &str,
     envs: &[(&str, &str)],
 ) -> Proc {
-    let config = dir.join(format!("{id}.toml"));
-    let toml = format!(
-        r#"hub_url = "{hub_url}"
-agent_id = "{id}"
-fleet_token_file = "{}"
-drain_timeout_s = 60
-{extra}
+    let models = format!(
+        r#"{extra}
 
 [[models]]
 roles = ["embedding", "code-embedding"]
@@ -288,8 +283,30 @@ device = "cpu"
 pipeline_depth = 2
 max_items_per_work = 16
 "#,
-        fleet_file.display(),
         minilm_dir().display()
+    );
+    start_agent_toml(dir, hub_url, fleet_file, id, &models, envs)
+}
+
+/// An agent whose TOML is the hub, id and token lines plus `body` (models, cloud settings;
+/// an empty body is an agent with no local model).
+pub fn start_agent_toml(
+    dir: &Path,
+    hub_url: &str,
+    fleet_file: &Path,
+    id: &str,
+    body: &str,
+    envs: &[(&str, &str)],
+) -> Proc {
+    let config = dir.join(format!("{id}.toml"));
+    let toml = format!(
+        r#"hub_url = "{hub_url}"
+agent_id = "{id}"
+fleet_token_file = "{}"
+drain_timeout_s = 60
+{body}
+"#,
+        fleet_file.display(),
     );
     std::fs::write(&config, toml).unwrap();
     let args: Vec<String> = ["agent", "--config"]

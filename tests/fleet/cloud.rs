@@ -1,0 +1,509 @@
+//! Cloud routes end to end: a real hub and real agent processes whose cloud providers call the
+//! OpenRouter stand-in ([`crate::upstream`]) over loopback HTTP. Routing policies, pinning,
+//! chat, and the global budget under throttling.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::support::{HubProc, Proc, RawAgent, eventually, fake_provider, start_agent_toml};
+use crate::upstream::{Endpoint, EndpointKind, Upstream, UpstreamConfig};
+
+const KEY: &str = "sk-or-v1-cloud-test-0123456789abcdef0123456789abcdef";
+const EMBED_MODEL: &str = "sentence-transformers/all-minilm-l6-v2";
+const EMBED_SLUG: &str = "deepinfra/fp32";
+const RERANK_MODEL: &str = "cohere/rerank-v3.5";
+const CHAT_MODEL: &str = "poolside/laguna-s-2.1";
+
+fn endpoints() -> Vec<Endpoint> {
+    let e = |model: &str, slug: &str, q: &str, kind| Endpoint {
+        model: model.into(),
+        slug: slug.into(),
+        quantization: q.into(),
+        kind,
+    };
+    vec![
+        e(
+            EMBED_MODEL,
+            EMBED_SLUG,
+            "fp32",
+            EndpointKind::Embed { dims: 384 },
+        ),
+        e(
+            EMBED_MODEL,
+            "deepinfra/turbo",
+            "fp8",
+            EndpointKind::Embed { dims: 384 },
+        ),
+        e(RERANK_MODEL, "cohere", "unknown", EndpointKind::Rerank),
+        e(CHAT_MODEL, "poolside", "unknown", EndpointKind::Chat),
+    ]
+}
+
+async fn upstream(configure: impl FnOnce(&mut UpstreamConfig)) -> Upstream {
+    let mut cfg = UpstreamConfig {
+        key: KEY.into(),
+        endpoints: endpoints(),
+        ..Default::default()
+    };
+    configure(&mut cfg);
+    Upstream::start(cfg).await
+}
+
+/// An agent with no local model, whose cloud routes call `upstream`.
+fn cloud_agent(dir: &std::path::Path, hub: &HubProc, id: &str, upstream: &Upstream) -> Proc {
+    let body = format!(
+        "openrouter_url = \"{}\"\ncloud_pipeline_depth = 8",
+        upstream.base_url
+    );
+    start_agent_toml(dir, &hub.ws_url(), &hub.fleet_file, id, &body, &[])
+}
+
+/// The push of these tests: the key, every route, and `modes`.
+fn push_body(modes: Value) -> Value {
+    json!({"openrouter": {
+        "apiKey": KEY,
+        "allowedModels": {
+            "embedding": {"model": EMBED_MODEL, "provider": EMBED_SLUG, "quantization": "fp32", "dims": 384},
+            "reranker": {"model": RERANK_MODEL},
+            "code-assistant": {"model": CHAT_MODEL},
+        },
+        "modeByRole": modes,
+    }})
+}
+
+/// Waits until `agent` announces `n` cloud providers.
+async fn wait_for_cloud(hub: &HubProc, agent: &str, n: usize) -> Value {
+    eventually(&format!("{agent} has {n} cloud providers"), || async {
+        let a = hub.wait_for_agent(agent).await;
+        let cloud = a["providers"]
+            .as_array()?
+            .iter()
+            .filter(|p| p["backend"] == "cloud")
+            .count();
+        (cloud == n).then_some(a)
+    })
+    .await
+}
+
+async fn embed(hub: &HubProc, texts: Vec<String>) -> (u16, Value) {
+    hub.post(
+        "/v1/embeddings",
+        &json!({"model": "embedding", "input": texts}),
+    )
+    .await
+}
+
+fn texts(n: usize, tag: &str) -> Vec<String> {
+    (0..n).map(|i| format!("{tag} text number {i}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloud_policy_serves_every_op_through_two_agents_without_local_models() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = upstream(|_| {}).await;
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    let _a = cloud_agent(dir.path(), &hub, "cloud-a", &up);
+    let _b = cloud_agent(dir.path(), &hub, "cloud-b", &up);
+    hub.wait_for_agent("cloud-a").await;
+    hub.wait_for_agent("cloud-b").await;
+    let (code, result) = hub
+        .push(push_body(
+            json!({"embedding": "cloud", "reranker": "cloud", "code-assistant": "cloud"}),
+        ))
+        .await;
+    assert_eq!(code, 200, "{result}");
+    wait_for_cloud(&hub, "cloud-a", 3).await;
+    wait_for_cloud(&hub, "cloud-b", 3).await;
+
+    // Embeddings: every vector from the pinned upstream, with its provenance.
+    let (code, body) = embed(&hub, texts(150, "cloud")).await;
+    assert_eq!(code, 200, "{body}");
+    let data = body["data"].as_array().unwrap();
+    assert_eq!(data.len(), 150);
+    for d in data {
+        assert_eq!(d["embedding"].as_array().unwrap().len(), 384);
+        assert_eq!(d["provenance"]["backend"], "cloud");
+        assert_eq!(d["provenance"]["model"], EMBED_MODEL);
+        assert_eq!(d["provenance"]["upstream"], "deepinfra/fp32:fp32");
+    }
+    assert_eq!(up.state.served_by_slug(EMBED_SLUG), 150);
+    assert_eq!(
+        up.state.served_by_slug("deepinfra/turbo"),
+        0,
+        "the pin is exact"
+    );
+    // Every embeddings call pinned its endpoint with no fallbacks.
+    let objects = up.state.provider_objects();
+    assert!(!objects.is_empty());
+    for o in &objects {
+        assert_eq!(
+            *o,
+            json!({"only": [EMBED_SLUG], "allow_fallbacks": false, "require_parameters": true, "quantizations": ["fp32"]})
+        );
+    }
+
+    // Rerank through the cloud.
+    let (code, body) = hub
+        .post(
+            "/v1/rerank",
+            &json!({"query": "rust tokio runtime", "documents": ["a tokio runtime in rust", "a cake recipe", "rust"]}),
+        )
+        .await;
+    assert_eq!(code, 200, "{body}");
+    let results = body["results"].as_array().unwrap();
+    assert_eq!(results.len(), 3);
+    assert_eq!(results[0]["index"], 0, "{body}");
+    assert_eq!(results[0]["provenance"]["backend"], "cloud");
+
+    // Chat, plain and streamed.
+    let chat = json!({"model": "code-assistant", "messages": [{"role": "user", "content": "hello fleet"}]});
+    let (code, body) = hub.post("/v1/chat/completions", &chat).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        "echo: hello fleet"
+    );
+    assert_eq!(body["provenance"]["model"], CHAT_MODEL);
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let r = hub
+        .http
+        .post(hub.url("/v1/chat/completions"))
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let text = r.text().await.unwrap();
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
+    let first: Value = serde_json::from_str(events[0]).unwrap();
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["content"], "echo: hello fleet");
+    // A chat role under `local` with no local chat model has no provider.
+    let (code, body) = hub
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": "rlm-sandbox", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
+    assert_eq!(code, 503, "{body}");
+
+    // The key went out as a header only, and the budget learned the account (funded, the
+    // deprecated rate limit ignored): 16 permits from credits.
+    assert!(!up.state.bodies_seen_contain(KEY));
+    let budget = eventually("the account's limits were discovered", || async {
+        let s = hub.status().await;
+        (s["budget"]["ceiling_source"] == "credits").then(|| s["budget"].clone())
+    })
+    .await;
+    assert_eq!(budget["ceiling"], 16, "{budget}");
+    assert_eq!(budget["rpm"], Value::Null, "{budget}");
+    assert!(budget["granted"].as_u64().unwrap() >= 5, "{budget}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpinned_embedding_route_is_refused_and_serves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = upstream(|_| {}).await;
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    let _a = cloud_agent(dir.path(), &hub, "cloud-a", &up);
+    hub.wait_for_agent("cloud-a").await;
+    let (code, result) = hub
+        .push(json!({"openrouter": {"apiKey": KEY,
+            "allowedModels": {"embedding": {"model": EMBED_MODEL, "dims": 384},
+                              "reranker": {"model": RERANK_MODEL}},
+            "modeByRole": {"embedding": "cloud", "reranker": "cloud"}}}))
+        .await;
+    assert_eq!(code, 200, "{result}");
+    let outcome = &result["roles"]["embedding"]["model"];
+    assert_eq!(outcome["status"], "refused", "{result}");
+    assert!(
+        outcome["reason"].as_str().unwrap().contains("pin"),
+        "{result}"
+    );
+    // The reranker route exists; no embedding route does, anywhere.
+    let agent = wait_for_cloud(&hub, "cloud-a", 1).await;
+    assert_eq!(agent["providers"][0]["role"], "reranker", "{agent}");
+    let (code, body) = embed(&hub, texts(3, "unpinned")).await;
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no provider"),
+        "{body}"
+    );
+    assert_eq!(up.state.served_by_slug(EMBED_SLUG), 0);
+    let config = hub.admin_get("/admin/config").await;
+    assert!(
+        config["openrouter"]["allowedModels"]
+            .get("embedding")
+            .is_none(),
+        "{config}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backup_uses_the_cloud_only_after_a_local_failure_or_without_a_healthy_local() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = upstream(|_| {}).await;
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    let _cloud = cloud_agent(dir.path(), &hub, "cloud-a", &up);
+    hub.wait_for_agent("cloud-a").await;
+    let (code, result) = hub.push(push_body(json!({"embedding": "backup"}))).await;
+    assert_eq!(code, 200, "{result}");
+    // Embedding, and the reranker and chat routes (both `backup` by default).
+    wait_for_cloud(&hub, "cloud-a", 3).await;
+    let mut local = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
+        .await
+        .unwrap();
+    local
+        .hello("gpu", json!([fake_provider("embedding", "embedding", 64)]))
+        .await;
+    local
+        .send(json!({"type":"pull","provider":"embedding","credits":1}))
+        .await;
+    hub.wait_for_agent("gpu").await;
+
+    // A healthy local provider takes the work; the cloud does not.
+    let hub_url = hub.url("/v1/embeddings");
+    let client = reqwest::Client::new();
+    let send = |n: usize, tag: &'static str| {
+        let (client, url) = (client.clone(), hub_url.clone());
+        tokio::spawn(async move {
+            let r = client
+                .post(url)
+                .json(&json!({"model": "embedding", "input": texts(n, tag)}))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        })
+    };
+    let first = send(3, "backup");
+    let work = local.recv_kind("work").await;
+    assert_eq!(work["input"]["texts"].as_array().unwrap().len(), 3);
+    assert_eq!(
+        up.state.requests(),
+        0,
+        "backup: no cloud while a local provider is healthy"
+    );
+
+    // It fails there: the same items may now go to the cloud (the local one is still healthy).
+    local
+        .send(json!({"type":"failed","lease":work["lease"],"class":"transient","message":"CUDA out of memory"}))
+        .await;
+    let (code, body) = first.await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|d| d["provenance"]["backend"] == "cloud")
+    );
+    assert_eq!(up.state.served_by_slug(EMBED_SLUG), 3);
+
+    // New work waits for the healthy local provider (it has no credit now), not the cloud.
+    let second = send(2, "waits");
+    eventually("the second request is queued", || async {
+        let s = hub.status().await;
+        (s["roles"]["embedding"]["queue_depth"] == 2).then_some(())
+    })
+    .await;
+    assert_eq!(
+        up.state.served_by_slug(EMBED_SLUG),
+        3,
+        "held for the local provider"
+    );
+    // Without a healthy local provider, the cloud serves.
+    local.close().await;
+    let (code, body) = second.await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|d| d["provenance"]["backend"] == "cloud")
+    );
+    assert_eq!(up.state.served_by_slug(EMBED_SLUG), 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_429_shrinks_its_route_and_a_hard_402_stops_cloud_work_until_a_new_key() {
+    let dir = tempfile::tempdir().unwrap();
+    // The upstream serves two calls at once; the rest get 429 with Retry-After 1 s.
+    let up = upstream(|c| c.max_concurrency = Some(2)).await;
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    let _a = cloud_agent(dir.path(), &hub, "cloud-a", &up);
+    let _b = cloud_agent(dir.path(), &hub, "cloud-b", &up);
+    hub.wait_for_agent("cloud-a").await;
+    hub.wait_for_agent("cloud-b").await;
+    let (code, result) = hub
+        .push(push_body(
+            json!({"embedding": "cloud", "code-assistant": "cloud"}),
+        ))
+        .await;
+    assert_eq!(code, 200, "{result}");
+    wait_for_cloud(&hub, "cloud-a", 3).await;
+    wait_for_cloud(&hub, "cloud-b", 3).await;
+    eventually("discovered: 16 permits", || async {
+        (hub.status().await["budget"]["ceiling"] == 16).then_some(())
+    })
+    .await;
+
+    // Hold admitted calls so the count in flight is exact: 5 leases of 64 texts go out at once,
+    // 2 are admitted, 3 get 429 from the upstream.
+    up.state.set_hold(true);
+    let request = {
+        let (client, url) = (hub.http.clone(), hub.url("/v1/embeddings"));
+        tokio::spawn(async move {
+            let r = client
+                .post(url)
+                .json(&json!({"model": "embedding", "input": texts(320, "throttled")}))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(60), up.state.wait_for_requests(5))
+        .await
+        .expect("five upstream calls");
+    let route = format!("embedding:{EMBED_MODEL}@deepinfra/fp32:fp32");
+    let budget = eventually("the route was throttled", || async {
+        let b = hub.status().await["budget"].clone();
+        let r = b["routes"]
+            .as_array()?
+            .iter()
+            .find(|r| r["route"] == route.as_str())?
+            .clone();
+        (r["throttles"].as_u64()? >= 3).then_some(b)
+    })
+    .await;
+    let r = budget["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["route"] == route.as_str())
+        .unwrap();
+    // Halved once, from the 5 in flight when the first 429 came back: 2.
+    assert_eq!(r["limit"], 2, "{budget}");
+    assert_eq!(
+        budget["limit"], 16,
+        "the global limit is untouched: {budget}"
+    );
+    assert_eq!(budget["throttles"], 0, "{budget}");
+    assert_eq!(up.state.throttled_429(), 3);
+    // Chat is another route: it is served while the embedding route waits.
+    up.state.set_hold(false);
+    let chat =
+        json!({"model": "code-assistant", "messages": [{"role": "user", "content": "still here"}]});
+    let (code, body) = hub.post("/v1/chat/completions", &chat).await;
+    assert_eq!(code, 200, "{body}");
+    // Every text comes back once; none was lost to the 429s.
+    let (code, body) = request.await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["data"].as_array().unwrap().len(), 320);
+    assert_eq!(up.state.served_by_slug(EMBED_SLUG), 320);
+
+    // Out of credits: cloud work stops and status says why.
+    up.state.set_hard_402(true);
+    let waiting = {
+        let (client, url) = (hub.http.clone(), hub.url("/v1/embeddings"));
+        tokio::spawn(async move {
+            let r = client
+                .post(url)
+                .json(&json!({"model": "embedding", "input": texts(4, "broke")}))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        })
+    };
+    let stopped = eventually("the budget stopped", || async {
+        let b = hub.status().await["budget"].clone();
+        b["stopped"].as_str().map(str::to_string)
+    })
+    .await;
+    assert!(stopped.contains("credits"), "{stopped}");
+    assert_eq!(hub.metric("fantom_hub_budget_stopped").await, 1.0);
+    let refused = up.state.refused_402();
+    assert_eq!(refused, 1, "one 402, then no more calls");
+    // A new key (the account was topped up) lets the waiting request finish.
+    up.state.set_hard_402(false);
+    let (code, result) = hub.push(json!({"openrouter": {"apiKey": KEY}})).await;
+    assert_eq!(code, 200, "{result}");
+    let (code, body) = waiting.await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["data"].as_array().unwrap().len(), 4);
+    assert_eq!(hub.status().await["budget"]["stopped"], Value::Null);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_budget_override_is_live_and_persisted() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    let set = |permits: Value| {
+        let (client, url, admin) = (
+            hub.http.clone(),
+            hub.url("/admin/budget"),
+            hub.admin.clone(),
+        );
+        async move {
+            let r = client
+                .post(url)
+                .bearer_auth(admin)
+                .json(&json!({"permits": permits}))
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let (code, body) = set(json!(40)).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["budget"]["limit"], 40);
+    assert_eq!(body["budget"]["ceiling_source"], "override");
+    for bad in [json!(0), json!(257), json!("many")] {
+        let (code, body) = set(bad).await;
+        assert_eq!(code, 400, "{body}");
+    }
+    assert_eq!(hub.metric("fantom_hub_budget_limit").await, 40.0);
+    // It survives a restart.
+    let addr = hub.proc.addr;
+    let mut hub = hub;
+    assert!(hub.proc.terminate().success());
+    drop(hub);
+    let hub = HubProc::start(dir.path(), Some(addr), &[], &[], "hub-2.log");
+    let budget = hub.status().await["budget"].clone();
+    assert_eq!(
+        (budget["limit"].clone(), budget["override_permits"].clone()),
+        (json!(40), json!(40))
+    );
+    let (code, body) = {
+        let r = hub
+            .http
+            .post(hub.url("/admin/budget"))
+            .bearer_auth(&hub.admin)
+            .json(&json!({"permits": null}))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    };
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["budget"]["limit"], 4, "back to the default: {body}");
+}
