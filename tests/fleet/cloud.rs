@@ -507,3 +507,54 @@ async fn the_budget_override_is_live_and_persisted() {
     assert_eq!(code, 200, "{body}");
     assert_eq!(body["budget"]["limit"], 4, "back to the default: {body}");
 }
+
+/// How many items of one request the local and the cloud providers served.
+async fn split(hub: &HubProc, n: usize, tag: &str) -> (usize, usize) {
+    let (code, body) = embed(hub, texts(n, tag)).await;
+    assert_eq!(code, 200, "{body}");
+    let data = body["data"].as_array().unwrap();
+    assert_eq!(data.len(), n);
+    let local = data
+        .iter()
+        .filter(|d| d["provenance"]["backend"] == "local")
+        .count();
+    (local, n - local)
+}
+
+/// The rate half of "a cloud rate limit never slows the GPUs" is measured by
+/// `cargo bench --bench aggregate_rate` (a ratio, side by side); this test checks the
+/// behaviour: under `aggregate` the local provider and a throttled cloud share one queue, the
+/// throttle holds back only the cloud, and every item is served once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregate_shares_the_queue_and_a_throttled_cloud_holds_back_only_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    // A throttled upstream: two calls a minute, then 429s with X-RateLimit-Reset.
+    let up = upstream(|c| c.rpm = Some(2)).await;
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    let _gpu = crate::support::start_agent(dir.path(), &hub, "gpu", &[]);
+    let _a = cloud_agent(dir.path(), &hub, "cloud-a", &up);
+    let _b = cloud_agent(dir.path(), &hub, "cloud-b", &up);
+    for id in ["gpu", "cloud-a", "cloud-b"] {
+        hub.wait_for_agent(id).await;
+    }
+    let (code, result) = hub.push(push_body(json!({"embedding": "aggregate"}))).await;
+    assert_eq!(code, 200, "{result}");
+    wait_for_cloud(&hub, "cloud-a", 3).await;
+    wait_for_cloud(&hub, "cloud-b", 3).await;
+    let (local, cloud) = split(&hub, 1500, "mixed").await;
+    // The upstream took two calls of up to 64 texts in its minute; the 429s after them paused
+    // the budget, and the local provider served everything else meanwhile.
+    assert_eq!(up.state.served_by_slug(EMBED_SLUG) as usize, cloud);
+    assert!((1..=128).contains(&cloud), "cloud served {cloud}");
+    assert_eq!(local + cloud, 1500);
+    assert!(up.state.throttled_429() > 0, "the upstream throttled");
+    let budget = hub.status().await["budget"].clone();
+    assert!(budget["throttles"].as_u64().unwrap() > 0, "{budget}");
+    assert!(
+        budget["cooldown_remaining_ms"].as_u64().unwrap() > 0,
+        "the cloud is cooling down: {budget}"
+    );
+    // A second request while the cloud cools down is served by the GPU alone.
+    let (local, cloud) = split(&hub, 300, "cooling").await;
+    assert_eq!((local, cloud), (300, 0));
+}

@@ -888,6 +888,7 @@ async fn credits(State(s): State<Arc<UpstreamState>>, headers: HeaderMap) -> Res
 
 // ---------------------------------------------------------------- the stand-in's own tests
 
+#[cfg(test)]
 mod self_tests {
     use super::*;
 
