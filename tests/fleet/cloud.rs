@@ -558,3 +558,111 @@ async fn aggregate_shares_the_queue_and_a_throttled_cloud_holds_back_only_itself
     let (local, cloud) = split(&hub, 300, "cooling").await;
     assert_eq!((local, cloud), (300, 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_policy_routes_embeddings_reranks_and_chat_as_designed() {
+    let dir = tempfile::tempdir().unwrap();
+    let up = upstream(|_| {}).await;
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    let reranker = crate::local_support::fixtures().join("qwen3/tiny-qwen3-reranker");
+    let body = format!(
+        r#"[[models]]
+roles = ["embedding"]
+model = "all-minilm-l6-v2"
+model_dir = "{}"
+device = "cpu"
+
+[[models]]
+roles = ["reranker"]
+model_dir = "{}"
+device = "cpu"
+"#,
+        crate::support::minilm_dir().display(),
+        reranker.display()
+    );
+    let _gpu = start_agent_toml(
+        dir.path(),
+        &hub.ws_url(),
+        &hub.fleet_file,
+        "gpu",
+        &body,
+        &[],
+    );
+    let _cloud = cloud_agent(dir.path(), &hub, "cloud-a", &up);
+    hub.wait_for_agent("gpu").await;
+    hub.wait_for_agent("cloud-a").await;
+    let (code, result) = hub.push(push_body(json!({}))).await;
+    assert_eq!(code, 200, "{result}");
+
+    let backends = |body: &Value, list: &str| -> Vec<String> {
+        body[list]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["provenance"]["backend"].as_str().unwrap().to_string())
+            .collect()
+    };
+    for policy in ["local", "cloud", "aggregate", "backup"] {
+        let modes = json!({"embedding": policy, "reranker": policy, "code-assistant": policy});
+        let (code, result) = hub.push(json!({"openrouter": {"modeByRole": modes}})).await;
+        assert_eq!(code, 200, "{result}");
+        // `local` takes every cloud route away; the others give the cloud agent all three.
+        wait_for_cloud(&hub, "cloud-a", if policy == "local" { 0 } else { 3 }).await;
+        let status = hub.status().await;
+        assert_eq!(status["roles"]["reranker"]["policy"], policy);
+
+        let (code, body) = embed(&hub, texts(20, policy)).await;
+        assert_eq!(code, 200, "{policy}: {body}");
+        let embedded = backends(&body, "data");
+        let (code, body) = hub
+            .post(
+                "/v1/rerank",
+                &json!({"query": "q", "documents": ["a", "b", "c"]}),
+            )
+            .await;
+        assert_eq!(code, 200, "{policy}: {body}");
+        let reranked = backends(&body, "results");
+        let chat =
+            json!({"model": "code-assistant", "messages": [{"role": "user", "content": policy}]});
+        let (chat_code, chat_body) = hub.post("/v1/chat/completions", &chat).await;
+
+        let all = |v: &[String], b: &str| v.iter().all(|x| x == b);
+        match policy {
+            "local" => {
+                assert!(
+                    all(&embedded, "local") && all(&reranked, "local"),
+                    "{policy}"
+                );
+                assert_eq!(chat_code, 503, "no local chat model: {chat_body}");
+            }
+            "cloud" => {
+                assert!(
+                    all(&embedded, "cloud") && all(&reranked, "cloud"),
+                    "{policy}"
+                );
+                assert_eq!(chat_code, 200, "{chat_body}");
+            }
+            "backup" => {
+                // Healthy local providers serve; chat has none, so the cloud does.
+                assert!(
+                    all(&embedded, "local") && all(&reranked, "local"),
+                    "{policy}"
+                );
+                assert_eq!(chat_code, 200, "{chat_body}");
+            }
+            _ => {
+                assert_eq!(embedded.len(), 20);
+                assert_eq!(chat_code, 200, "{chat_body}");
+            }
+        }
+        if chat_code == 200 {
+            assert_eq!(chat_body["provenance"]["backend"], "cloud");
+            assert_eq!(
+                chat_body["choices"][0]["message"]["content"],
+                format!("echo: {policy}")
+            );
+        }
+    }
+    // The cloud served exactly what `cloud` and `aggregate` sent it.
+    assert!(up.state.served_by_slug(EMBED_SLUG) >= 20);
+}
