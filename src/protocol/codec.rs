@@ -144,10 +144,12 @@ pub(crate) fn key_on_the_wire<S: serde::Serializer>(
 /// Moves the `apiKey` member (the last one written) past the first [`KEY_OFFSET_MIN`]
 /// characters by inserting whitespace before it.
 fn pad_key(text: &mut String) {
-    if let Some(at) = text.rfind("\"apiKey\":")
-        && at < KEY_OFFSET_MIN
-    {
-        text.insert_str(at, &" ".repeat(KEY_OFFSET_MIN - at));
+    // Characters, not bytes: a multi-byte prefix (a non-ASCII domain) is shorter than it looks.
+    if let Some(at) = text.rfind("\"apiKey\":") {
+        let chars = text[..at].chars().count();
+        if chars < KEY_OFFSET_MIN {
+            text.insert_str(at, &" ".repeat(KEY_OFFSET_MIN - chars));
+        }
     }
 }
 
@@ -315,9 +317,12 @@ mod tests {
 
     #[test]
     fn the_key_never_sits_in_the_first_120_characters() {
-        for models in [None, Some(Default::default())] {
+        // A multi-byte domain: the key would start past byte 120 but before character 120.
+        let wide = Some("é".repeat(30));
+        for (models, domain) in [(None, None), (Some(Default::default()), None), (None, wide)] {
             let push = OpenRouterPush {
                 allowed_models: models,
+                domain,
                 api_key: Some(Secret::new("sk-or-v1-0123456789")),
                 ..Default::default()
             };
@@ -331,7 +336,7 @@ mod tests {
             let head: String = text.chars().take(KEY_OFFSET_MIN).collect();
             assert!(!head.contains("sk-or"), "{text}");
             let at = text.find("sk-or-v1-0123456789").unwrap();
-            assert!(at >= KEY_OFFSET_MIN);
+            assert!(text[..at].chars().count() >= KEY_OFFSET_MIN, "{text}");
             // Still valid JSON with the key intact.
             let back = decode_hub(&text, DEFAULT_MAX_FRAME_BYTES).unwrap();
             let HubFrame::Config(c) = back else { panic!() };
