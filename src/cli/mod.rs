@@ -136,30 +136,38 @@ impl ModelArgs {
 }
 
 /// Dependencies whose trace logs would print frame payloads or headers.
-const CAPPED_LOG_TARGETS: [&str; 2] = ["tungstenite=debug", "tokio_tungstenite=debug"];
+const CAPPED_LOG_TARGETS: [&str; 2] = ["tungstenite", "tokio_tungstenite"];
+
+/// Whether a log target belongs to a capped dependency (the crate or one of its modules).
+fn capped(target: &str) -> bool {
+    CAPPED_LOG_TARGETS.iter().any(|c| {
+        target
+            .strip_prefix(c)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with("::"))
+    })
+}
 
 fn init_logging(format: LogFormat) {
-    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
+    use tracing_subscriber::prelude::*;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // The WebSocket library logs whole frames at trace level, and a config frame carries the
-    // OpenRouter key: its logs stop at debug whatever RUST_LOG asks for.
-    for cap in CAPPED_LOG_TARGETS {
-        if let Ok(directive) = cap.parse() {
-            filter = filter.add_directive(directive);
-        }
-    }
+    // OpenRouter key: its logs stop at debug whatever RUST_LOG asks for. A filter of its own,
+    // so no directive of RUST_LOG (however specific) can lift it.
+    let cap = tracing_subscriber::filter::filter_fn(|meta| {
+        *meta.level() != tracing::Level::TRACE || !capped(meta.target())
+    });
     let json = match format {
         LogFormat::Json => true,
         LogFormat::Text => false,
         LogFormat::Auto => !std::io::stderr().is_terminal(),
     };
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let registry = tracing_subscriber::registry().with(cap).with(filter);
+    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let _ = if json {
-        builder.json().flatten_event(true).try_init()
+        registry.with(layer.json().flatten_event(true)).try_init()
     } else {
-        builder.try_init()
+        registry.with(layer).try_init()
     };
 }
 

@@ -34,7 +34,11 @@ fn files_containing(dir: &Path, needle: &str, skip: &[&Path]) -> Vec<String> {
 async fn the_key_never_reaches_logs_endpoints_files_or_frame_heads() {
     let key = format!("sk-or-v1-leaktest-{}", std::process::id());
     let dir = tempfile::tempdir().unwrap();
-    let trace = [("RUST_LOG", "trace")];
+    // Trace everywhere, and asked for by name where frames are logged: the cap still holds.
+    let trace = [(
+        "RUST_LOG",
+        "trace,tungstenite::protocol=trace,tokio_tungstenite=trace",
+    )];
     let hub = HubProc::start(dir.path(), None, &[], &trace, "hub.log");
     let agent_dir = dir.path().join("agent");
     std::fs::create_dir_all(&agent_dir).unwrap();
