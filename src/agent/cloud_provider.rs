@@ -5,6 +5,8 @@
 
 use std::sync::Arc;
 
+use sha2::Digest;
+
 use super::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
 use crate::cloud::error::CloudError;
 use crate::cloud::openrouter::OpenRouterClient;
@@ -31,8 +33,14 @@ impl CloudProvider {
             Op::Chat => 1,
             Op::Embed | Op::Rerank => MAX_ITEMS_PER_CALL,
         };
+        // The id names the route, not just the role: work sent for an older route of the role
+        // is refused (and requeued), never run on a new model, and credits never cross.
+        let digest = sha2::Sha256::digest(route.key().as_bytes());
         let info = ProviderInfo {
-            id: format!("cloud:{role}"),
+            id: format!(
+                "cloud:{role}:{:02x}{:02x}{:02x}{:02x}",
+                digest[0], digest[1], digest[2], digest[3]
+            ),
             role,
             backend: Backend::Cloud,
             model: route.model().to_string(),

@@ -62,7 +62,8 @@ impl Default for CloudOptions {
         Self {
             openrouter_url: crate::cloud::openrouter::DEFAULT_BASE_URL.to_string(),
             pipeline_depth: 8,
-            request_timeout: Duration::from_secs(120),
+            // Under the hub's default 120 s lease: a call gives up before its lease expires.
+            request_timeout: Duration::from_secs(100),
         }
     }
 }
@@ -168,7 +169,9 @@ impl Agent {
                     ) {
                         Ok(client) => held.client = Some(Arc::new(client)),
                         Err(e) => {
-                            tracing::error!(error = %e, "no OpenRouter client: cloud routes stay off")
+                            // Never keep calling with the old key's client.
+                            held.client = None;
+                            tracing::error!(error = %e, "no OpenRouter client: cloud routes stay off");
                         }
                     }
                     held.key = Some(key);

@@ -171,6 +171,10 @@ impl CloudError {
                         retry_after_ms,
                         message,
                     }
+                } else if field_str(metadata, "reason") == Some("weight_exceeds_budget") {
+                    // This one request costs more than the whole budget: the request's fault
+                    // (e.g. a huge max_tokens), not a reason to stop every cloud route.
+                    CloudError::Rejected { status, message }
                 } else if limit_source == Some("openrouter_key_limit") {
                     CloudError::PaymentRequired {
                         limit: HardLimit::KeyLimit,
@@ -487,6 +491,18 @@ mod tests {
         assert_eq!(e.limit(), Some(LimitKind::InFlightBudget));
 
         let body = r#"{"error":{"code":402,"message":"This request requires more credits, or fewer max_tokens","metadata":{"reason":"weight_exceeds_budget","limit_source":"openrouter_credits"}}}"#;
+        let e = CloudError::from_response(402, &HeaderMap::new(), body);
+        assert!(
+            matches!(e, CloudError::Rejected { status: 402, .. }),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.failure_class(),
+            FailureClass::Fatal,
+            "the request's fault alone"
+        );
+        assert_eq!(e.limit(), None, "no stop for every route");
+        let body = r#"{"error":{"code":402,"message":"Insufficient credits","metadata":{"reason":"insufficient_credits","limit_source":"openrouter_credits"}}}"#;
         let e = CloudError::from_response(402, &HeaderMap::new(), body);
         assert!(matches!(
             e,

@@ -280,7 +280,14 @@ impl OpenRouterClient {
         };
         let status = response.status().as_u16();
         let headers = response.headers().clone();
-        let body = response.text().await.map_err(transport)?;
+        let body = read_capped(response).await?;
+        // A misconfigured base URL (a proxy that echoes requests) must not carry the key into
+        // an error message, a log line or a client's answer.
+        let body = if body.contains(self.key.expose()) {
+            body.replace(self.key.expose(), "[redacted]")
+        } else {
+            body
+        };
         let latency_ms = elapsed_ms(started);
         tracing::debug!(route = %label, status, latency_ms, "openrouter call");
         Ok(Answer {
@@ -289,6 +296,23 @@ impl OpenRouterClient {
             body,
         })
     }
+}
+
+/// Largest answer read: a 64-text embeddings batch of 4096-dim floats is about 6 MiB of JSON.
+const MAX_ANSWER_BYTES: usize = 32 << 20;
+
+/// Reads a body up to [`MAX_ANSWER_BYTES`]; a longer one is a bad answer, not an allocation.
+async fn read_capped(mut response: reqwest::Response) -> Result<String, CloudError> {
+    let mut bytes = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(transport)? {
+        if bytes.len() + chunk.len() > MAX_ANSWER_BYTES {
+            return Err(CloudError::BadResponse {
+                message: format!("the answer is larger than {MAX_ANSWER_BYTES} bytes"),
+            });
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 fn elapsed_ms(started: Instant) -> u64 {

@@ -64,6 +64,9 @@ impl From<HubError> for ApiError {
                 err.retry_after_s = Some(5);
                 err
             }
+            HubError::Submit(SubmitError::CloudStopped { .. }) => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, "cloud_stopped", message)
+            }
             HubError::Submit(SubmitError::QueueFull { retry_after_s, .. }) => {
                 let mut err = Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", message);
                 err.retry_after_s = Some(retry_after_s);

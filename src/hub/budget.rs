@@ -161,11 +161,15 @@ impl Limiter {
     fn roll(&mut self, now: Instant, ceiling: u32, s: &BudgetSettings) {
         while now.saturating_duration_since(self.window_start) >= s.clean_window {
             let used_enough = self.window_peak * 2 >= self.limit;
-            if !self.window_throttled {
+            // A window spent cooling down proves nothing: no call could be refused in it.
+            let cooled = self.cooldown_until.is_some_and(|t| t > self.window_start);
+            if !self.window_throttled && !cooled {
                 if used_enough && self.limit < ceiling {
                     self.limit += 1;
                 }
-                self.backoff = s.backoff_initial;
+                if self.window_peak > 0 {
+                    self.backoff = s.backoff_initial;
+                }
             }
             self.window_start += s.clean_window;
             self.window_throttled = false;
@@ -253,7 +257,8 @@ impl Budget {
 
     /// The RPM the budget believes, if any (absent, `-1` and implausibly low ones are not).
     pub fn trusted_rpm(&self) -> Option<f64> {
-        let rpm = self.account.rpm.filter(|r| r.is_finite() && *r > 0.0)?;
+        // Under one a minute would block every start of the window: not a usable number.
+        let rpm = self.account.rpm.filter(|r| r.is_finite() && *r >= 1.0)?;
         if self.account.funded == Some(true) && rpm < self.settings.min_trusted_rpm {
             return None;
         }
@@ -409,7 +414,7 @@ impl Budget {
                         if self.stopped.is_none() {
                             tracing::error!(
                                 reason = why,
-                                "cloud work stopped: push a new key or raise the limit"
+                                "cloud work stopped until a push with apiKey (the same key after a top-up works) or a rediscovery that finds money"
                             );
                         }
                         self.stopped = Some(why.to_string());
@@ -449,8 +454,21 @@ impl Budget {
             self.account.error = limits.error;
             return;
         }
+        // Money again (a topped-up account, a key limit that reset): cloud work resumes.
+        let money = |v: Option<f64>| v.is_some_and(|x| x > 0.0);
+        if self.stopped.is_some()
+            && (money(limits.credits_remaining_usd) || money(limits.limit_remaining_usd))
+        {
+            tracing::info!("the account has money again: cloud work resumes");
+            self.stopped = None;
+        }
         self.account = limits;
         self.retarget(now);
+    }
+
+    /// Why cloud work is stopped, when a hard 402 stopped it.
+    pub fn stopped(&self) -> Option<&str> {
+        self.stopped.as_deref()
     }
 
     /// A new key arrived: forget a hard stop and what the old key's account allowed.
@@ -760,6 +778,40 @@ mod tests {
     }
 
     #[test]
+    fn the_backoff_resets_only_after_a_window_that_ran_clean() {
+        let (mut b, t) = budget();
+        let platform = Outcome::Limited {
+            kind: LimitKind::Platform,
+            retry_after: None,
+        };
+        // Throttles a window apart: 2 → 4 → 8 → 16 → 32 s.
+        let mut now = t;
+        for _ in 0..4 {
+            b.release("r", platform, now);
+            now += 16 * S;
+        }
+        assert_eq!(b.view(now).backoff_ms, 32_000);
+        // Idle windows, and windows spent cooling down, prove nothing.
+        now += 60 * S;
+        b.tick(now);
+        assert_eq!(b.view(now).backoff_ms, 32_000);
+        // A window in which calls ran and none was refused does.
+        take(&mut b, "r", 1, now);
+        b.release("r", Outcome::Success { latency_ms: 100.0 }, now);
+        now += 30 * S;
+        b.tick(now);
+        assert_eq!(b.view(now).backoff_ms, 2_000);
+    }
+
+    #[test]
+    fn an_rpm_under_one_is_not_trusted() {
+        let (mut b, t) = budget();
+        b.set_account(account(Some(0.5), Some(false)), t);
+        assert_eq!(b.trusted_rpm(), None);
+        assert!(b.try_acquire("r", t), "no window blocks every start");
+    }
+
+    #[test]
     fn a_clean_window_adds_a_permit_only_while_half_the_budget_is_used() {
         let (mut b, t) = budget();
         b.set_account(account(None, Some(true)), t);
@@ -858,6 +910,23 @@ mod tests {
         assert!(b.view(t).stopped.is_some());
         b.key_changed(t);
         assert!(b.try_acquire("r", t));
+        // A rediscovery that finds money lifts a stop too; one that finds nothing does not.
+        b.release(
+            "r",
+            Outcome::Limited {
+                kind: LimitKind::KeyLimit,
+                retry_after: None,
+            },
+            t,
+        );
+        b.set_account(account(None, Some(true)), t);
+        assert!(b.stopped().is_some());
+        let topped_up = AccountLimits {
+            limit_remaining_usd: Some(5.0),
+            ..Default::default()
+        };
+        b.set_account(topped_up, t);
+        assert_eq!(b.stopped(), None);
     }
 
     #[test]

@@ -98,6 +98,9 @@ pub enum SubmitError {
         role: Role,
         policy: crate::roles::Policy,
     },
+    /// Only the cloud could serve the role, and a hard 402 stopped cloud work.
+    #[error("only cloud routes serve role '{role}', and cloud work is stopped: {reason}")]
+    CloudStopped { role: Role, reason: String },
     #[error("the {role} queue is full ({depth} items waiting); retry after {retry_after_s} s")]
     QueueFull {
         role: Role,
@@ -222,6 +225,14 @@ impl Core {
         if !self.role_has_provider(role) {
             return Err(SubmitError::NoProvider { role, policy });
         }
+        if let Some(reason) = self.budget.stopped()
+            && !self.role_has_local_provider(role)
+        {
+            return Err(SubmitError::CloudStopped {
+                role,
+                reason: reason.to_string(),
+            });
+        }
         let n = texts.len();
         let queue = &self.queues[&role];
         if n > queue.capacity() {
@@ -288,6 +299,16 @@ impl Core {
         self.providers().any(|p| {
             p.role() == role
                 && policy::admit(policy, p.info.backend, healthy_local) == Admission::Serve
+        })
+    }
+
+    /// Whether a connected local provider could take `role`'s work under its policy.
+    fn role_has_local_provider(&self, role: Role) -> bool {
+        let policy = self.cloud.policy(role);
+        self.providers().any(|p| {
+            p.role() == role
+                && p.info.backend == Backend::Local
+                && policy::admit(policy, Backend::Local, true) == Admission::Serve
         })
     }
 
@@ -548,6 +569,13 @@ impl Core {
     fn release_permit(&mut self, lease: &Lease, outcome: budget::Outcome) {
         if let Some(route) = &lease.permit {
             self.budget.release(route, outcome, Instant::now());
+            // A freed permit goes to the other roles first: one role's backlog (and its
+            // agents' instant re-pulls) must not starve another role of the shared budget.
+            for role in Role::ALL {
+                if role != lease.role {
+                    self.dispatch(role);
+                }
+            }
         }
     }
 
@@ -649,8 +677,12 @@ impl Core {
                 self.requeue(role, lease.items, false, &failed.message);
             }
             FailureClass::Transient | FailureClass::Refused => {
+                // A cloud route that refuses (bad key, no endpoint for the pin, a bad answer)
+                // says nothing about the items: they keep their attempts; the provider is
+                // benched after two in a row.
+                let count_attempt = local || failed.class == FailureClass::Transient;
                 let items = mark_failed_locally(lease.items, local);
-                self.requeue(role, items, true, &failed.message);
+                self.requeue(role, items, count_attempt, &failed.message);
             }
         }
         self.dispatch(role);
@@ -820,6 +852,13 @@ impl Core {
                 return;
             };
             let session = agent.session;
+            if agent.tx.is_closed() {
+                // The socket is going away; its disconnect will clean up the session.
+                if let Some(p) = agent.providers.get_mut(&pid) {
+                    p.credits = 0;
+                }
+                continue;
+            }
             let Some(entry) = agent.providers.get(&pid) else {
                 return;
             };
@@ -829,11 +868,6 @@ impl Core {
                 max_items: info.max_batch_items.max(1),
                 max_tokens: info.max_batch_tokens.max(1),
             };
-            if let Some(route) = &permit
-                && !self.budget.try_acquire(route, now)
-            {
-                return;
-            }
             let requests = &self.requests;
             let Some(queue) = self.queues.get_mut(&role) else {
                 return;
@@ -842,6 +876,13 @@ impl Core {
             let Some(shape) = items.first().map(|i| i.shape.clone()) else {
                 return;
             };
+            // The permit last, once there is work to hold it (the check above passed).
+            if let Some(route) = &permit
+                && !self.budget.try_acquire(route, now)
+            {
+                queue.requeue_front(items);
+                return;
+            }
             let lease_id = self.next_lease;
             self.next_lease += 1;
             let deadline = now + self.settings.lease;
@@ -854,6 +895,10 @@ impl Core {
             });
             let sent = agent.send(protocol::encode(&frame));
             let Some(p) = agent.providers.get_mut(&pid) else {
+                queue.requeue_front(items);
+                if let Some(route) = &permit {
+                    self.budget.release(route, budget::Outcome::Other, now);
+                }
                 return;
             };
             if !sent {

@@ -246,10 +246,13 @@ impl Hub {
         next.budget_override = permits;
         next.save(&self.inner.state_dir)?;
         *state = next;
-        drop(state);
+        // Applied under the state lock (state, then core: push_config's order), so two
+        // concurrent overrides leave the file and the live budget with the same number.
         let mut core = self.core();
         core.budget.set_override(permits, Instant::now());
         core.dispatch_all();
+        drop(core);
+        drop(state);
         tracing::info!(permits = ?permits, "budget override set");
         Ok(())
     }

@@ -442,6 +442,11 @@ async fn an_upstream_429_shrinks_its_route_and_a_hard_402_stops_cloud_work_until
     assert_eq!(hub.metric("fantom_hub_budget_stopped").await, 1.0);
     let refused = up.state.refused_402();
     assert_eq!(refused, 1, "one 402, then no more calls");
+    // New work that only the cloud could serve is refused at once, with the reason.
+    let (code, body) = embed(&hub, texts(2, "after the stop")).await;
+    assert_eq!(code, 503, "{body}");
+    assert_eq!(body["error"]["code"], "cloud_stopped", "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("credits"), "{body}");
     // A new key (the account was topped up) lets the waiting request finish.
     up.state.set_hard_402(false);
     let (code, result) = hub.push(json!({"openrouter": {"apiKey": KEY}})).await;
