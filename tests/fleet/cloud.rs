@@ -446,7 +446,13 @@ async fn an_upstream_429_shrinks_its_route_and_a_hard_402_stops_cloud_work_until
     let (code, body) = embed(&hub, texts(2, "after the stop")).await;
     assert_eq!(code, 503, "{body}");
     assert_eq!(body["error"]["code"], "cloud_stopped", "{body}");
-    assert!(body["error"]["message"].as_str().unwrap().contains("credits"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("credits"),
+        "{body}"
+    );
     // A new key (the account was topped up) lets the waiting request finish.
     up.state.set_hard_402(false);
     let (code, result) = hub.push(json!({"openrouter": {"apiKey": KEY}})).await;
