@@ -2,8 +2,9 @@
 //!
 //! A cloud rate limit must slow the cloud, never the GPUs (DESIGN §5). One hub, one agent
 //! with the real all-MiniLM-L6-v2 on the CPU, and two agents with cloud routes to the
-//! OpenRouter stand-in of the tests (tests/fleet/upstream.rs), throttled to 2 requests a
-//! minute, all in this process over loopback. Rounds alternate `local` (the reference) and
+//! OpenRouter stand-in of the tests (tests/fleet/upstream.rs; it serves the same model, so the
+//! cloud routes pass the compatibility gate), throttled to 4 requests a minute (two go to the
+//! gate's probes), all in this process over loopback. Rounds alternate `local` (the reference) and
 //! `aggregate`; each measures the items/s the local provider served in one 1000-text
 //! request. It prints the best of each (the best of a few runs is what the machine can do;
 //! other tenants' noise only slows runs down) and their ratio. Goal: ≥ 0.98.
@@ -112,6 +113,21 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(async {
+        // The upstream serves the same model, so the cloud routes pass the gate and take part.
+        let choice: fantom_sidecar::config::model::ModelChoice = toml::from_str(&format!(
+            "model = \"all-minilm-l6-v2\"\nmodel_dir = \"{}\"\ndevice = \"cpu\"",
+            minilm_dir().display()
+        ))
+        .unwrap();
+        let engine = choice
+            .load(fantom_sidecar::model_spec::Task::Embed)
+            .await
+            .expect("the MiniLM model (see the header)");
+        let embedder: upstream::Embedder = Arc::new(move |texts: &[String]| {
+            tokio::runtime::Handle::current()
+                .block_on(engine.embed(texts.to_vec(), Default::default()))
+                .expect("embed")
+        });
         let up = Upstream::start(UpstreamConfig {
             key: KEY.into(),
             endpoints: vec![Endpoint {
@@ -120,7 +136,8 @@ fn main() {
                 quantization: "fp32".into(),
                 kind: EndpointKind::Embed { dims: 384 },
             }],
-            rpm: Some(2),
+            rpm: Some(4),
+            embedder: Some(embedder),
             ..Default::default()
         })
         .await;
@@ -132,6 +149,7 @@ fn main() {
             fleet_token: token.clone(),
             admin_token: Secret::generate(),
             client_token: None,
+            gate: Default::default(),
         })
         .unwrap();
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -82,6 +82,7 @@ fn start(rt: &Runtime) -> Fleet {
             fleet_token: fleet_token.clone(),
             admin_token: Secret::generate(),
             client_token: None,
+            gate: Default::default(),
         })
         .unwrap();
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

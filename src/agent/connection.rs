@@ -288,7 +288,27 @@ async fn session(
                         });
                     }
                     Ok(HubFrame::Error { message }) => tracing::warn!(message = %message, "the hub reported an error"),
-                    Ok(HubFrame::Welcome(_) | HubFrame::Probe(_)) => {}
+                    Ok(HubFrame::Probe(probe)) => {
+                        // Gate probes run like production documents; the answer is the vectors.
+                        let provider = find(&providers, &probe.provider).cloned();
+                        let tx = tx.clone();
+                        tokio::spawn(async move {
+                            let (vectors, error) = match provider {
+                                None => (None, Some(format!("no provider '{}' here", probe.provider))),
+                                Some(p) => {
+                                    let input = protocol::WorkInput::Embed(protocol::EmbedInput { texts: probe.texts, ..Default::default() });
+                                    match p.run(input).await {
+                                        Ok(WorkResult { output: protocol::WorkOutput::Embeddings(v), .. }) => (Some(v), None),
+                                        Ok(_) => (None, Some("the provider answered a probe with something other than vectors".into())),
+                                        Err(f) => (None, Some(f.message)),
+                                    }
+                                }
+                            };
+                            let result = AgentFrame::ProbeResult(protocol::ProbeResult { probe: probe.probe, provider: probe.provider, vectors, error });
+                            let _ = tx.send(Message::Text(encode_agent(&result).into()));
+                        });
+                    }
+                    Ok(HubFrame::Welcome(_)) => {}
                     Err(e) => tracing::warn!(error = %e, "bad frame from the hub"),
                 }
             }

@@ -47,6 +47,17 @@ pub struct HubArgs {
     /// Seconds a client request may wait for all its items.
     #[arg(long, default_value_t = 600)]
     request_timeout_s: u64,
+    /// The gate's minimum cosine between a provider's probe vectors and the space's
+    /// fingerprint (values under 0.99 are raised to 0.99).
+    #[arg(long, default_value_t = 0.99)]
+    gate_min_cosine: f64,
+    /// Seconds between the drift sentinel's re-probes of every serving embedding provider.
+    #[arg(long, default_value_t = 600)]
+    gate_sentinel_s: u64,
+    /// `agent/provider` of the gate's reference for local policies (default: the first
+    /// healthy local provider in a stable order).
+    #[arg(long)]
+    gate_reference: Option<String>,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -184,12 +195,27 @@ fn open_hub(args: &HubArgs) -> anyhow::Result<Hub> {
         request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
         ..HubSettings::default()
     };
+    if args.gate_min_cosine < crate::hub::gate::measure::MIN_COSINE_FLOOR {
+        tracing::warn!(
+            asked = args.gate_min_cosine,
+            "the gate's minimum cosine is never under 0.99; using 0.99"
+        );
+    }
+    let gate = crate::hub::gate::GateSettings {
+        min_cosine: args
+            .gate_min_cosine
+            .max(crate::hub::gate::measure::MIN_COSINE_FLOOR),
+        sentinel: Duration::from_secs(args.gate_sentinel_s.max(1)),
+        reference: args.gate_reference.clone(),
+        ..Default::default()
+    };
     Ok(Hub::open(HubOptions {
         settings,
         state_dir,
         fleet_token,
         admin_token,
         client_token,
+        gate,
     })?)
 }
 

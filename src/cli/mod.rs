@@ -1,8 +1,9 @@
 //! The `fantom-sidecar` command line: argument parsing, logging set-up and the one-shot tools
-//! (`embed`, `rerank`, `models`). The binary's `main` only calls [`main`].
+//! (`embed`, `rerank`, `models`, `gate`). The binary's `main` only calls [`main`].
 
 mod bench;
 mod fleet;
+mod gate;
 mod input;
 mod models;
 mod oneshot;
@@ -57,6 +58,8 @@ enum Command {
     Agent(fleet::AgentCommand),
     /// Hub and one agent in one process: the default for a single machine.
     Serve(Box<fleet::ServeCommand>),
+    /// Compare two embedding routes on the gate's probe texts (exit 0 pass, 1 refused, 2 error).
+    Gate(gate::GateCommand),
 }
 
 /// Which model and how to run it (shared by `embed` and `rerank`).
@@ -171,7 +174,8 @@ fn init_logging(format: LogFormat) {
     };
 }
 
-/// Parses the command line, runs the command, maps errors to exit codes (1: failure).
+/// Parses the command line, runs the command, maps errors to exit codes (1: failure; `gate`:
+/// 1 refused, 2 error).
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
@@ -186,7 +190,9 @@ pub fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async move {
-        match cli.command {
+        let done = match cli.command {
+            // The gate reports its own errors: its exit code tells a refusal from a failure.
+            Command::Gate(cmd) => return Ok::<_, anyhow::Error>(gate::run(cmd).await),
             Command::Embed(args) => oneshot::embed(args).await,
             Command::Rerank(args) => oneshot::rerank(args).await,
             Command::Models(cmd) => models::run(cmd).await,
@@ -194,10 +200,11 @@ pub fn main() -> ExitCode {
             Command::Hub(cmd) => fleet::hub(cmd).await,
             Command::Agent(cmd) => fleet::agent(cmd).await,
             Command::Serve(cmd) => fleet::serve(*cmd).await,
-        }
+        };
+        done.map(|()| ExitCode::SUCCESS)
     });
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

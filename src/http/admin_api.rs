@@ -133,6 +133,36 @@ pub async fn post_budget(
     ))
 }
 
+/// `POST /admin/gate/verify`: forgets verdicts (`{"provider": "agent/id"}` for one provider,
+/// `{}` for all) so they are probed and judged again now.
+pub async fn post_gate_verify(
+    State(hub): State<Hub>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    admin(&hub, &headers)?;
+    let value: Value = if body.is_empty() {
+        json!({})
+    } else {
+        serde_json::from_slice(&body).map_err(|e| {
+            ApiError::bad_request(format!("invalid body: {}", redact(&e.to_string())))
+        })?
+    };
+    let provider = match value.get("provider") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(p)) => Some(p.clone()),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "provider must be a string (agent/provider)",
+            ));
+        }
+    };
+    let mut core = hub.core();
+    let cleared = core.gate.reverify(provider.as_deref());
+    core.gate_tick(std::time::Instant::now());
+    Ok(Json(json!({ "cleared": cleared })))
+}
+
 pub async fn status(
     State(hub): State<Hub>,
     headers: HeaderMap,

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::auth;
 use super::error::ApiError;
 use crate::hub::Hub;
-use crate::hub::core::ItemOutput;
+use crate::hub::core::{ItemOutput, SpaceRef};
 use crate::hub::queue::Shape;
 use crate::hub::registry::ProviderRef;
 use crate::roles::{Op, Role};
@@ -61,6 +61,9 @@ pub struct EmbeddingData {
     pub index: usize,
     pub embedding: EmbeddingValue,
     pub provenance: ProviderRef,
+    /// The vector space (role, model, dims) whose gate the provider passed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub space: Option<SpaceRef>,
 }
 
 #[derive(Serialize)]
@@ -221,6 +224,7 @@ pub async fn embeddings(
             index,
             embedding,
             provenance: (*served.provider).clone(),
+            space: served.space.as_deref().cloned(),
         });
     }
     Ok(Json(EmbeddingsResponse {

@@ -47,6 +47,7 @@ pub fn hub_router(hub: Hub) -> Router {
         )
         .route("/admin/status", get(admin_api::status))
         .route("/admin/budget", post(admin_api::post_budget))
+        .route("/admin/gate/verify", post(admin_api::post_gate_verify))
         .route("/health", get(ops::health))
         .route("/metrics", get(ops::metrics))
         .fallback(ops::not_found)

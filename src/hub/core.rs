@@ -14,6 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
 
 use super::budget::{self, Budget, BudgetSettings};
+use super::gate::{self, Candidate, Gate, GateSettings, Space};
 use super::policy::{self, Admission};
 use super::queue::{BatchLimits, Item, RequestId, RoleQueue, Shape};
 use super::registry::{AgentEntry, AgentTx, Outgoing, ProviderEntry, ProviderRef, SocketCount};
@@ -69,6 +70,17 @@ pub enum ItemOutput {
 pub struct Served {
     pub output: ItemOutput,
     pub provider: Arc<ProviderRef>,
+    /// The vector space an embedding belongs to (its provider passed the gate for it).
+    pub space: Option<Arc<SpaceRef>>,
+}
+
+/// A vector's space, as its provenance names it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct SpaceRef {
+    pub id: String,
+    pub role: Role,
+    pub model: String,
+    pub dims: usize,
 }
 
 /// A request's results, in input order.
@@ -132,6 +144,8 @@ struct Lease {
     reference: Arc<ProviderRef>,
     /// The budget route a cloud lease holds a permit of.
     permit: Option<String>,
+    /// The gate verdict an embedding lease was granted under, and its space.
+    gate: Option<(String, Arc<SpaceRef>)>,
     role: Role,
     items: Vec<Item>,
     deadline: Instant,
@@ -158,6 +172,8 @@ pub struct Core {
     pub counters: Counters,
     /// The global cloud budget: permits for cloud leases.
     pub budget: Budget,
+    /// The compatibility gate: verdicts of embedding providers.
+    pub gate: Gate,
     queues: BTreeMap<Role, RoleQueue>,
     requests: HashMap<RequestId, Pending>,
     leases: HashMap<u64, Lease>,
@@ -185,6 +201,15 @@ fn failure_name(class: FailureClass) -> &'static str {
 
 impl Core {
     pub fn new(settings: HubSettings, cloud: CloudSettings) -> Self {
+        Self::with_gate(settings, cloud, GateSettings::default(), BTreeMap::new())
+    }
+
+    pub fn with_gate(
+        settings: HubSettings,
+        cloud: CloudSettings,
+        gate: GateSettings,
+        spaces: BTreeMap<String, Space>,
+    ) -> Self {
         let queues = Role::ALL
             .into_iter()
             .map(|r| (r, RoleQueue::new(settings.queue_capacity)))
@@ -194,6 +219,7 @@ impl Core {
             cloud,
             counters: Counters::default(),
             budget: Budget::new(BudgetSettings::default(), rand::random(), Instant::now()),
+            gate: Gate::new(gate, spaces),
             queues,
             requests: HashMap::new(),
             leases: HashMap::new(),
@@ -352,6 +378,7 @@ impl Core {
                 .send(Outgoing::Close("superseded by a newer session".into()));
             self.requeue_session_leases(&hello.agent_id, old.session);
         }
+        self.gate.agent_reconnected(&hello.agent_id);
         let session = self.next_session;
         self.next_session += 1;
         let welcome = HubFrame::Welcome(Welcome {
@@ -378,6 +405,7 @@ impl Core {
                 last_config_ack: None,
             },
         );
+        self.gate_tick(Instant::now());
         self.dispatch_all();
         Ok(session)
     }
@@ -438,6 +466,7 @@ impl Core {
             }
         }
         entry.providers = next;
+        self.gate_tick(Instant::now());
         self.dispatch_all();
         Ok(())
     }
@@ -504,6 +533,60 @@ impl Core {
         }
     }
 
+    /// The gate's round: probes to send (new providers, retries, the sentinel), sent now.
+    pub fn gate_tick(&mut self, now: Instant) {
+        let candidates: Vec<Candidate> = self
+            .agents
+            .values()
+            .flat_map(|a| a.providers.values())
+            .filter_map(|p| {
+                let mut c = p.gate_candidate.clone()?;
+                c.healthy = p.is_healthy(now);
+                Some(c)
+            })
+            .collect();
+        let cloud = &self.cloud;
+        let requests = self.gate.tick(
+            now,
+            &candidates,
+            |r| cloud.policy(r),
+            |r| cloud.allowed_models.get(&r).and_then(|m| m.dims),
+        );
+        for r in requests {
+            let sent = r.provider.split_once('/').and_then(|(agent, pid)| {
+                let a = self.agents.get(agent)?;
+                a.send(protocol::encode(&HubFrame::Probe(protocol::Probe {
+                    probe: r.probe.clone(),
+                    provider: pid.to_string(),
+                    texts: r.texts,
+                })))
+                .then_some(())
+            });
+            if sent.is_none() {
+                self.gate
+                    .on_result(&r.probe, Err("the agent is gone".into()), now);
+            }
+        }
+    }
+
+    /// An agent's answer to a `probe`.
+    pub fn probe_result(
+        &mut self,
+        agent: &str,
+        session: u64,
+        result: protocol::ProbeResult,
+    ) -> Result<(), String> {
+        self.session_agent(agent, session)?;
+        let answer = match (result.vectors, result.error) {
+            (Some(v), None) => Ok(v),
+            (_, Some(e)) => Err(e),
+            (None, None) => Err("probe_result has neither vectors nor error".into()),
+        };
+        self.gate.on_result(&result.probe, answer, Instant::now());
+        self.dispatch_all();
+        Ok(())
+    }
+
     /// Sends a frame to every connected agent; returns their ids.
     pub fn broadcast(&self, frame: &str) -> Vec<String> {
         self.agents
@@ -555,6 +638,28 @@ impl Core {
                 latency_ms: done.latency_ms,
             },
         );
+        if let Some((key, _)) = &lease.gate
+            && !self.gate.passes(key)
+        {
+            // Suspended (drift) or re-checked since: none of its vectors is returned.
+            tracing::warn!(
+                agent,
+                lease = done.lease,
+                "results of a provider that no longer passes the gate are dropped; the items go back"
+            );
+            if let Some(p) = self.provider_mut(&lease) {
+                p.in_flight = p.in_flight.saturating_sub(1);
+            }
+            let role = lease.role;
+            self.requeue(
+                role,
+                lease.items,
+                false,
+                "the provider no longer passes the gate",
+            );
+            self.dispatch(role);
+            return Ok(());
+        }
         // The provider may have left the set while this lease ran; its results still count.
         if let Some(p) = self.provider_mut(&lease) {
             p.in_flight = p.in_flight.saturating_sub(1);
@@ -587,6 +692,10 @@ impl Core {
     ) -> Result<(), String> {
         let reference = lease.reference.clone();
         let n = lease.items.len() as u64;
+        let space = lease.gate.as_ref().map(|(_, s)| s.clone());
+        if let Some(s) = &space {
+            self.gate.count_rows(&s.id, &reference.provider, n);
+        }
         *self.counters.items_served.entry(lease.role).or_default() += n;
         for (item, output) in lease.items.into_iter().zip(outputs) {
             let Some(pending) = self.requests.get_mut(&item.request) else {
@@ -600,6 +709,7 @@ impl Core {
             *slot = Some(Served {
                 output,
                 provider: reference.clone(),
+                space: space.clone(),
             });
             pending.remaining -= 1;
             pending.tokens += tokens / n.max(1);
@@ -827,6 +937,12 @@ impl Core {
                     {
                         continue;
                     }
+                    // Embedding providers serve only with a passing verdict for the space.
+                    if let Some(c) = &p.gate_candidate
+                        && self.gate.serving_space(c).is_none()
+                    {
+                        continue;
+                    }
                     // Cloud providers also need a permit of the global budget.
                     if let Some(route) = &p.route
                         && self.budget.check(route, now).is_some()
@@ -864,6 +980,19 @@ impl Core {
             };
             let info = &entry.info;
             let (reference, permit) = (entry.reference.clone(), entry.route.clone());
+            let gate = entry.gate_candidate.as_ref().and_then(|c| {
+                let sid = self.gate.serving_space(c)?;
+                let s = self.gate.space(sid)?;
+                Some((
+                    gate::verdict_key(c, sid),
+                    Arc::new(SpaceRef {
+                        id: sid.to_string(),
+                        role: s.role,
+                        model: s.model.clone(),
+                        dims: s.dims,
+                    }),
+                ))
+            });
             let limits = BatchLimits {
                 max_items: info.max_batch_items.max(1),
                 max_tokens: info.max_batch_tokens.max(1),
@@ -921,6 +1050,7 @@ impl Core {
                     provider: pid,
                     reference,
                     permit,
+                    gate,
                     role,
                     items,
                     deadline,

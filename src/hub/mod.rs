@@ -5,6 +5,7 @@
 
 pub mod budget;
 pub mod core;
+pub mod gate;
 pub mod policy;
 pub mod queue;
 pub mod registry;
@@ -35,6 +36,7 @@ pub struct HubOptions {
     pub admin_token: Secret,
     /// When set, client endpoints require it as a bearer token.
     pub client_token: Option<Secret>,
+    pub gate: gate::GateSettings,
 }
 
 /// A handle to the running hub; clones share it.
@@ -111,7 +113,12 @@ impl Hub {
     /// Opens the hub's state dir and builds the hub (no sockets yet).
     pub fn open(opts: HubOptions) -> Result<Self, StateError> {
         let state = HubState::load(&opts.state_dir)?;
-        let mut core = Core::new(opts.settings, state.cloud.clone());
+        let mut core = Core::with_gate(
+            opts.settings,
+            state.cloud.clone(),
+            opts.gate,
+            state.spaces.clone(),
+        );
         if state.budget_override.is_some() {
             core.budget
                 .set_override(state.budget_override, Instant::now());
@@ -235,6 +242,21 @@ impl Hub {
         })
     }
 
+    /// Persists the vector spaces (a new one was fingerprinted).
+    fn save_spaces(&self, spaces: std::collections::BTreeMap<String, gate::Space>) {
+        let mut state = self
+            .inner
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut next = state.clone();
+        next.spaces = spaces;
+        match next.save(&self.inner.state_dir) {
+            Ok(()) => *state = next,
+            Err(e) => tracing::error!(error = %e, "the vector spaces could not be saved"),
+        }
+    }
+
     /// The operator's live budget override (`None` clears it); persisted.
     pub fn set_budget_override(&self, permits: Option<u32>) -> Result<(), StateError> {
         let mut state = self
@@ -281,6 +303,13 @@ impl Hub {
                 let now = Instant::now();
                 core.expire(now);
                 core.discover_if_due(now);
+                core.gate_tick(now);
+                let spaces = core.gate.take_dirty();
+                drop(core);
+                if let Some(spaces) = spaces {
+                    hub.save_spaces(spaces);
+                }
+                let mut core = hub.core();
                 // A provider whose bench or pause ended gets work without waiting for a pull.
                 core.dispatch_all();
             }

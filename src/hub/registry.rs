@@ -42,6 +42,8 @@ pub struct ProviderEntry {
     pub reference: Arc<ProviderRef>,
     /// The budget route of a cloud provider (`role:model@upstream`); `None` for local ones.
     pub route: Option<String>,
+    /// How the compatibility gate sees an embedding provider; `None` for other roles.
+    pub gate_candidate: Option<crate::hub::gate::Candidate>,
     /// Work frames the provider still asked for.
     pub credits: u32,
     pub in_flight: u32,
@@ -71,10 +73,32 @@ impl ProviderEntry {
             Some(up) => format!("{}:{}@{up}", info.role, info.model),
             None => format!("{}:{}", info.role, info.model),
         });
+        let gate_candidate = info
+            .role
+            .is_embedding()
+            .then(|| crate::hub::gate::Candidate {
+                provider: reference.provider.clone(),
+                role: info.role,
+                backend: info.backend,
+                model: info.model.clone(),
+                revision: info.revision.clone(),
+                upstream: info.upstream.clone(),
+                regime: match info.backend {
+                    Backend::Cloud => "cloud".to_string(),
+                    Backend::Local => {
+                        let device = info.device.as_deref().unwrap_or("?");
+                        let kind = device.split(':').next().unwrap_or(device);
+                        format!("{}/{kind}", info.dtype.as_deref().unwrap_or("?"))
+                    }
+                },
+                dims: info.dims,
+                healthy: true,
+            });
         Self {
             info,
             reference,
             route,
+            gate_candidate,
             credits: 0,
             in_flight: 0,
             served_items: 0,

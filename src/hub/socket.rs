@@ -122,7 +122,7 @@ pub async fn serve_agent(socket: WebSocket, hub: Hub) {
                 AgentFrame::Done(done) => core.done(agent, *sid, done),
                 AgentFrame::Failed(failed) => core.failed(agent, *sid, failed),
                 AgentFrame::ConfigAck(ack) => core.config_ack(agent, *sid, ack),
-                AgentFrame::ProbeResult(_) => Ok(()),
+                AgentFrame::ProbeResult(result) => core.probe_result(agent, *sid, result),
                 AgentFrame::Limits(limits) => core.account_limits(agent, *sid, limits),
             }
         };

@@ -34,6 +34,9 @@ pub struct HubState {
     /// The operator's cloud budget override (permits, 1..=256).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget_override: Option<u32>,
+    /// Vector spaces with their fingerprints (the gate's reference probe vectors).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub spaces: std::collections::BTreeMap<String, crate::hub::gate::Space>,
 }
 
 #[derive(Debug, thiserror::Error)]

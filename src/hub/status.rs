@@ -25,6 +25,8 @@ pub struct StatusView {
     pub config: ConfigView,
     /// The global cloud budget (DESIGN §5).
     pub budget: BudgetView,
+    /// The compatibility gate: spaces, verdicts with their evidence (DESIGN §6).
+    pub gate: super::gate::GateView,
 }
 
 #[derive(Debug, Serialize)]
@@ -92,6 +94,7 @@ impl Hub {
         let now = Instant::now();
         core.budget.tick(now);
         let budget = core.budget.view(now);
+        let gate = core.gate.view(&serving_by_role(&core));
         let agents = core
             .agents()
             .iter()
@@ -154,6 +157,7 @@ impl Hub {
                 cloud_roles: state.cloud.allowed_models.keys().copied().collect(),
             },
             budget,
+            gate,
         }
     }
 
@@ -344,6 +348,70 @@ impl Hub {
                 .map(|r| (format!("{{route=\"{}\"}}", label(&r.route)), f(r)))
                 .collect()
         };
+        let gate = core.gate.view(&serving_by_role(&core));
+        let verdict_rows = gate
+            .verdicts
+            .iter()
+            .map(|v| {
+                let state = serde_json::to_value(&v.verdict)
+                    .ok()
+                    .and_then(|j| j.get("state").and_then(|s| s.as_str().map(str::to_string)))
+                    .unwrap_or_default();
+                (
+                    format!(
+                        "{{provider=\"{}\",space=\"{}\",state=\"{state}\"}}",
+                        label(&v.provider),
+                        label(&v.space)
+                    ),
+                    1.0,
+                )
+            })
+            .collect();
+        family(
+            "fantom_hub_gate_verdict",
+            "gauge",
+            "Gate verdicts by provider, space and state (1 per verdict).",
+            verdict_rows,
+        );
+        let cos_rows = gate
+            .verdicts
+            .iter()
+            .filter_map(|v| {
+                let e = v.evidence.as_ref()?;
+                Some((
+                    format!(
+                        "{{provider=\"{}\",space=\"{}\"}}",
+                        label(&v.provider),
+                        label(&v.space)
+                    ),
+                    e.min_cosine,
+                ))
+            })
+            .collect();
+        family(
+            "fantom_hub_gate_min_cosine",
+            "gauge",
+            "Minimum probe cosine of the last check against the space's fingerprint.",
+            cos_rows,
+        );
+        let rows = gate
+            .spaces
+            .iter()
+            .flat_map(|s| {
+                s.rows.iter().map(move |(p, n)| {
+                    (
+                        format!("{{space=\"{}\",provider=\"{}\"}}", label(&s.id), label(p)),
+                        *n as f64,
+                    )
+                })
+            })
+            .collect();
+        family(
+            "fantom_hub_space_rows_total",
+            "counter",
+            "Vectors returned per space and provider.",
+            rows,
+        );
         family(
             "fantom_hub_budget_route_limit",
             "gauge",
@@ -372,4 +440,17 @@ pub fn label(value: &str) -> String {
         .replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
+}
+
+/// Connected embedding providers per role.
+fn serving_by_role(core: &super::core::Core) -> BTreeMap<Role, Vec<String>> {
+    let mut out: BTreeMap<Role, Vec<String>> = BTreeMap::new();
+    for a in core.agents().values() {
+        for p in a.providers.values().filter(|p| p.role().is_embedding()) {
+            out.entry(p.role())
+                .or_default()
+                .push(p.reference.provider.clone());
+        }
+    }
+    out
 }

@@ -257,7 +257,14 @@ async fn an_unpinned_embedding_route_is_refused_and_serves_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backup_uses_the_cloud_only_after_a_local_failure_or_without_a_healthy_local() {
     let dir = tempfile::tempdir().unwrap();
-    let up = upstream(|_| {}).await;
+    // The fake local provider and the upstream agree on every probe (one unit vector), so
+    // both pass the gate.
+    let e0: crate::upstream::Embedder = std::sync::Arc::new(|texts: &[String]| {
+        let mut unit = vec![0.0f32; 384];
+        unit[0] = 1.0;
+        vec![unit; texts.len()]
+    });
+    let up = upstream(|c| c.embedder = Some(e0)).await;
     let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
     let _cloud = cloud_agent(dir.path(), &hub, "cloud-a", &up);
     hub.wait_for_agent("cloud-a").await;
@@ -268,9 +275,10 @@ async fn backup_uses_the_cloud_only_after_a_local_failure_or_without_a_healthy_l
     let mut local = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
         .await
         .unwrap();
-    local
-        .hello("gpu", json!([fake_provider("embedding", "embedding", 64)]))
-        .await;
+    local.probe_dims = 384;
+    let mut provider = fake_provider("embedding", "embedding", 64);
+    provider["dims"] = json!(384);
+    local.hello("gpu", json!([provider])).await;
     local
         .send(json!({"type":"pull","provider":"embedding","credits":1}))
         .await;
@@ -366,6 +374,9 @@ async fn an_upstream_429_shrinks_its_route_and_a_hard_402_stops_cloud_work_until
 
     // Hold admitted calls so the count in flight is exact: 5 leases of 64 texts go out at once,
     // 2 are admitted, 3 get 429 from the upstream.
+    // Both pass the gate first (their probes must not meet the held calls below).
+    crate::gate::verdict(&hub, "cloud-a/", &["pass"]).await;
+    crate::gate::verdict(&hub, "cloud-b/", &["pass"]).await;
     up.state.set_hold(true);
     let request = {
         let (client, url) = (hub.http.clone(), hub.url("/v1/embeddings"));
@@ -539,8 +550,14 @@ async fn split(hub: &HubProc, n: usize, tag: &str) -> (usize, usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aggregate_shares_the_queue_and_a_throttled_cloud_holds_back_only_itself() {
     let dir = tempfile::tempdir().unwrap();
-    // A throttled upstream: two calls a minute, then 429s with X-RateLimit-Reset.
-    let up = upstream(|c| c.rpm = Some(2)).await;
+    // A throttled upstream: four calls a minute (two are the cloud agents' gate probes), then
+    // 429s with X-RateLimit-Reset. It serves the real model, so the cloud passes the gate.
+    let embedder = crate::gate::minilm_embedder().await;
+    let up = upstream(|c| {
+        c.rpm = Some(4);
+        c.embedder = Some(embedder);
+    })
+    .await;
     let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
     let _gpu = crate::support::start_agent(dir.path(), &hub, "gpu", &[]);
     let _a = cloud_agent(dir.path(), &hub, "cloud-a", &up);
@@ -552,6 +569,8 @@ async fn aggregate_shares_the_queue_and_a_throttled_cloud_holds_back_only_itself
     assert_eq!(code, 200, "{result}");
     wait_for_cloud(&hub, "cloud-a", 3).await;
     wait_for_cloud(&hub, "cloud-b", 3).await;
+    crate::gate::verdict(&hub, "cloud-a/", &["pass"]).await;
+    crate::gate::verdict(&hub, "cloud-b/", &["pass"]).await;
     let (local, cloud) = split(&hub, 1500, "mixed").await;
     // The upstream took two calls of up to 64 texts in its minute; the 429s after them paused
     // the budget, and the local provider served everything else meanwhile.

@@ -8,6 +8,7 @@ mod support;
 
 mod bad_input;
 mod cloud;
+mod gate;
 mod kill;
 mod leases;
 mod reconnect;

@@ -1,0 +1,653 @@
+//! The compatibility gate in the hub (DESIGN §6): an embedding provider serves no text until
+//! it has a passing verdict for its role's vector space; "never verified" counts as refused.
+//!
+//! * A **space** is one role's table: the encoder that built it (the reference), its width,
+//!   and the reference's probe vectors as its **fingerprint** (persisted). A new reference
+//!   model for a role is a new space, never a silent mix.
+//! * The **reference** follows the policy: under `local`, `aggregate` and `backup` the
+//!   configured reference provider, else the first healthy local provider in a stable order;
+//!   under `cloud` the first cloud provider (the anchor), checked on dims and pin only, with the
+//!   next one as the fallback when it cannot answer.
+//! * Every other provider is probed with [`measure::probe_texts`] and judged against the
+//!   fingerprint ([`measure::judge`]). Vector verdicts never expire; probe failures are
+//!   transient and retried with backoff (30 s doubling to 15 min), cleared on reconnect.
+//! * The **sentinel** re-probes every passing provider (default every 10 minutes) against the
+//!   fingerprint; one that drifted below the threshold is suspended at once.
+//!
+//! This module decides; [`crate::hub::core`] sends the probes it asks for and asks it before
+//! every embedding lease.
+
+pub mod measure;
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use self::measure::{Evidence, Judgement, check_shape, judge, probe_texts};
+use crate::protocol::Backend;
+use crate::roles::{Policy, Role};
+
+/// The gate's settings.
+#[derive(Clone, Debug)]
+pub struct GateSettings {
+    /// Never below [`measure::MIN_COSINE_FLOOR`].
+    pub min_cosine: f64,
+    /// How often a passing provider is re-probed.
+    pub sentinel: Duration,
+    /// `agent/provider` of the reference for local policies, when the operator names one.
+    pub reference: Option<String>,
+    pub probe_timeout: Duration,
+    pub retry_initial: Duration,
+    pub retry_max: Duration,
+}
+
+impl Default for GateSettings {
+    fn default() -> Self {
+        Self {
+            min_cosine: measure::MIN_COSINE_FLOOR,
+            sentinel: Duration::from_secs(600),
+            reference: None,
+            probe_timeout: Duration::from_secs(60),
+            retry_initial: Duration::from_secs(30),
+            retry_max: Duration::from_secs(900),
+        }
+    }
+}
+
+/// One role's vector table and the encoder that built it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Space {
+    pub role: Role,
+    /// The reference encoder's model.
+    pub model: String,
+    pub dims: usize,
+    /// Which provider built it: `agent/provider`, model, revision or pinned upstream.
+    pub encoder: String,
+    /// Whether the reference was a cloud provider (its own check: dims and pin only).
+    pub cloud_reference: bool,
+    /// The reference's probe vectors.
+    pub fingerprint: Vec<Vec<f32>>,
+    pub created_ms: u64,
+}
+
+impl Space {
+    pub fn id(&self) -> String {
+        space_id(self.role, &self.model, self.dims)
+    }
+}
+
+fn space_id(role: Role, model: &str, dims: usize) -> String {
+    format!("{role}:{model}:{dims}")
+}
+
+/// An embedding provider as the gate sees it.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    /// `agent/provider`.
+    pub provider: String,
+    pub role: Role,
+    pub backend: Backend,
+    pub model: String,
+    pub revision: Option<String>,
+    pub upstream: Option<String>,
+    /// dtype and device kind (local), or `cloud`.
+    pub regime: String,
+    pub dims: Option<usize>,
+    pub healthy: bool,
+}
+
+impl Candidate {
+    fn encoder(&self) -> String {
+        match (&self.upstream, &self.revision) {
+            (Some(up), _) => format!("{} {}@{up}", self.provider, self.model),
+            (None, Some(rev)) => format!("{} {}@{rev}", self.provider, self.model),
+            (None, None) => format!("{} {}", self.provider, self.model),
+        }
+    }
+}
+
+/// A verdict key: provider, model, upstream, regime, and the space it is for.
+pub fn verdict_key(c: &Candidate, space: &str) -> String {
+    format!(
+        "{}|{}|{}|{}|{space}",
+        c.provider,
+        c.model,
+        c.upstream.as_deref().unwrap_or("-"),
+        c.regime
+    )
+}
+
+/// Where a provider stands.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum Verdict {
+    /// No answer yet (refused until it passes).
+    Probing,
+    Pass,
+    /// Never serves this space (vector verdicts do not expire).
+    Refused {
+        reason: String,
+    },
+    /// Passed once, then drifted (the sentinel caught it).
+    Suspended {
+        reason: String,
+    },
+    /// The probe did not come back; tried again after a backoff.
+    ProbeFailed {
+        error: String,
+        failures: u32,
+    },
+}
+
+/// A verdict with its evidence.
+#[derive(Clone, Debug, Serialize)]
+pub struct VerdictEntry {
+    pub provider: String,
+    pub role: Role,
+    pub space: String,
+    #[serde(flatten)]
+    pub verdict: Verdict,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub evidence: Option<Evidence>,
+    /// What the candidate was compared with.
+    pub reference: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checked_at_ms: Option<u64>,
+    #[serde(skip)]
+    next_check: Option<Instant>,
+    #[serde(skip)]
+    probe: Option<(String, Instant)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Purpose {
+    /// The reference's answer becomes the space's fingerprint.
+    Fingerprint,
+    Verify,
+    Sentinel,
+}
+
+struct Pending {
+    key: String,
+    candidate: Candidate,
+    purpose: Purpose,
+    /// The width the space has (or will have).
+    width: Option<usize>,
+}
+
+/// A probe the hub should send now.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProbeRequest {
+    pub probe: String,
+    /// `agent/provider`.
+    pub provider: String,
+    pub texts: Vec<String>,
+}
+
+/// The gate's state.
+pub struct Gate {
+    pub settings: GateSettings,
+    spaces: BTreeMap<String, Space>,
+    /// Each embedding role's current space.
+    current: BTreeMap<Role, String>,
+    verdicts: BTreeMap<String, VerdictEntry>,
+    pending: HashMap<String, Pending>,
+    next_probe: u64,
+    dirty: bool,
+    rows: BTreeMap<(String, String), u64>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Gate {
+    pub fn new(mut settings: GateSettings, spaces: BTreeMap<String, Space>) -> Self {
+        settings.min_cosine = settings.min_cosine.max(measure::MIN_COSINE_FLOOR);
+        Self {
+            settings,
+            spaces,
+            current: BTreeMap::new(),
+            verdicts: BTreeMap::new(),
+            pending: HashMap::new(),
+            next_probe: 1,
+            dirty: false,
+            rows: BTreeMap::new(),
+        }
+    }
+
+    /// The reference candidates of a role, in the order they are tried.
+    fn references<'a>(&self, policy: Policy, cands: &[&'a Candidate]) -> Vec<&'a Candidate> {
+        if policy == Policy::Cloud {
+            return cands
+                .iter()
+                .copied()
+                .filter(|c| c.backend == Backend::Cloud)
+                .collect();
+        }
+        let locals: Vec<&Candidate> = cands
+            .iter()
+            .copied()
+            .filter(|c| c.backend == Backend::Local && c.healthy)
+            .collect();
+        match &self.settings.reference {
+            Some(named) => locals
+                .into_iter()
+                .filter(|c| &c.provider == named)
+                .collect(),
+            None => locals,
+        }
+    }
+
+    /// Decides which probes to send now. `width`: the role's configured table width, if any.
+    pub fn tick(
+        &mut self,
+        now: Instant,
+        candidates: &[Candidate],
+        policy: impl Fn(Role) -> Policy,
+        width: impl Fn(Role) -> Option<usize>,
+    ) -> Vec<ProbeRequest> {
+        self.expire_probes(now);
+        let mut out = Vec::new();
+        for role in [Role::Embedding, Role::CodeEmbedding] {
+            let mut cands: Vec<&Candidate> = candidates.iter().filter(|c| c.role == role).collect();
+            cands.sort_by(|a, b| a.provider.cmp(&b.provider));
+            if cands.is_empty() {
+                continue;
+            }
+            let configured = width(role);
+            let references = self.references(policy(role), &cands);
+            // The space: the first usable reference's model and width.
+            let mut space = None;
+            for r in &references {
+                let w = configured.or(r.dims);
+                let Some(w) = w else { continue };
+                let sid = space_id(role, &r.model, w);
+                if self.spaces.contains_key(&sid) {
+                    space = Some(sid);
+                    break;
+                }
+                // Fingerprint with this reference, unless it cannot answer now.
+                let key = verdict_key(r, &sid);
+                match self
+                    .verdicts
+                    .get(&key)
+                    .map(|e| (&e.verdict, e.next_check, e.probe.is_some()))
+                {
+                    Some((_, _, true)) => break, // its probe is out: wait for it
+                    Some((Verdict::Refused { .. }, _, _)) => continue,
+                    Some((Verdict::ProbeFailed { .. }, Some(at), _)) if at > now => continue,
+                    _ => {}
+                }
+                if r.backend == Backend::Cloud && r.upstream.is_none() {
+                    self.record(
+                        r,
+                        &sid,
+                        Verdict::Refused {
+                            reason: "a cloud embedding route needs a pinned upstream".into(),
+                        },
+                        None,
+                        "-".into(),
+                        None,
+                    );
+                    continue;
+                }
+                out.push(self.send(now, r, &sid, Purpose::Fingerprint, Some(w), "-".into()));
+                break;
+            }
+            let Some(sid) = space else { continue };
+            if self.current.get(&role) != Some(&sid) {
+                tracing::info!(role = %role, space = %sid, "the role's vector space");
+                self.current.insert(role, sid.clone());
+            }
+            let Some(s) = self.spaces.get(&sid) else {
+                continue;
+            };
+            let (w, encoder) = (s.dims, s.encoder.clone());
+            for c in cands {
+                let key = verdict_key(c, &sid);
+                let entry = self.verdicts.get(&key);
+                let due = match entry {
+                    None => Some(Purpose::Verify),
+                    Some(e) if e.probe.is_some() => None,
+                    Some(e) => match &e.verdict {
+                        Verdict::Pass if e.next_check.is_some_and(|t| t <= now) => {
+                            Some(Purpose::Sentinel)
+                        }
+                        Verdict::ProbeFailed { .. } if e.next_check.is_none_or(|t| t <= now) => {
+                            Some(Purpose::Verify)
+                        }
+                        Verdict::Probing => Some(Purpose::Verify),
+                        _ => None,
+                    },
+                };
+                if let Some(purpose) = due {
+                    out.push(self.send(now, c, &sid, purpose, Some(w), encoder.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    fn send(
+        &mut self,
+        now: Instant,
+        c: &Candidate,
+        space: &str,
+        purpose: Purpose,
+        width: Option<usize>,
+        reference: String,
+    ) -> ProbeRequest {
+        let probe = format!("p-{}", self.next_probe);
+        self.next_probe += 1;
+        let key = verdict_key(c, space);
+        let entry = self
+            .verdicts
+            .entry(key.clone())
+            .or_insert_with(|| VerdictEntry {
+                provider: c.provider.clone(),
+                role: c.role,
+                space: space.to_string(),
+                verdict: Verdict::Probing,
+                evidence: None,
+                reference,
+                checked_at_ms: None,
+                next_check: None,
+                probe: None,
+            });
+        entry.probe = Some((probe.clone(), now));
+        self.pending.insert(
+            probe.clone(),
+            Pending {
+                key,
+                candidate: c.clone(),
+                purpose,
+                width,
+            },
+        );
+        ProbeRequest {
+            probe,
+            provider: c.provider.clone(),
+            texts: probe_texts(),
+        }
+    }
+
+    fn record(
+        &mut self,
+        c: &Candidate,
+        space: &str,
+        verdict: Verdict,
+        evidence: Option<Evidence>,
+        reference: String,
+        next_check: Option<Instant>,
+    ) {
+        let key = verdict_key(c, space);
+        let entry = VerdictEntry {
+            provider: c.provider.clone(),
+            role: c.role,
+            space: space.to_string(),
+            verdict,
+            evidence,
+            reference,
+            checked_at_ms: Some(now_ms()),
+            next_check,
+            probe: None,
+        };
+        self.verdicts.insert(key, entry);
+    }
+
+    /// Probes out longer than the timeout failed.
+    fn expire_probes(&mut self, now: Instant) {
+        let timeout = self.settings.probe_timeout;
+        let late: Vec<String> = self
+            .verdicts
+            .values()
+            .filter_map(|e| e.probe.as_ref())
+            .filter(|(_, sent)| now.saturating_duration_since(*sent) >= timeout)
+            .map(|(p, _)| p.clone())
+            .collect();
+        for probe in late {
+            self.on_result(
+                &probe,
+                Err("the probe was not answered in time".into()),
+                now,
+            );
+        }
+    }
+
+    /// An answer to a probe (vectors, or why there are none).
+    pub fn on_result(&mut self, probe: &str, answer: Result<Vec<Vec<f32>>, String>, now: Instant) {
+        let Some(p) = self.pending.remove(probe) else {
+            return;
+        };
+        let Some(entry) = self.verdicts.get_mut(&p.key) else {
+            return;
+        };
+        if entry.probe.as_ref().is_none_or(|(id, _)| id != probe) {
+            return;
+        }
+        entry.probe = None;
+        let space = entry.space.clone();
+        let c = &p.candidate;
+        let vectors = match answer {
+            Ok(v) => v,
+            Err(error) => {
+                let failures = match &entry.verdict {
+                    Verdict::ProbeFailed { failures, .. } => failures + 1,
+                    _ => 1,
+                };
+                let wait = self
+                    .settings
+                    .retry_initial
+                    .saturating_mul(1 << (failures - 1).min(10))
+                    .min(self.settings.retry_max);
+                tracing::warn!(provider = %c.provider, space = %space, error = %error, retry_s = wait.as_secs(), "gate probe failed");
+                if p.purpose == Purpose::Sentinel {
+                    // Still the verdict it had; asked again after the backoff.
+                    entry.next_check = Some(now + wait);
+                } else {
+                    entry.verdict = Verdict::ProbeFailed { error, failures };
+                    entry.next_check = Some(now + wait);
+                }
+                return;
+            }
+        };
+        let n = probe_texts().len();
+        match p.purpose {
+            Purpose::Fingerprint => {
+                let width = p
+                    .width
+                    .unwrap_or_else(|| vectors.first().map_or(0, Vec::len));
+                if let Err(why) = check_shape(&vectors, n, width) {
+                    tracing::warn!(provider = %c.provider, reason = %why, "the reference is refused");
+                    entry.verdict = Verdict::Refused { reason: why };
+                    entry.checked_at_ms = Some(now_ms());
+                    return;
+                }
+                let s = Space {
+                    role: c.role,
+                    model: c.model.clone(),
+                    dims: width,
+                    encoder: c.encoder(),
+                    cloud_reference: c.backend == Backend::Cloud,
+                    fingerprint: vectors,
+                    created_ms: now_ms(),
+                };
+                tracing::info!(space = %s.id(), encoder = %s.encoder, "a new vector space: its fingerprint is stored");
+                entry.verdict = Verdict::Pass;
+                entry.evidence = Some(Evidence {
+                    cosines: vec![1.0; n],
+                    min_cosine: 1.0,
+                    mean_cosine: 1.0,
+                    dims: width,
+                });
+                entry.reference = "itself: the anchor of the space (dims and pin)".into();
+                entry.checked_at_ms = Some(now_ms());
+                entry.next_check = Some(now + self.settings.sentinel);
+                self.spaces.insert(s.id(), s);
+                self.dirty = true;
+            }
+            Purpose::Verify | Purpose::Sentinel => {
+                let Some(s) = self.spaces.get(&space) else {
+                    return;
+                };
+                let judgement = if c.backend == Backend::Cloud && c.upstream.is_none() {
+                    Judgement::Refused {
+                        reason: "a cloud embedding route needs a pinned upstream".into(),
+                        evidence: None,
+                    }
+                } else {
+                    judge(&s.fingerprint, &vectors, s.dims, self.settings.min_cosine)
+                };
+                entry.checked_at_ms = Some(now_ms());
+                match judgement {
+                    Judgement::Pass { evidence } => {
+                        if entry.verdict != Verdict::Pass {
+                            tracing::info!(provider = %c.provider, space = %space, min_cosine = evidence.min_cosine, "gate: pass");
+                        }
+                        entry.verdict = Verdict::Pass;
+                        entry.evidence = Some(evidence);
+                        entry.next_check = Some(now + self.settings.sentinel);
+                    }
+                    Judgement::Refused { reason, evidence } => {
+                        if p.purpose == Purpose::Sentinel {
+                            tracing::error!(provider = %c.provider, space = %space, reason = %reason, "drift: the provider is suspended");
+                            entry.verdict = Verdict::Suspended { reason };
+                        } else {
+                            tracing::warn!(provider = %c.provider, space = %space, reason = %reason, "gate: refused");
+                            entry.verdict = Verdict::Refused { reason };
+                        }
+                        if evidence.is_some() {
+                            entry.evidence = evidence;
+                        }
+                        entry.next_check = None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The space a provider may serve now (its verdict for its role's space passed).
+    pub fn serving_space(&self, c: &Candidate) -> Option<&str> {
+        let sid = self.current.get(&c.role)?;
+        let e = self.verdicts.get(&verdict_key(c, sid))?;
+        (e.verdict == Verdict::Pass).then_some(sid.as_str())
+    }
+
+    /// Whether the verdict `key` still passes (results of a lease granted under it count).
+    pub fn passes(&self, key: &str) -> bool {
+        self.verdicts
+            .get(key)
+            .is_some_and(|e| e.verdict == Verdict::Pass)
+    }
+
+    /// An agent reconnected: its probe failures and probes in flight are forgotten.
+    pub fn agent_reconnected(&mut self, agent: &str) {
+        let prefix = format!("{agent}/");
+        self.verdicts.retain(|_, e| {
+            !(e.provider.starts_with(&prefix)
+                && (matches!(e.verdict, Verdict::ProbeFailed { .. }) || e.probe.is_some()))
+        });
+        self.pending
+            .retain(|_, p| !p.candidate.provider.starts_with(&prefix));
+    }
+
+    /// Forgets verdicts (all, or one provider's) so they are checked again.
+    pub fn reverify(&mut self, provider: Option<&str>) -> usize {
+        let before = self.verdicts.len();
+        self.verdicts
+            .retain(|_, e| provider.is_some_and(|p| p != e.provider) || e.probe.is_some());
+        before - self.verdicts.len()
+    }
+
+    pub fn count_rows(&mut self, space: &str, provider: &str, rows: u64) {
+        *self
+            .rows
+            .entry((space.to_string(), provider.to_string()))
+            .or_default() += rows;
+    }
+
+    pub fn space(&self, id: &str) -> Option<&Space> {
+        self.spaces.get(id)
+    }
+
+    /// The spaces, if one was added since the last call (to persist them).
+    pub fn take_dirty(&mut self) -> Option<BTreeMap<String, Space>> {
+        std::mem::take(&mut self.dirty).then(|| self.spaces.clone())
+    }
+
+    /// What `/admin/status` shows.
+    pub fn view(&self, serving: &BTreeMap<Role, Vec<String>>) -> GateView {
+        let spaces = self
+            .spaces
+            .values()
+            .map(|s| {
+                let id = s.id();
+                let current = self.current.get(&s.role) == Some(&id);
+                let passing: Vec<&VerdictEntry> = self
+                    .verdicts
+                    .values()
+                    .filter(|e| e.space == id && e.verdict == Verdict::Pass)
+                    .collect();
+                let connected = serving.get(&s.role).map_or(0, Vec::len);
+                SpaceView {
+                    id: id.clone(),
+                    role: s.role,
+                    model: s.model.clone(),
+                    dims: s.dims,
+                    encoder: s.encoder.clone(),
+                    current,
+                    created_ms: s.created_ms,
+                    coverage: if s.cloud_reference && passing.len() <= 1 && connected <= 1 {
+                        "reduced: a sole cloud provider, checked on dims and pin only".into()
+                    } else if s.cloud_reference {
+                        "cloud peers checked against the anchor (the anchor on dims and pin)".into()
+                    } else {
+                        "full: checked against a local reference".into()
+                    },
+                    rows: self
+                        .rows
+                        .iter()
+                        .filter(|((sid, _), _)| *sid == id)
+                        .map(|((_, p), n)| (p.clone(), *n))
+                        .collect(),
+                }
+            })
+            .collect();
+        GateView {
+            min_cosine: self.settings.min_cosine,
+            sentinel_s: self.settings.sentinel.as_secs(),
+            reference: self.settings.reference.clone(),
+            spaces,
+            verdicts: self.verdicts.values().cloned().collect(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct GateView {
+    pub min_cosine: f64,
+    pub sentinel_s: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
+    pub spaces: Vec<SpaceView>,
+    pub verdicts: Vec<VerdictEntry>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SpaceView {
+    pub id: String,
+    pub role: Role,
+    pub model: String,
+    pub dims: usize,
+    pub encoder: String,
+    /// The role's space now.
+    pub current: bool,
+    pub created_ms: u64,
+    pub coverage: String,
+    /// Rows (vectors) returned from this space, per provider.
+    pub rows: BTreeMap<String, u64>,
+}
