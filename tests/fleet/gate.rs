@@ -203,7 +203,24 @@ async fn under_cloud_peers_are_checked_against_the_anchor_and_a_dead_anchor_fall
     for id in ["cloud-a", "cloud-b", "cloud-c", "cloud-d"] {
         hub.wait_for_agent(id).await;
     }
-    push(&hub, "cloud").await;
+    // Routes first under `aggregate` (no local reference: nothing is fingerprinted), then
+    // `cloud` once all four are announced, so the anchor is the first of all four.
+    push(&hub, "aggregate").await;
+    for id in ["cloud-a", "cloud-b", "cloud-c", "cloud-d"] {
+        eventually(&format!("{id} announced its route"), || async {
+            let a = hub.wait_for_agent(id).await;
+            a["providers"]
+                .as_array()?
+                .iter()
+                .any(|p| p["backend"] == "cloud")
+                .then_some(())
+        })
+        .await;
+    }
+    let (code, result) = hub
+        .push(json!({"openrouter": {"modeByRole": {"embedding": "cloud"}}}))
+        .await;
+    assert_eq!(code, 200, "{result}");
     // b is the fallback reference (a's probe failed); c differs from it; d agrees with it.
     let b = verdict(&hub, "cloud-b/", &["pass"]).await;
     assert!(b["reference"].as_str().unwrap().contains("anchor"), "{b}");

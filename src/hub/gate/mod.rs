@@ -262,6 +262,7 @@ impl Gate {
             let references = self.references(policy(role), &cands);
             // The space: the first usable reference's model and width.
             let mut space = None;
+            let mut fingerprinting = false;
             for r in &references {
                 let w = configured.or(r.dims);
                 let Some(w) = w else { continue };
@@ -277,7 +278,10 @@ impl Gate {
                     .get(&key)
                     .map(|e| (&e.verdict, e.next_check, e.probe.is_some()))
                 {
-                    Some((_, _, true)) => break, // its probe is out: wait for it
+                    Some((_, _, true)) => {
+                        fingerprinting = true; // its probe is out: wait for it
+                        break;
+                    }
                     Some((Verdict::Refused { .. }, _, _)) => continue,
                     Some((Verdict::ProbeFailed { .. }, Some(at), _)) if at > now => continue,
                     _ => {}
@@ -296,8 +300,15 @@ impl Gate {
                     continue;
                 }
                 out.push(self.send(now, r, &sid, Purpose::Fingerprint, Some(w), "-".into()));
+                fingerprinting = true;
                 break;
             }
+            // No reference can answer now (the GPUs are down under `backup`, say): candidates
+            // are still judged against the role's space, whose fingerprint is stored.
+            let space = match space {
+                None if !fingerprinting => self.fallback_space(role),
+                found => found,
+            };
             let Some(sid) = space else { continue };
             if self.current.get(&role) != Some(&sid) {
                 tracing::info!(role = %role, space = %sid, "the role's vector space");
@@ -330,6 +341,18 @@ impl Gate {
             }
         }
         out
+    }
+
+    /// The role's current space, else its newest stored one.
+    fn fallback_space(&self, role: Role) -> Option<String> {
+        if let Some(sid) = self.current.get(&role) {
+            return Some(sid.clone());
+        }
+        self.spaces
+            .values()
+            .filter(|s| s.role == role)
+            .max_by_key(|s| s.created_ms)
+            .map(Space::id)
     }
 
     fn send(
@@ -487,6 +510,7 @@ impl Gate {
                 entry.reference = "itself: the anchor of the space (dims and pin)".into();
                 entry.checked_at_ms = Some(now_ms());
                 entry.next_check = Some(now + self.settings.sentinel);
+                self.current.insert(s.role, s.id());
                 self.spaces.insert(s.id(), s);
                 self.dirty = true;
             }
@@ -650,4 +674,144 @@ pub struct SpaceView {
     pub coverage: String,
     /// Rows (vectors) returned from this space, per provider.
     pub rows: BTreeMap<String, u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cand(provider: &str, backend: Backend, model: &str) -> Candidate {
+        Candidate {
+            provider: provider.into(),
+            role: Role::Embedding,
+            backend,
+            model: model.into(),
+            revision: None,
+            upstream: (backend == Backend::Cloud).then(|| "deepinfra/bf16".to_string()),
+            regime: "f32/cpu".into(),
+            dims: Some(3),
+            healthy: true,
+        }
+    }
+
+    /// Unit vectors, one per probe text, all `c` away from the first axis.
+    fn vectors(c: f32) -> Vec<Vec<f32>> {
+        vec![vec![c, (1.0 - c * c).sqrt(), 0.0]; probe_texts().len()]
+    }
+
+    fn gate() -> Gate {
+        Gate::new(GateSettings::default(), BTreeMap::new())
+    }
+
+    fn tick(g: &mut Gate, now: Instant, cands: &[Candidate], policy: Policy) -> Vec<ProbeRequest> {
+        g.tick(now, cands, |_| policy, |_| Some(3))
+    }
+
+    #[test]
+    fn the_reference_fingerprints_the_space_and_a_peer_is_judged_against_it() {
+        let (mut g, t) = (gate(), Instant::now());
+        let cands = [
+            cand("a/embedding", Backend::Local, "m"),
+            cand("b/cloud:embedding:1", Backend::Cloud, "cloud-m"),
+        ];
+        let first = tick(&mut g, t, &cands, Policy::Aggregate);
+        assert_eq!(first.len(), 1, "only the reference, until the space exists");
+        assert_eq!(first[0].provider, "a/embedding");
+        assert!(
+            g.serving_space(&cands[0]).is_none(),
+            "never verified: refused"
+        );
+        g.on_result(&first[0].probe, Ok(vectors(1.0)), t);
+        assert_eq!(g.serving_space(&cands[0]), Some("embedding:m:3"));
+        let second = tick(&mut g, t, &cands, Policy::Aggregate);
+        assert_eq!(second.len(), 1);
+        assert_eq!(second[0].provider, "b/cloud:embedding:1");
+        // A second tick while the probe is out shares it.
+        assert!(tick(&mut g, t, &cands, Policy::Aggregate).is_empty());
+        g.on_result(&second[0].probe, Ok(vectors(0.976)), t);
+        assert!(g.serving_space(&cands[1]).is_none());
+        assert!(g.take_dirty().is_some(), "the new space is persisted");
+        // Refusals do not expire: no more probes.
+        assert!(
+            tick(
+                &mut g,
+                t + Duration::from_secs(3600),
+                &cands[1..],
+                Policy::Aggregate
+            )
+            .iter()
+            .all(|p| p.provider != "b/cloud:embedding:1")
+        );
+    }
+
+    #[test]
+    fn probe_failures_back_off_and_a_reconnect_clears_them() {
+        let (mut g, t) = (gate(), Instant::now());
+        let cands = [cand("a/embedding", Backend::Local, "m")];
+        let p = tick(&mut g, t, &cands, Policy::Local);
+        g.on_result(&p[0].probe, Err("engine stopped".into()), t);
+        assert!(tick(&mut g, t + Duration::from_secs(29), &cands, Policy::Local).is_empty());
+        let p = tick(&mut g, t + Duration::from_secs(30), &cands, Policy::Local);
+        assert_eq!(p.len(), 1);
+        g.on_result(
+            &p[0].probe,
+            Err("engine stopped".into()),
+            t + Duration::from_secs(30),
+        );
+        assert!(
+            tick(&mut g, t + Duration::from_secs(89), &cands, Policy::Local).is_empty(),
+            "60 s now"
+        );
+        g.agent_reconnected("a");
+        assert_eq!(
+            tick(&mut g, t + Duration::from_secs(31), &cands, Policy::Local).len(),
+            1
+        );
+    }
+
+    #[test]
+    fn the_sentinel_suspends_a_provider_that_drifted() {
+        let (mut g, t) = (gate(), Instant::now());
+        let cands = [cand("a/cloud:embedding:1", Backend::Cloud, "m")];
+        let p = tick(&mut g, t, &cands, Policy::Cloud);
+        g.on_result(&p[0].probe, Ok(vectors(1.0)), t);
+        assert!(
+            g.serving_space(&cands[0]).is_some(),
+            "the sole anchor: dims and pin"
+        );
+        assert!(tick(&mut g, t + Duration::from_secs(599), &cands, Policy::Cloud).is_empty());
+        let later = t + Duration::from_secs(600);
+        let p = tick(&mut g, later, &cands, Policy::Cloud);
+        assert_eq!(p.len(), 1, "re-probed after the period");
+        g.on_result(&p[0].probe, Ok(vectors(0.97)), later);
+        assert!(g.serving_space(&cands[0]).is_none(), "suspended at once");
+        let v = g.view(&BTreeMap::new());
+        assert!(matches!(v.verdicts[0].verdict, Verdict::Suspended { .. }));
+    }
+
+    #[test]
+    fn without_a_reference_candidates_are_judged_against_the_stored_space() {
+        let (mut g, t) = (gate(), Instant::now());
+        let local = cand("a/embedding", Backend::Local, "m");
+        let cloud = cand("b/cloud:embedding:1", Backend::Cloud, "cloud-m");
+        let p = tick(&mut g, t, std::slice::from_ref(&local), Policy::Backup);
+        g.on_result(&p[0].probe, Ok(vectors(1.0)), t);
+        let spaces = g.take_dirty().unwrap();
+        // A restarted hub with the GPU down: the cloud is still checked, against the fingerprint.
+        let mut g = Gate::new(GateSettings::default(), spaces);
+        let p = tick(&mut g, t, std::slice::from_ref(&cloud), Policy::Backup);
+        assert_eq!(p.len(), 1);
+        g.on_result(&p[0].probe, Ok(vectors(0.999)), t);
+        assert_eq!(g.serving_space(&cloud), Some("embedding:m:3"));
+        // A wrong width is refused whatever the cosine.
+        let mut narrow = cloud.clone();
+        narrow.provider = "c/cloud:embedding:1".into();
+        let p = tick(&mut g, t, std::slice::from_ref(&narrow), Policy::Backup);
+        g.on_result(
+            &p[0].probe,
+            Ok(vec![vec![1.0, 0.0]; probe_texts().len()]),
+            t,
+        );
+        assert!(g.serving_space(&narrow).is_none());
+    }
 }
