@@ -131,6 +131,9 @@ type Reply = oneshot::Sender<Result<Completed, RequestFailure>>;
 
 struct Pending {
     outputs: Vec<Option<Served>>,
+    /// For a gated result: the verdict it was made under and its item, so a verdict that
+    /// stops passing before the request completes sends the item round again.
+    gated: Vec<Option<(String, Item)>>,
     remaining: usize,
     tokens: u64,
     reply: Reply,
@@ -283,6 +286,7 @@ impl Core {
             id,
             Pending {
                 outputs: vec![None; n],
+                gated: std::iter::repeat_with(|| None).take(n).collect(),
                 remaining: n,
                 tokens: 0,
                 reply,
@@ -369,6 +373,11 @@ impl Core {
         }
         if hello.agent_id.trim().is_empty() {
             return Err("hello needs a non-empty agent_id".into());
+        }
+        if hello.agent_id.contains(['/', '|']) {
+            return Err(
+                "an agent_id may not contain '/' or '|' (they separate provider names)".into(),
+            );
         }
         let providers = build_providers(&hello.agent_id, hello.providers)?;
         if let Some(old) = self.agents.remove(&hello.agent_id) {
@@ -582,7 +591,16 @@ impl Core {
             (_, Some(e)) => Err(e),
             (None, None) => Err("probe_result has neither vectors nor error".into()),
         };
-        self.gate.on_result(&result.probe, answer, Instant::now());
+        let from = format!("{agent}/{}", result.provider);
+        if !self
+            .gate
+            .on_answer(&result.probe, &from, answer, Instant::now())
+        {
+            return Err(format!(
+                "probe '{}' was not asked of '{}'",
+                result.probe, result.provider
+            ));
+        }
         self.dispatch_all();
         Ok(())
     }
@@ -697,33 +715,69 @@ impl Core {
             self.gate.count_rows(&s.id, &reference.provider, n);
         }
         *self.counters.items_served.entry(lease.role).or_default() += n;
+        let verdict = lease.gate.as_ref().map(|(key, _)| key.clone());
+        let role = lease.role;
         for (item, output) in lease.items.into_iter().zip(outputs) {
-            let Some(pending) = self.requests.get_mut(&item.request) else {
+            let request = item.request;
+            let Some(pending) = self.requests.get_mut(&request) else {
                 continue;
             };
-            let slot = &mut pending.outputs[item.index as usize];
-            if slot.is_some() {
+            let index = item.index as usize;
+            if pending.outputs[index].is_some() {
                 self.counters.late_results += 1;
                 continue;
             }
-            *slot = Some(Served {
+            pending.outputs[index] = Some(Served {
                 output,
                 provider: reference.clone(),
                 space: space.clone(),
             });
+            if let Some(key) = &verdict {
+                pending.gated[index] = Some((key.clone(), item));
+            }
             pending.remaining -= 1;
             pending.tokens += tokens / n.max(1);
-            if pending.remaining == 0
-                && let Some(done) = self.requests.remove(&item.request)
-            {
-                let items = done.outputs.into_iter().flatten().collect();
-                let _ = done.reply.send(Ok(Completed {
-                    items,
-                    tokens: done.tokens,
-                }));
+            if pending.remaining == 0 {
+                self.complete(request, role);
             }
         }
         Ok(())
+    }
+
+    /// Answers a request whose every item has a result, unless a result's verdict stopped
+    /// passing meanwhile (drift, a re-check): those items go round again first.
+    fn complete(&mut self, request: RequestId, role: Role) {
+        let gate = &self.gate;
+        let Some(pending) = self.requests.get_mut(&request) else {
+            return;
+        };
+        let mut again = Vec::new();
+        for (index, slot) in pending.gated.iter_mut().enumerate() {
+            if slot.as_ref().is_some_and(|(key, _)| !gate.passes(key))
+                && let Some((_, item)) = slot.take()
+            {
+                pending.outputs[index] = None;
+                pending.remaining += 1;
+                again.push(item);
+            }
+        }
+        if !again.is_empty() {
+            tracing::warn!(
+                request,
+                items = again.len(),
+                "results of a provider that no longer passes the gate go round again"
+            );
+            self.requeue(role, again, false, "the provider no longer passes the gate");
+            self.dispatch(role);
+            return;
+        }
+        if let Some(done) = self.requests.remove(&request) {
+            let items = done.outputs.into_iter().flatten().collect();
+            let _ = done.reply.send(Ok(Completed {
+                items,
+                tokens: done.tokens,
+            }));
+        }
     }
 
     pub fn failed(&mut self, agent: &str, session: u64, failed: Failed) -> Result<(), String> {
@@ -915,11 +969,21 @@ impl Core {
                 return;
             }
             let head_failed_locally = queue.head_failed_locally();
+            // Healthy: not benched, and for embedding roles passing the gate (a local provider
+            // the gate refused cannot serve, so `backup` must not wait for it).
+            let gate = &self.gate;
             let healthy_local = self
                 .agents
                 .values()
                 .flat_map(|a| a.providers.values())
-                .any(|p| p.role() == role && p.info.backend == Backend::Local && p.is_healthy(now));
+                .any(|p| {
+                    p.role() == role
+                        && p.info.backend == Backend::Local
+                        && p.is_healthy(now)
+                        && p.gate_candidate
+                            .as_ref()
+                            .is_none_or(|c| gate.serving_space(c).is_some())
+                });
             // The provider with the most credits; ties go round the fleet in turn.
             let mut best: Option<(u32, usize, &str, &str)> = None;
             let mut k = 0usize;
@@ -1147,9 +1211,20 @@ fn check_outputs(lease: &Lease, output: WorkOutput) -> Result<Vec<ItemOutput>, S
     }
     let shape = lease.items.first().map(|i| &*i.shape);
     match (output, shape) {
-        (WorkOutput::Embeddings(v), Some(Shape::Embed { .. })) => {
+        (WorkOutput::Embeddings(v), Some(Shape::Embed { dimensions, .. })) => {
             if v.iter().flatten().any(|x| !x.is_finite()) {
                 return Err("done carries a non-finite number; the items were requeued".into());
+            }
+            // A gated lease's vectors have the space's width (or the width the client asked).
+            if let Some((_, space)) = &lease.gate {
+                let want = dimensions.map_or(space.dims, |d| d.min(space.dims));
+                if let Some(bad) = v.iter().find(|x| x.len() != want) {
+                    return Err(format!(
+                        "done carries a vector of {} dims where the space {} wants {want}; the items were requeued",
+                        bad.len(),
+                        space.id
+                    ));
+                }
             }
             Ok(v.into_iter().map(ItemOutput::Vector).collect())
         }

@@ -231,6 +231,8 @@ impl Hub {
         }));
         let sent_to = core.broadcast(&frame);
         drop(frame);
+        // A policy may change a role's reference, and so its space: before any dispatch.
+        core.gate_tick(Instant::now());
         core.dispatch_all();
         tracing::info!(config_id = %id, key_included = report.key_included, agents = sent_to.len(), "config push applied");
         Ok(PushResult {
@@ -253,7 +255,11 @@ impl Hub {
         next.spaces = spaces;
         match next.save(&self.inner.state_dir) {
             Ok(()) => *state = next,
-            Err(e) => tracing::error!(error = %e, "the vector spaces could not be saved"),
+            Err(e) => {
+                tracing::error!(error = %e, "the vector spaces could not be saved; trying again");
+                drop(state);
+                self.core().gate.mark_dirty();
+            }
         }
     }
 

@@ -279,6 +279,11 @@ async fn backup_uses_the_cloud_only_after_a_local_failure_or_without_a_healthy_l
     let mut provider = fake_provider("embedding", "embedding", 64);
     provider["dims"] = json!(384);
     local.hello("gpu", json!([provider])).await;
+    // The local provider is the reference: it fingerprints the space, the cloud is then
+    // judged against it (the upstream answers the same unit vectors).
+    local.answer_one_probe().await;
+    crate::gate::verdict(&hub, "gpu/", &["pass"]).await;
+    crate::gate::verdict(&hub, "cloud-a/", &["pass"]).await;
     local
         .send(json!({"type":"pull","provider":"embedding","credits":1}))
         .await;
@@ -676,7 +681,8 @@ device = "cpu"
                 // Healthy local providers serve; chat has none, so the cloud does.
                 assert!(
                     all(&embedded, "local") && all(&reranked, "local"),
-                    "{policy}"
+                    "{policy}: {embedded:?} {reranked:?} {}",
+                    hub.status().await["gate"]
                 );
                 assert_eq!(chat_code, 200, "{chat_body}");
             }

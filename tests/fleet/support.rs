@@ -382,6 +382,29 @@ impl RawAgent {
         }
     }
 
+    /// Reads frames until one gate probe came and was answered (the gate's first word with a
+    /// new provider).
+    pub async fn answer_one_probe(&mut self) {
+        loop {
+            let next = tokio::time::timeout(PATIENCE, self.ws.next())
+                .await
+                .expect("a probe in time");
+            let Some(Ok(Message::Text(t))) = next else {
+                panic!("the socket closed before a probe came");
+            };
+            let v: Value = serde_json::from_str(t.as_str()).unwrap();
+            if v["type"] == "probe" {
+                let n = v["texts"].as_array().map_or(0, Vec::len);
+                let mut unit = vec![0.0f32; self.probe_dims];
+                unit[0] = 1.0;
+                self.send(json!({"type":"probe_result","probe":v["probe"],
+                    "provider":v["provider"],"vectors":vec![unit; n]}))
+                    .await;
+                return;
+            }
+        }
+    }
+
     /// The next text frame, parsed; panics on close.
     pub async fn recv(&mut self) -> Value {
         let text = self.recv_text().await.expect("socket open");

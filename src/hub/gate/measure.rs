@@ -86,6 +86,11 @@ impl Judgement {
 /// Checks a vector set on its own: the count and every vector's width (what an anchor, which
 /// has no peer, is checked on).
 pub fn check_shape(vectors: &[Vec<f32>], count: usize, width: usize) -> Result<(), String> {
+    if count == 0 || width == 0 {
+        return Err(format!(
+            "{count} probe texts of width {width}: nothing to compare"
+        ));
+    }
     if vectors.len() != count {
         return Err(format!("{} vectors for {count} probe texts", vectors.len()));
     }
@@ -94,6 +99,12 @@ pub fn check_shape(vectors: &[Vec<f32>], count: usize, width: usize) -> Result<(
     }
     if vectors.iter().flatten().any(|x| !x.is_finite()) {
         return Err("a probe vector has a non-finite number".into());
+    }
+    if vectors
+        .iter()
+        .any(|v| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>() < 1e-12)
+    {
+        return Err("a probe vector is all zeros".into());
     }
     Ok(())
 }

@@ -107,12 +107,14 @@ impl Candidate {
     }
 }
 
-/// A verdict key: provider, model, upstream, regime, and the space it is for.
+/// A verdict key: provider, model (with its revision: a new revision is checked again),
+/// upstream, regime, and the space it is for.
 pub fn verdict_key(c: &Candidate, space: &str) -> String {
     format!(
-        "{}|{}|{}|{}|{space}",
+        "{}|{}@{}|{}|{}|{space}",
         c.provider,
         c.model,
+        c.revision.as_deref().unwrap_or("-"),
         c.upstream.as_deref().unwrap_or("-"),
         c.regime
     )
@@ -156,6 +158,9 @@ pub struct VerdictEntry {
     pub checked_at_ms: Option<u64>,
     #[serde(skip)]
     next_check: Option<Instant>,
+    /// Sentinel probes in a row that did not come back (the verdict stays; the retry backs off).
+    #[serde(skip)]
+    sentinel_failures: u32,
     #[serde(skip)]
     probe: Option<(String, Instant)>,
 }
@@ -170,6 +175,7 @@ enum Purpose {
 
 struct Pending {
     key: String,
+    space: String,
     candidate: Candidate,
     purpose: Purpose,
     /// The width the space has (or will have).
@@ -271,6 +277,15 @@ impl Gate {
                     space = Some(sid);
                     break;
                 }
+                // One fingerprint per space at a time, whoever it was asked of.
+                if self
+                    .pending
+                    .values()
+                    .any(|p| p.purpose == Purpose::Fingerprint && p.space == sid)
+                {
+                    fingerprinting = true;
+                    break;
+                }
                 // Fingerprint with this reference, unless it cannot answer now.
                 let key = verdict_key(r, &sid);
                 match self
@@ -364,7 +379,8 @@ impl Gate {
         width: Option<usize>,
         reference: String,
     ) -> ProbeRequest {
-        let probe = format!("p-{}", self.next_probe);
+        // Not guessable: only the agent that was asked can answer.
+        let probe = format!("p-{}-{:016x}", self.next_probe, rand::random::<u64>());
         self.next_probe += 1;
         let key = verdict_key(c, space);
         let entry = self
@@ -379,6 +395,7 @@ impl Gate {
                 reference,
                 checked_at_ms: None,
                 next_check: None,
+                sentinel_failures: 0,
                 probe: None,
             });
         entry.probe = Some((probe.clone(), now));
@@ -386,6 +403,7 @@ impl Gate {
             probe.clone(),
             Pending {
                 key,
+                space: space.to_string(),
                 candidate: c.clone(),
                 purpose,
                 width,
@@ -417,6 +435,7 @@ impl Gate {
             reference,
             checked_at_ms: Some(now_ms()),
             next_check,
+            sentinel_failures: 0,
             probe: None,
         };
         self.verdicts.insert(key, entry);
@@ -441,11 +460,36 @@ impl Gate {
         }
     }
 
-    /// An answer to a probe (vectors, or why there are none).
+    /// An agent's answer to a probe; `from` is the answering `agent/provider`. An answer from
+    /// anyone but the provider that was asked is ignored.
+    pub fn on_answer(
+        &mut self,
+        probe: &str,
+        from: &str,
+        answer: Result<Vec<Vec<f32>>, String>,
+        now: Instant,
+    ) -> bool {
+        if self
+            .pending
+            .get(probe)
+            .is_none_or(|p| p.candidate.provider != from)
+        {
+            return false;
+        }
+        let answer = answer.map_err(|e| crate::cloud::error::truncate_chars(&e, 500));
+        self.on_result(probe, answer, now);
+        true
+    }
+
+    /// The outcome of a probe (vectors, or why there are none).
     pub fn on_result(&mut self, probe: &str, answer: Result<Vec<Vec<f32>>, String>, now: Instant) {
-        let Some(p) = self.pending.remove(probe) else {
+        let Some(mut p) = self.pending.remove(probe) else {
             return;
         };
+        // Another reference fingerprinted the space first: this answer is judged against it.
+        if p.purpose == Purpose::Fingerprint && self.spaces.contains_key(&p.space) {
+            p.purpose = Purpose::Verify;
+        }
         let Some(entry) = self.verdicts.get_mut(&p.key) else {
             return;
         };
@@ -460,6 +504,10 @@ impl Gate {
             Err(error) => {
                 let failures = match &entry.verdict {
                     Verdict::ProbeFailed { failures, .. } => failures + 1,
+                    _ if p.purpose == Purpose::Sentinel => {
+                        entry.sentinel_failures += 1;
+                        entry.sentinel_failures
+                    }
                     _ => 1,
                 };
                 let wait = self
@@ -529,6 +577,7 @@ impl Gate {
                 entry.checked_at_ms = Some(now_ms());
                 match judgement {
                     Judgement::Pass { evidence } => {
+                        entry.sentinel_failures = 0;
                         if entry.verdict != Verdict::Pass {
                             tracing::info!(provider = %c.provider, space = %space, min_cosine = evidence.min_cosine, "gate: pass");
                         }
@@ -596,6 +645,11 @@ impl Gate {
 
     pub fn space(&self, id: &str) -> Option<&Space> {
         self.spaces.get(id)
+    }
+
+    /// The spaces must be written again (the last write failed).
+    pub fn mark_dirty(&mut self) {
+        self.dirty = true;
     }
 
     /// The spaces, if one was added since the last call (to persist them).
@@ -677,10 +731,15 @@ pub struct SpaceView {
 }
 
 #[cfg(test)]
+mod tests_support {
+    pub use super::tests::{cand, vectors};
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
-    fn cand(provider: &str, backend: Backend, model: &str) -> Candidate {
+    pub fn cand(provider: &str, backend: Backend, model: &str) -> Candidate {
         Candidate {
             provider: provider.into(),
             role: Role::Embedding,
@@ -695,7 +754,7 @@ mod tests {
     }
 
     /// Unit vectors, one per probe text, all `c` away from the first axis.
-    fn vectors(c: f32) -> Vec<Vec<f32>> {
+    pub fn vectors(c: f32) -> Vec<Vec<f32>> {
         vec![vec![c, (1.0 - c * c).sqrt(), 0.0]; probe_texts().len()]
     }
 
@@ -813,5 +872,91 @@ mod tests {
             t,
         );
         assert!(g.serving_space(&narrow).is_none());
+    }
+}
+
+#[cfg(test)]
+mod answer_tests {
+    use super::tests_support::*;
+    use super::*;
+
+    #[test]
+    fn only_the_provider_asked_may_answer_and_a_second_fingerprint_is_judged() {
+        let (mut g, t) = (
+            Gate::new(GateSettings::default(), BTreeMap::new()),
+            Instant::now(),
+        );
+        let a = cand("a/embedding", Backend::Local, "m");
+        let p = g.tick(t, std::slice::from_ref(&a), |_| Policy::Local, |_| Some(3));
+        assert!(
+            p[0].probe.len() > 10,
+            "a probe id is not guessable: {}",
+            p[0].probe
+        );
+        assert!(!g.on_answer(&p[0].probe, "b/embedding", Ok(vectors(1.0)), t));
+        assert!(
+            g.serving_space(&a).is_none(),
+            "a stranger's answer is ignored"
+        );
+        // All-zero vectors cannot found a space.
+        assert!(g.on_answer(
+            &p[0].probe,
+            "a/embedding",
+            Ok(vec![vec![0.0; 3]; probe_texts().len()]),
+            t
+        ));
+        assert!(g.serving_space(&a).is_none());
+        // Two references asked for one space: the second answer is judged, not stored.
+        let b = cand("b/embedding", Backend::Local, "m");
+        let mut g = Gate::new(GateSettings::default(), BTreeMap::new());
+        let pa = g.tick(t, std::slice::from_ref(&a), |_| Policy::Local, |_| Some(3));
+        let pb = g.tick(t, std::slice::from_ref(&b), |_| Policy::Local, |_| Some(3));
+        assert!(pb.is_empty(), "no second fingerprint while one is out");
+        g.on_answer(&pa[0].probe, "a/embedding", Ok(vectors(1.0)), t);
+        let pb = g.tick(t, &[a.clone(), b.clone()], |_| Policy::Local, |_| Some(3));
+        assert_eq!(pb.len(), 1);
+        g.on_answer(&pb[0].probe, "b/embedding", Ok(vectors(0.9)), t);
+        assert!(
+            g.serving_space(&b).is_none(),
+            "judged against a's fingerprint"
+        );
+        assert_eq!(g.space("embedding:m:3").unwrap().fingerprint, vectors(1.0));
+    }
+}
+
+#[cfg(test)]
+mod policy_switch_tests {
+    use super::tests_support::*;
+    use super::*;
+
+    #[test]
+    fn the_current_space_follows_the_policys_reference() {
+        let (mut g, t) = (
+            Gate::new(GateSettings::default(), BTreeMap::new()),
+            Instant::now(),
+        );
+        let cands = [
+            cand("cloud-a/cloud:embedding:1", Backend::Cloud, "cloud-m"),
+            cand("gpu/embedding", Backend::Local, "m"),
+        ];
+        let p = g.tick(t, &cands, |_| Policy::Local, |_| Some(3));
+        assert_eq!(p.len(), 1);
+        g.on_result(&p[0].probe, Ok(vectors(1.0)), t);
+        let _ = g.tick(t, &cands, |_| Policy::Local, |_| Some(3));
+        let p = g.tick(t, &cands, |_| Policy::Cloud, |_| Some(3));
+        let fp = p
+            .iter()
+            .find(|r| r.provider.starts_with("cloud-a"))
+            .unwrap()
+            .probe
+            .clone();
+        g.on_result(&fp, Ok(vectors(0.5)), t);
+        assert_eq!(g.serving_space(&cands[0]), Some("embedding:cloud-m:3"));
+        let _ = g.tick(t, &cands, |_| Policy::Aggregate, |_| Some(3));
+        assert_eq!(
+            g.serving_space(&cands[1]),
+            Some("embedding:m:3"),
+            "back to the local space"
+        );
     }
 }
