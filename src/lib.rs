@@ -19,6 +19,7 @@ pub mod agent;
 pub mod cli;
 pub mod cloud;
 pub mod config;
+pub mod fantom;
 pub mod http;
 pub mod hub;
 pub mod inference;

@@ -134,7 +134,8 @@ pub async fn post_budget(
 }
 
 /// `POST /admin/gate/verify`: forgets verdicts (`{"provider": "agent/id"}` for one provider,
-/// `{}` for all) so they are probed and judged again now.
+/// `{}` for all) so they are probed and judged again now; `{"retire_space": id}` also forgets
+/// that space's fingerprint, which the role's reference then makes again.
 pub async fn post_gate_verify(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -157,10 +158,28 @@ pub async fn post_gate_verify(
             ));
         }
     };
+    let retire = match value.get("retire_space") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "retire_space must be a space id string",
+            ));
+        }
+    };
     let mut core = hub.core();
+    if let Some(space) = &retire
+        && !core.gate.retire(space)
+    {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "no_such_space",
+            format!("no space '{space}'"),
+        ));
+    }
     let cleared = core.gate.reverify(provider.as_deref());
     core.gate_tick(std::time::Instant::now());
-    Ok(Json(json!({ "cleared": cleared })))
+    Ok(Json(json!({ "cleared": cleared, "retired": retire })))
 }
 
 pub async fn status(

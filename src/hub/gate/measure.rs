@@ -44,6 +44,20 @@ pub fn probe_texts() -> Vec<String> {
     .collect()
 }
 
+/// A short id of the probe set (a fingerprint answers exactly one).
+pub fn probe_set_id() -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for t in probe_texts() {
+        h.update(t.as_bytes());
+        h.update([0u8]);
+    }
+    h.finalize()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// How two encoders compare on the probe set.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Evidence {

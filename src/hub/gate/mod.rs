@@ -69,6 +69,10 @@ pub struct Space {
     /// The reference's probe vectors.
     pub fingerprint: Vec<Vec<f32>>,
     pub created_ms: u64,
+    /// Which probe set the fingerprint answers ([`measure::probe_set_id`]); a fingerprint of
+    /// another probe set cannot judge anyone.
+    #[serde(default)]
+    pub probe_set: String,
 }
 
 impl Space {
@@ -211,8 +215,16 @@ fn now_ms() -> u64 {
 }
 
 impl Gate {
-    pub fn new(mut settings: GateSettings, spaces: BTreeMap<String, Space>) -> Self {
+    pub fn new(mut settings: GateSettings, mut spaces: BTreeMap<String, Space>) -> Self {
         settings.min_cosine = settings.min_cosine.max(measure::MIN_COSINE_FLOOR);
+        let current_set = measure::probe_set_id();
+        spaces.retain(|id, s| {
+            let usable = s.probe_set == current_set;
+            if !usable {
+                tracing::warn!(space = %id, "a stored fingerprint answers another probe set: the space is fingerprinted again");
+            }
+            usable
+        });
         Self {
             settings,
             spaces,
@@ -546,6 +558,7 @@ impl Gate {
                     cloud_reference: c.backend == Backend::Cloud,
                     fingerprint: vectors,
                     created_ms: now_ms(),
+                    probe_set: measure::probe_set_id(),
                 };
                 tracing::info!(space = %s.id(), encoder = %s.encoder, "a new vector space: its fingerprint is stored");
                 entry.verdict = Verdict::Pass;
@@ -645,6 +658,20 @@ impl Gate {
 
     pub fn space(&self, id: &str) -> Option<&Space> {
         self.spaces.get(id)
+    }
+
+    /// Forgets a space (its fingerprint and verdicts): the role's reference fingerprints it
+    /// again. For a fingerprint that is wrong (a bad reference), never for routine checks.
+    pub fn retire(&mut self, space: &str) -> bool {
+        if self.spaces.remove(space).is_none() {
+            return false;
+        }
+        self.verdicts
+            .retain(|_, e| e.space != space || e.probe.is_some());
+        self.current.retain(|_, sid| sid != space);
+        self.dirty = true;
+        tracing::warn!(space, "space retired: it is fingerprinted again");
+        true
     }
 
     /// The spaces must be written again (the last write failed).
@@ -921,6 +948,35 @@ mod answer_tests {
             "judged against a's fingerprint"
         );
         assert_eq!(g.space("embedding:m:3").unwrap().fingerprint, vectors(1.0));
+    }
+}
+
+#[cfg(test)]
+mod space_tests {
+    use super::tests_support::*;
+    use super::*;
+
+    #[test]
+    fn a_retired_space_is_fingerprinted_again_and_old_probe_sets_are_dropped() {
+        let (mut g, t) = (
+            Gate::new(GateSettings::default(), BTreeMap::new()),
+            Instant::now(),
+        );
+        let a = cand("a/embedding", Backend::Local, "m");
+        let p = g.tick(t, std::slice::from_ref(&a), |_| Policy::Local, |_| Some(3));
+        g.on_answer(&p[0].probe, "a/embedding", Ok(vectors(0.8)), t);
+        assert!(g.retire("embedding:m:3"));
+        assert!(!g.retire("embedding:m:3"), "already gone");
+        assert!(g.serving_space(&a).is_none());
+        let p = g.tick(t, std::slice::from_ref(&a), |_| Policy::Local, |_| Some(3));
+        assert_eq!(p.len(), 1, "the reference is asked again");
+        g.on_answer(&p[0].probe, "a/embedding", Ok(vectors(1.0)), t);
+        assert_eq!(g.space("embedding:m:3").unwrap().fingerprint, vectors(1.0));
+        // A stored fingerprint of another probe set is not used.
+        let mut spaces = g.take_dirty().unwrap();
+        spaces.get_mut("embedding:m:3").unwrap().probe_set = "an older set".into();
+        let g = Gate::new(GateSettings::default(), spaces);
+        assert!(g.space("embedding:m:3").is_none());
     }
 }
 

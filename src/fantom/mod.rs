@@ -1,0 +1,29 @@
+//! The drop-in for Fantom MCP Server's existing GPU sidecar relay.
+//!
+//! Fantom's master runs a dedicated relay listener, `ws://<master>:<wsPort>/sidecar` (wsPort
+//! 3003 for Fantom; 3002 is Sound Suite's relay and the port a slot without one dials), that
+//! its Node sidecars dial out to: `register`, `heartbeat` every 5 s, `result` for each
+//! `command`, and `config` pushes of the OpenRouter settings. It also calls the sidecar's HTTP
+//! port (8098) and the role containers' ports directly. This module tree lets our agent stand
+//! in for that sidecar and its containers, one slot per master, with no change on the master.
+//!
+//! The hub protocol ([`crate::protocol`]) is the way forward: a hub that routes roles across
+//! GPUs and OpenRouter. This relay is the bridge for masters as they are today; the config
+//! push it receives is merged by the same code as the hub's ([`crate::config::push`]).
+//!
+//! Section numbers (§) in this tree refer to the relay protocol reference
+//! (`fantom-relay-protocol.md`, written from the master's source), summarized in
+//! `docs/fantom.md`.
+//!
+//! Submodules:
+//! * [`frames`]: the relay's JSON frames both ways (`register`, `heartbeat`, `result`;
+//!   `registered`, `command`, `error`, `master-identity`, `config`/`config-push`), the
+//!   commands' typed payloads and results, and their codec.
+//! * [`status`]: the status snapshot shared by `heartbeat.statusData` and `GET /api/status`
+//!   (containers per role, roles, GPUs, VRAM, `masters[]` with the virtual containers).
+
+pub mod frames;
+pub mod status;
+
+#[cfg(test)]
+mod tests;
