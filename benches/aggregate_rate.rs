@@ -15,6 +15,9 @@
 #[path = "../tests/fleet/upstream.rs"]
 mod upstream;
 
+#[path = "support/inprocess_hub.rs"]
+mod inprocess_hub;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,9 +25,8 @@ use std::time::{Duration, Instant};
 use fantom_sidecar::agent::{self, Agent, AgentOptions, CloudOptions};
 use fantom_sidecar::config::agent::ServedModel;
 use fantom_sidecar::config::push::OpenRouterPush;
-use fantom_sidecar::hub::core::HubSettings;
+use fantom_sidecar::hub::Hub;
 use fantom_sidecar::hub::queue::Shape;
-use fantom_sidecar::hub::{Hub, HubOptions};
 use fantom_sidecar::protocol::Backend;
 use fantom_sidecar::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
 use fantom_sidecar::roles::Role;
@@ -141,21 +143,8 @@ fn main() {
             ..Default::default()
         })
         .await;
-        let state = tempfile::tempdir().unwrap();
-        let token = Secret::generate();
-        let hub = Hub::open(HubOptions {
-            settings: HubSettings::default(),
-            state_dir: state.path().to_path_buf(),
-            fleet_token: token.clone(),
-            admin_token: Secret::generate(),
-            client_token: None,
-            gate: Default::default(),
-        })
-        .unwrap();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(fantom_sidecar::http::serve(listener, fantom_sidecar::http::hub_router(hub.clone()), None, std::future::pending()));
-        hub.spawn_maintenance();
+        let bench_hub = inprocess_hub::start();
+        let (hub, addr, token) = (bench_hub.hub.clone(), bench_hub.addr, bench_hub.fleet_token.clone());
         let model: ServedModel = toml::from_str(&format!(
             "roles = [\"embedding\"]\nmodel = \"all-minilm-l6-v2\"\nmodel_dir = \"{}\"\ndevice = \"cpu\"\npipeline_depth = 2\nmax_items_per_work = 16",
             minilm_dir().display()

@@ -21,14 +21,14 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput};
 use fantom_sidecar::agent::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
 use fantom_sidecar::agent::{Agent, AgentOptions};
-use fantom_sidecar::hub::core::HubSettings;
-use fantom_sidecar::hub::{Hub, HubOptions};
 use fantom_sidecar::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
 use fantom_sidecar::protocol::{Backend, ProviderInfo, WorkInput, WorkOutput};
 use fantom_sidecar::roles::Role;
-use fantom_sidecar::secret::Secret;
 use serde_json::json;
 use tokio::runtime::Runtime;
+
+#[path = "support/inprocess_hub.rs"]
+mod inprocess_hub;
 
 /// Answers every item with the same 8 floats, at once.
 struct NullProvider;
@@ -69,32 +69,17 @@ struct Fleet {
     hub_addr: SocketAddr,
     direct_addr: SocketAddr,
     client: reqwest::Client,
-    _state: tempfile::TempDir,
+    _hub: inprocess_hub::BenchHub,
 }
 
 fn start(rt: &Runtime) -> Fleet {
     rt.block_on(async {
-        let state = tempfile::tempdir().unwrap();
-        let fleet_token = Secret::generate();
-        let hub = Hub::open(HubOptions {
-            settings: HubSettings::default(),
-            state_dir: state.path().to_path_buf(),
-            fleet_token: fleet_token.clone(),
-            admin_token: Secret::generate(),
-            client_token: None,
-            gate: Default::default(),
-        })
-        .unwrap();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let hub_addr = listener.local_addr().unwrap();
-        let router = fantom_sidecar::http::hub_router(hub.clone());
-        tokio::spawn(fantom_sidecar::http::serve(
-            listener,
-            router,
-            None,
-            std::future::pending(),
-        ));
-        hub.spawn_maintenance();
+        let bench_hub = inprocess_hub::start();
+        let (hub, hub_addr, fleet_token) = (
+            bench_hub.hub.clone(),
+            bench_hub.addr,
+            bench_hub.fleet_token.clone(),
+        );
         // The reference server: one embedding straight from a handler, same stack.
         let direct = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let direct_addr = direct.local_addr().unwrap();
@@ -142,7 +127,7 @@ fn start(rt: &Runtime) -> Fleet {
             hub_addr,
             direct_addr,
             client,
-            _state: state,
+            _hub: bench_hub,
         }
     })
 }

@@ -103,7 +103,8 @@ impl Drop for CancelOnDrop {
     }
 }
 
-fn now_ms() -> u64 {
+/// Milliseconds since the Unix epoch (what status and the state file show).
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
@@ -195,11 +196,7 @@ impl Hub {
     pub fn push_config(&self, push: OpenRouterPush) -> Result<PushResult, PushError> {
         // The state lock first: the file is written (and synced) before the core is held, so
         // dispatch never waits on a disk.
-        let mut state = self
-            .inner
-            .state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut state = self.lock_state();
         let mut next = state.clone();
         let report = push::merge(&mut next.cloud, state.key.is_some(), &push)?;
         let at = now_ms();
@@ -244,17 +241,31 @@ impl Hub {
         })
     }
 
-    /// Persists the vector spaces (a new one was fingerprinted).
-    fn save_spaces(&self, spaces: std::collections::BTreeMap<String, gate::Space>) {
-        let mut state = self
-            .inner
+    fn lock_state(&self) -> MutexGuard<'_, HubState> {
+        self.inner
             .state
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Applies `change` to a copy of the state, writes it, and only then makes it the state.
+    fn write_state(
+        &self,
+        state: &mut HubState,
+        change: impl FnOnce(&mut HubState),
+    ) -> Result<(), StateError> {
         let mut next = state.clone();
-        next.spaces = spaces;
-        match next.save(&self.inner.state_dir) {
-            Ok(()) => *state = next,
+        change(&mut next);
+        next.save(&self.inner.state_dir)?;
+        *state = next;
+        Ok(())
+    }
+
+    /// Persists the vector spaces (a new one was fingerprinted).
+    fn save_spaces(&self, spaces: std::collections::BTreeMap<String, gate::Space>) {
+        let mut state = self.lock_state();
+        match self.write_state(&mut state, |s| s.spaces = spaces) {
+            Ok(()) => {}
             Err(e) => {
                 tracing::error!(error = %e, "the vector spaces could not be saved; trying again");
                 drop(state);
@@ -265,15 +276,8 @@ impl Hub {
 
     /// The operator's live budget override (`None` clears it); persisted.
     pub fn set_budget_override(&self, permits: Option<u32>) -> Result<(), StateError> {
-        let mut state = self
-            .inner
-            .state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mut next = state.clone();
-        next.budget_override = permits;
-        next.save(&self.inner.state_dir)?;
-        *state = next;
+        let mut state = self.lock_state();
+        self.write_state(&mut state, |s| s.budget_override = permits)?;
         // Applied under the state lock (state, then core: push_config's order), so two
         // concurrent overrides leave the file and the live budget with the same number.
         let mut core = self.core();
@@ -287,11 +291,7 @@ impl Hub {
 
     /// The safe config as persisted.
     pub fn state(&self) -> HubState {
-        self.inner
-            .state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+        self.lock_state().clone()
     }
 
     /// Expires leases on a short tick; runs until the hub is dropped by every other holder.

@@ -94,6 +94,21 @@ async fn embed(hub: &HubProc, texts: Vec<String>) -> (u16, Value) {
     .await
 }
 
+/// An embeddings request running on its own; its answer is the task's output.
+fn spawn_embed(hub: &HubProc, n: usize, tag: &str) -> tokio::task::JoinHandle<(u16, Value)> {
+    let (client, url) = (hub.http.clone(), hub.url("/v1/embeddings"));
+    let input = texts(n, tag);
+    tokio::spawn(async move {
+        let r = client
+            .post(url)
+            .json(&json!({"model": "embedding", "input": input}))
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    })
+}
+
 fn texts(n: usize, tag: &str) -> Vec<String> {
     (0..n).map(|i| format!("{tag} text number {i}")).collect()
 }
@@ -290,20 +305,7 @@ async fn backup_uses_the_cloud_only_after_a_local_failure_or_without_a_healthy_l
     hub.wait_for_agent("gpu").await;
 
     // A healthy local provider takes the work; the cloud does not.
-    let hub_url = hub.url("/v1/embeddings");
-    let client = reqwest::Client::new();
-    let send = |n: usize, tag: &'static str| {
-        let (client, url) = (client.clone(), hub_url.clone());
-        tokio::spawn(async move {
-            let r = client
-                .post(url)
-                .json(&json!({"model": "embedding", "input": texts(n, tag)}))
-                .send()
-                .await
-                .unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        })
-    };
+    let send = |n: usize, tag: &'static str| spawn_embed(&hub, n, tag);
     let first = send(3, "backup");
     let work = local.recv_kind("work").await;
     assert_eq!(work["input"]["texts"].as_array().unwrap().len(), 3);
@@ -383,18 +385,7 @@ async fn an_upstream_429_shrinks_its_route_and_a_hard_402_stops_cloud_work_until
     crate::gate::verdict(&hub, "cloud-a/", &["pass"]).await;
     crate::gate::verdict(&hub, "cloud-b/", &["pass"]).await;
     up.state.set_hold(true);
-    let request = {
-        let (client, url) = (hub.http.clone(), hub.url("/v1/embeddings"));
-        tokio::spawn(async move {
-            let r = client
-                .post(url)
-                .json(&json!({"model": "embedding", "input": texts(320, "throttled")}))
-                .send()
-                .await
-                .unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        })
-    };
+    let request = spawn_embed(&hub, 320, "throttled");
     tokio::time::timeout(Duration::from_secs(60), up.state.wait_for_requests(5))
         .await
         .expect("five upstream calls");
@@ -437,18 +428,7 @@ async fn an_upstream_429_shrinks_its_route_and_a_hard_402_stops_cloud_work_until
 
     // Out of credits: cloud work stops and status says why.
     up.state.set_hard_402(true);
-    let waiting = {
-        let (client, url) = (hub.http.clone(), hub.url("/v1/embeddings"));
-        tokio::spawn(async move {
-            let r = client
-                .post(url)
-                .json(&json!({"model": "embedding", "input": texts(4, "broke")}))
-                .send()
-                .await
-                .unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        })
-    };
+    let waiting = spawn_embed(&hub, 4, "broke");
     let stopped = eventually("the budget stopped", || async {
         let b = hub.status().await["budget"].clone();
         b["stopped"].as_str().map(str::to_string)

@@ -20,11 +20,12 @@
 pub mod measure;
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use self::measure::{Evidence, Judgement, check_shape, judge, probe_texts};
+use super::now_ms;
 use crate::protocol::Backend;
 use crate::roles::{Policy, Role};
 
@@ -206,12 +207,6 @@ pub struct Gate {
     next_probe: u64,
     dirty: bool,
     rows: BTreeMap<(String, String), u64>,
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl Gate {
