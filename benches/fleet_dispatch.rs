@@ -100,7 +100,7 @@ fn start(rt: &Runtime) -> Fleet {
         ));
         for i in 0..2 {
             let agent = Agent::new(AgentOptions {
-                hub_url: format!("ws://{hub_addr}/v1/agent"),
+                hub_url: Some(format!("ws://{hub_addr}/v1/agent")),
                 agent_id: format!("bench-{i}"),
                 fleet_token: fleet_token.clone(),
                 ca_file: None,

@@ -75,7 +75,7 @@ pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) {
                 }
             }
             Err(e) => {
-                tracing::warn!(hub = %agent.opts.hub_url, error = %e, "cannot connect to the hub")
+                tracing::warn!(hub = ?agent.opts.hub_url, error = %e, "cannot connect to the hub")
             }
         }
         let delay = backoff_delay(attempt, &mut rand::rng());
@@ -94,7 +94,10 @@ pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) {
 
 /// Dials the hub with the fleet token (marked sensitive: never in logs or debug output).
 async fn dial(agent: &Agent) -> anyhow::Result<WsStream> {
-    let mut request = agent.opts.hub_url.as_str().into_client_request()?;
+    let Some(hub_url) = agent.opts.hub_url.as_deref() else {
+        anyhow::bail!("no hub_url configured");
+    };
+    let mut request = hub_url.into_client_request()?;
     let mut auth = HeaderValue::from_str(&format!("Bearer {}", agent.opts.fleet_token.expose()))?;
     auth.set_sensitive(true);
     request.headers_mut().insert("authorization", auth);
@@ -207,7 +210,7 @@ async fn session(
     };
     agent.sessions.fetch_add(1, Ordering::Relaxed);
     agent.connected.store(true, Ordering::Relaxed);
-    tracing::info!(session = welcome.session, hub = %agent.opts.hub_url, "connected to the hub");
+    tracing::info!(session = welcome.session, hub = ?agent.opts.hub_url, "connected to the hub");
     for p in &providers {
         send(&AgentFrame::Pull(Pull {
             provider: p.info().id,

@@ -32,8 +32,9 @@ use crate::secret::Secret;
 
 /// How an agent runs.
 pub struct AgentOptions {
-    /// `ws://` or `wss://` URL of the hub's `/v1/agent`.
-    pub hub_url: String,
+    /// `ws://` or `wss://` URL of the hub's `/v1/agent`; `None`: no hub session (an agent
+    /// that serves Fantom masters only).
+    pub hub_url: Option<String>,
     pub agent_id: String,
     pub fleet_token: Secret,
     /// A PEM CA bundle to trust for `wss://` instead of the system roots.
@@ -107,6 +108,11 @@ impl Agent {
         let mut all = self.opts.providers.clone();
         all.extend(self.held().providers.iter().cloned());
         all
+    }
+
+    /// Whether this agent has a hub to dial at all.
+    pub fn has_hub(&self) -> bool {
+        self.opts.hub_url.is_some()
     }
 
     pub fn is_connected(&self) -> bool {
@@ -259,7 +265,12 @@ impl Agent {
     }
 
     /// Runs until `shutdown` turns true: one session at a time, reconnecting with backoff.
-    pub async fn run(self: Arc<Self>, shutdown: watch::Receiver<bool>) {
+    /// Without a hub URL it only waits for shutdown.
+    pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        if self.opts.hub_url.is_none() {
+            let _ = shutdown.wait_for(|stop| *stop).await;
+            return;
+        }
         connection::run(self, shutdown).await
     }
 }

@@ -4,7 +4,8 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
@@ -14,11 +15,14 @@ use super::ModelArgs;
 use crate::agent::{self, Agent, AgentOptions};
 use crate::config::agent::{AgentConfig, ServedModel};
 use crate::config::tokens;
+use crate::fantom::relay::{RelayContext, run_slot};
+use crate::fantom::slots::Slots;
 use crate::http::{self, TlsFiles};
 use crate::hub::core::HubSettings;
 use crate::hub::{Hub, HubOptions};
 use crate::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
 use crate::roles::Role;
+use crate::secret::Secret;
 
 #[derive(Args, Clone, Debug)]
 pub struct HubArgs {
@@ -79,7 +83,7 @@ pub struct HubCommand {
 
 #[derive(Args)]
 pub struct AgentCommand {
-    /// The agent's TOML file (hub URL, id, token source, models).
+    /// The agent's TOML file (hub URL, Fantom masters, id, token source, models).
     #[arg(long)]
     config: PathBuf,
     /// Address of the agent's health and metrics endpoints.
@@ -249,15 +253,29 @@ fn cloud_options(openrouter_url: Option<String>, depth: u32) -> agent::CloudOpti
 
 pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
     let cfg = AgentConfig::load(&cmd.config)?;
-    let fleet_token = tokens::from_file_or_env(
-        cfg.fleet_token_file.as_deref(),
-        cfg.fleet_token_env.as_deref(),
-    )?;
+    let fleet_token = match &cfg.hub_url {
+        Some(_) => tokens::from_file_or_env(
+            cfg.fleet_token_file.as_deref(),
+            cfg.fleet_token_env.as_deref(),
+        )?,
+        // Never sent: without a hub URL no hub session is dialled.
+        None => Secret::new(String::new()),
+    };
     let providers = agent::load_providers(&cfg.models).await?;
     if providers.is_empty() {
         tracing::info!(
             "no local models: this agent serves cloud routes only, once a push gives it a key"
         );
+    }
+    let local_roles: Vec<(Role, String)> = providers
+        .iter()
+        .map(|p| {
+            let info = p.info();
+            (info.role, info.model)
+        })
+        .collect();
+    if cfg.hub_url.is_none() {
+        tracing::info!("no hub_url: no hub session, Fantom masters only");
     }
     let agent = Agent::new(AgentOptions {
         hub_url: cfg.hub_url,
@@ -273,6 +291,7 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
         ),
     });
     let listener = bind(cmd.http, "agent")?;
+    let http_port = listener.local_addr()?.port();
     let stop = shutdown_signal();
     let http_stop = signalled(stop.clone());
     let server = tokio::spawn(http::serve(
@@ -281,7 +300,43 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
         None,
         http_stop,
     ));
+    let mut relays = tokio::task::JoinSet::new();
+    if !cfg.fantom_masters.is_empty() {
+        if cmd.http.ip().is_loopback() {
+            tracing::warn!(http = %cmd.http, "Fantom masters are configured but the agent's HTTP port listens on loopback only: masters cannot reach it (e.g. --http 0.0.0.0:8098)");
+        }
+        let hostname = cfg.hostname.clone().unwrap_or_else(agent::hostname);
+        let ctx = Arc::new(RelayContext {
+            agent_url: cfg
+                .agent_url
+                .clone()
+                .unwrap_or_else(|| format!("http://{hostname}:{http_port}")),
+            hostname,
+            http_port,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            roles: local_roles,
+            started: Instant::now(),
+        });
+        let slots = Arc::new(Slots::new(&cfg.fantom_masters));
+        tracing::info!(masters = cfg.fantom_masters.len(), agent_url = %ctx.agent_url, "relaying to Fantom masters");
+        for master in &cfg.fantom_masters {
+            relays.spawn(run_slot(
+                slots.clone(),
+                master.server_url.clone(),
+                ctx.clone(),
+                stop.clone(),
+            ));
+        }
+    }
     agent.run(stop).await;
+    // The relays saw the same shutdown; give their close frames a moment.
+    let drained = async { while relays.join_next().await.is_some() {} };
+    if tokio::time::timeout(Duration::from_secs(5), drained)
+        .await
+        .is_err()
+    {
+        tracing::warn!("relay sockets did not close within 5 s");
+    }
     server.abort();
     Ok(())
 }
@@ -327,7 +382,7 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
         signalled(stop.clone()),
     ));
     let agent = Agent::new(AgentOptions {
-        hub_url: format!("ws://{bound}/v1/agent"),
+        hub_url: Some(format!("ws://{bound}/v1/agent")),
         agent_id: cmd.agent_id.unwrap_or_else(agent::hostname),
         fleet_token: hub.fleet_token().clone(),
         ca_file: None,

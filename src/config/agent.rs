@@ -1,8 +1,9 @@
-//! The agent's TOML file: which hub, who it is, its tokens' sources, and the local models it
-//! serves, one `[[models]]` table per model (each serving one or more roles).
+//! The agent's TOML file: which hub and which Fantom masters, who it is, its tokens' sources,
+//! and the local models it serves, one `[[models]]` table per model (each serving one or more
+//! roles). At least one of `hub_url` and a `[[fantom_master]]` table must be set.
 //!
 //! ```toml
-//! hub_url = "ws://hub.internal:8090/v1/agent"
+//! hub_url = "ws://hub.internal:8090/v1/agent"   # optional with a [[fantom_master]]
 //! agent_id = "gpu-1"                       # default: the hostname
 //! fleet_token_file = "/etc/fantom-sidecar/fleet.token"   # or fleet_token_env = "FANTOM_FLEET_TOKEN"
 //!
@@ -15,6 +16,17 @@
 //!
 //! Cloud routes need no table: a config push with a key creates them. `openrouter_url`
 //! (default `https://openrouter.ai/api/v1`) and `cloud_pipeline_depth` (default 8) tune them.
+//!
+//! Fantom masters (the relay drop-in, [`crate::fantom`]), one table per master:
+//!
+//! ```toml
+//! agent_url = "http://10.0.0.5:8098"   # register.agentUrl, the same to every master
+//! hostname = "gpu-01"                  # default: the host's name
+//!
+//! [[fantom_master]]
+//! server_url = "http://10.0.0.2:3848"  # the slot's key, byte for byte
+//! ws_port = 3003                       # the relay port; unset dials 3002
+//! ```
 
 use std::path::{Path, PathBuf};
 
@@ -26,8 +38,19 @@ use crate::roles::Role;
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentConfig {
-    /// `ws://` or `wss://` URL of the hub's agent endpoint.
-    pub hub_url: String,
+    /// `ws://` or `wss://` URL of the hub's agent endpoint; no hub session without it.
+    #[serde(default)]
+    pub hub_url: Option<String>,
+    /// The agent's HTTP base as masters reach it (`register.agentUrl`); default
+    /// `http://<hostname>:<--http port>`.
+    #[serde(default)]
+    pub agent_url: Option<String>,
+    /// The name sent to masters (`register.hostname`); default the host's name.
+    #[serde(default)]
+    pub hostname: Option<String>,
+    /// Fantom masters to dial on their relay, one slot each (`[[fantom_master]]` tables).
+    #[serde(default, rename = "fantom_master")]
+    pub fantom_masters: Vec<FantomMaster>,
     /// Unique in the fleet; the hostname when absent.
     #[serde(default)]
     pub agent_id: Option<String>,
@@ -50,6 +73,23 @@ pub struct AgentConfig {
     /// Local models; none is fine (the agent then serves cloud routes only, after a push).
     #[serde(default)]
     pub models: Vec<ServedModel>,
+}
+
+/// One Fantom master: where its relay is (`ws://<host of server_url>:<ws_port>/sidecar`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FantomMaster {
+    /// The master's HTTP base (`http://10.0.0.2:3848`): the slot's key, byte for byte as the
+    /// master knows it (`master-identity` and the chat header match it exactly).
+    pub server_url: String,
+    /// The relay port; unset dials 3002 (Sound Suite's relay), which a Fantom master corrects
+    /// with `master-identity`. Fantom's is 3003.
+    #[serde(default)]
+    pub ws_port: Option<u16>,
+    /// The token this master presents on the agent's HTTP port (read when the HTTP routes
+    /// come; never logged).
+    #[serde(default)]
+    pub auth_token_file: Option<PathBuf>,
 }
 
 /// One local model and the roles it serves.
@@ -105,11 +145,46 @@ impl AgentConfig {
 
     pub fn parse(text: &str) -> Result<Self, String> {
         let cfg: AgentConfig = toml::from_str(text).map_err(|e| e.to_string())?;
-        if !(cfg.hub_url.starts_with("ws://") || cfg.hub_url.starts_with("wss://")) {
+        if let Some(hub_url) = &cfg.hub_url
+            && !(hub_url.starts_with("ws://") || hub_url.starts_with("wss://"))
+        {
             return Err(format!(
-                "hub_url '{}' must start with ws:// or wss://",
-                cfg.hub_url
+                "hub_url '{hub_url}' must start with ws:// or wss://"
             ));
+        }
+        if cfg.hub_url.is_none() && cfg.fantom_masters.is_empty() {
+            return Err("set hub_url, or at least one [[fantom_master]] table".into());
+        }
+        if let Some(url) = &cfg.agent_url
+            && !is_http(url)
+        {
+            return Err(format!(
+                "agent_url '{url}' must start with http:// or https://"
+            ));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for m in &cfg.fantom_masters {
+            if !is_http(&m.server_url) {
+                return Err(format!(
+                    "fantom_master server_url '{}' must start with http:// or https://",
+                    m.server_url
+                ));
+            }
+            if m.ws_port == Some(0) {
+                return Err(format!("fantom_master '{}': ws_port 0", m.server_url));
+            }
+            if crate::fantom::slots::relay_url(&m.server_url, m.ws_port).is_none() {
+                return Err(format!(
+                    "fantom_master server_url '{}' has no host",
+                    m.server_url
+                ));
+            }
+            if !seen.insert(m.server_url.as_str()) {
+                return Err(format!(
+                    "fantom_master server_url '{}' is listed twice",
+                    m.server_url
+                ));
+            }
         }
         for m in &cfg.models {
             if m.roles.is_empty() {
@@ -121,6 +196,10 @@ impl AgentConfig {
         }
         Ok(cfg)
     }
+}
+
+fn is_http(url: &str) -> bool {
+    url.starts_with("http://") || url.starts_with("https://")
 }
 
 #[cfg(test)]
@@ -148,5 +227,43 @@ mod tests {
         assert!(bad_role.unwrap_err().contains("embeddings"));
         assert!(AgentConfig::parse("hub_url = \"ws://h\"\nfleet_token = \"inline\"").is_err());
         assert!(AgentConfig::parse("hub_url = \"http://h\"").is_err());
+    }
+
+    #[test]
+    fn fantom_masters_may_stand_without_a_hub() {
+        let cfg = AgentConfig::parse(
+            r#"agent_url = "http://10.0.0.5:8098"
+               [[fantom_master]]
+               server_url = "http://10.0.0.2:3848"
+               ws_port = 3003
+               [[fantom_master]]
+               server_url = "https://fantom.example"
+            "#,
+        )
+        .unwrap();
+        assert!(cfg.hub_url.is_none());
+        assert_eq!(cfg.fantom_masters.len(), 2);
+        assert_eq!(cfg.fantom_masters[0].ws_port, Some(3003));
+        assert_eq!(cfg.fantom_masters[1].ws_port, None);
+        assert!(
+            AgentConfig::parse("agent_id = \"a\"").is_err(),
+            "neither hub nor master"
+        );
+        let bad = |body: &str| AgentConfig::parse(body).is_err();
+        assert!(bad(
+            "[[fantom_master]]\nserver_url = \"ws://10.0.0.2:3848\""
+        ));
+        assert!(bad(
+            "[[fantom_master]]\nserver_url = \"http://h\"\nport = 1"
+        ));
+        assert!(bad(
+            "[[fantom_master]]\nserver_url = \"http://h\"\nws_port = 0"
+        ));
+        assert!(bad(
+            "[[fantom_master]]\nserver_url = \"http://h\"\n[[fantom_master]]\nserver_url = \"http://h\""
+        ));
+        assert!(bad(
+            "agent_url = \"10.0.0.5:8098\"\n[[fantom_master]]\nserver_url = \"http://h\""
+        ));
     }
 }

@@ -21,8 +21,17 @@
 //!   commands' typed payloads and results, and their codec.
 //! * [`status`]: the status snapshot shared by `heartbeat.statusData` and `GET /api/status`
 //!   (containers per role, roles, GPUs, VRAM, `masters[]` with the virtual containers).
+//! * [`slots`]: one slot per master, keyed by its `serverUrl`: its relay port, the config its
+//!   pushes left (the key in memory only) and its socket's state.
+//! * [`relay`]: one sequential connection loop per slot: register, heartbeats, commands,
+//!   config pushes, `master-identity`, reconnect with backoff.
+//! * [`snapshot`]: the agent's identity for masters ([`snapshot::RelayContext`]) and the
+//!   `statusData` built from it and the slots.
 
 pub mod frames;
+pub mod relay;
+pub mod slots;
+pub mod snapshot;
 pub mod status;
 
 #[cfg(test)]

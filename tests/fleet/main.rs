@@ -8,10 +8,12 @@ mod support;
 
 mod bad_input;
 mod cloud;
+mod fantom_master;
 mod gate;
 mod kill;
 mod leases;
 mod reconnect;
+mod relay;
 mod secrets;
 mod serve;
 mod tls;

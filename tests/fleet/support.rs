@@ -321,6 +321,44 @@ drain_timeout_s = 60
     Proc::start(&args, envs, &dir.join(format!("{id}.log")), "agent")
 }
 
+/// An agent with no hub: its TOML is only `agent_id`, `drain_timeout_s` and `body` (the
+/// Fantom relay's `agent_url`, `[[fantom_master]]` tables, models, cloud settings). Top-level
+/// keys of `body` must come before its first table.
+pub fn start_relay_agent(dir: &Path, id: &str, body: &str, envs: &[(&str, &str)]) -> Proc {
+    let config = dir.join(format!("{id}.toml"));
+    let toml = format!(
+        r#"agent_id = "{id}"
+drain_timeout_s = 60
+{body}
+"#
+    );
+    std::fs::write(&config, toml).unwrap();
+    let args: Vec<String> = vec![
+        "agent".into(),
+        "--config".into(),
+        config.display().to_string(),
+        "--http".into(),
+        "127.0.0.1:0".into(),
+    ];
+    Proc::start(&args, envs, &dir.join(format!("{id}.log")), "agent")
+}
+
+/// The `[[models]]` table of [`start_agent_with`]: MiniLM on the CPU for both embedding roles.
+pub fn minilm_models_toml() -> String {
+    format!(
+        r#"
+[[models]]
+roles = ["embedding", "code-embedding"]
+model = "all-minilm-l6-v2"
+model_dir = "{}"
+device = "cpu"
+pipeline_depth = 2
+max_items_per_work = 16
+"#,
+        minilm_dir().display()
+    )
+}
+
 /// A protocol-level agent driven frame by frame.
 pub struct RawAgent {
     ws: tokio_tungstenite::WebSocketStream<

@@ -1,0 +1,309 @@
+//! One relay connection per slot (§2.1): dial `ws://<master>:<wsPort>/sidecar`, `register`,
+//! wait for `registered`, heartbeat every 5 s, answer `command`s, merge `config` pushes, follow
+//! `master-identity`; on a lost socket, dial again after a backoff (1 s doubling to 30 s, full
+//! jitter, reset after a `registered`).
+//!
+//! One socket per slot, ever: [`run_slot`] is sequential, so a new socket is dialled only after
+//! the previous one has ended, and slots are independent tasks (a close on one never touches
+//! another, §2.1.11). Reads are never blocked by command work: handlers are spawned and their
+//! results go through one channel to the socket's writer. tungstenite answers WebSocket pings
+//! as the stream is read. A master frame's text is never logged (`config` carries the key near
+//! its head); only decode errors and outcomes are.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use tokio::sync::{mpsc, watch};
+use tokio::time::{Interval, MissedTickBehavior};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::protocol::frame::CloseFrame;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+
+use super::frames::{
+    Action, Command, CommandResult, ConfigFrame, HEARTBEAT_INTERVAL_MS, Heartbeat, MasterFrame,
+    Register, SidecarFrame, decode_master, decode_master_bytes, encode_sidecar,
+};
+use super::slots::{ConfigOutcome, Slots};
+pub use super::snapshot::RelayContext;
+use super::snapshot::status_data;
+use crate::agent::connection::backoff_delay;
+use crate::config::push::PushRefused;
+
+/// A dial that has not completed in this long is abandoned.
+pub const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// A socket whose `registered` has not come in this long is dropped.
+pub const REGISTER_TIMEOUT: Duration = Duration::from_secs(30);
+
+type WsStream =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// How one socket's life ended.
+enum SessionEnd {
+    /// The socket went away; dial again after a backoff (reset if it had registered).
+    Lost {
+        why: String,
+        registered: bool,
+    },
+    /// The slot's relay port changed: dial the new one at once.
+    Redial,
+    /// The slot is gone.
+    Removed,
+    Shutdown,
+}
+
+/// Runs the slot `server_url` until shutdown or until the slot is removed.
+pub async fn run_slot(
+    slots: Arc<Slots>,
+    server_url: String,
+    ctx: Arc<RelayContext>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let master = server_url.as_str();
+    let mut attempt = 0u32;
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        let Some(url) = slots.ws_url(master) else {
+            tracing::info!(master, "the slot is gone; its relay loop ends");
+            return;
+        };
+        let dialled = tokio::select! {
+            r = dial(&url) => r,
+            _ = shutdown.changed() => return,
+        };
+        match dialled {
+            Ok(ws) => {
+                tracing::info!(master, relay = %url, "relay socket open");
+                slots.set_connected(master, true);
+                let end = session(&slots, master, &url, &ctx, ws, &mut shutdown).await;
+                slots.set_connected(master, false);
+                match end {
+                    SessionEnd::Shutdown | SessionEnd::Removed => return,
+                    SessionEnd::Redial => {
+                        tracing::info!(master, "the relay port changed: dialling it now");
+                        attempt = 0;
+                        continue;
+                    }
+                    SessionEnd::Lost { why, registered } => {
+                        tracing::warn!(master, relay = %url, reason = %why, "relay socket lost");
+                        slots.set_error(master, why);
+                        if registered {
+                            attempt = 0;
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(master, relay = %url, error = %e, "cannot connect to the relay");
+                slots.set_error(master, e.to_string());
+            }
+        }
+        let delay = backoff_delay(attempt, &mut rand::rng());
+        attempt = attempt.saturating_add(1);
+        tracing::info!(
+            master,
+            delay_ms = delay.as_millis() as u64,
+            attempt,
+            "relay: reconnecting after a backoff"
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+async fn dial(url: &str) -> anyhow::Result<WsStream> {
+    crate::http::install_crypto_provider();
+    match tokio::time::timeout(DIAL_TIMEOUT, tokio_tungstenite::connect_async(url)).await {
+        Ok(Ok((ws, _))) => Ok(ws),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => anyhow::bail!("no answer within {} s", DIAL_TIMEOUT.as_secs()),
+    }
+}
+
+/// Waits for the next heartbeat; never, before `registered`.
+async fn tick(heartbeat: &mut Option<Interval>) {
+    match heartbeat {
+        Some(interval) => {
+            interval.tick().await;
+        }
+        None => std::future::pending::<()>().await,
+    }
+}
+
+/// One socket's life: register, registered, heartbeats, commands, pushes.
+async fn session(
+    slots: &Arc<Slots>,
+    master: &str,
+    url: &str,
+    ctx: &Arc<RelayContext>,
+    ws: WsStream,
+    shutdown: &mut watch::Receiver<bool>,
+) -> SessionEnd {
+    let (mut sink, mut stream) = ws.split();
+    let (tx, mut rx) = mpsc::unbounded_channel::<Message>();
+    let mut writer = tokio::spawn(async move {
+        while let Some(msg) = rx.recv().await {
+            let closing = matches!(msg, Message::Close(_));
+            if sink.send(msg).await.is_err() || closing {
+                break;
+            }
+        }
+        let _ = sink.close().await;
+    });
+    let send = |frame: &SidecarFrame| tx.send(Message::Text(encode_sidecar(frame).into())).is_ok();
+    send(&SidecarFrame::Register(Register {
+        agent_url: ctx.agent_url.clone(),
+        hostname: Some(ctx.hostname.clone()),
+        containers: ctx
+            .containers()
+            .map(|(role, _)| format!("ss-{role}"))
+            .collect(),
+    }));
+    let register_deadline = tokio::time::sleep(REGISTER_TIMEOUT);
+    tokio::pin!(register_deadline);
+    let mut heartbeat: Option<Interval> = None;
+    let mut registered = false;
+
+    let end = loop {
+        tokio::select! {
+            next = stream.next() => {
+                let decoded = match next {
+                    Some(Ok(Message::Text(text))) => decode_master(text.as_str()),
+                    Some(Ok(Message::Binary(bytes))) => decode_master_bytes(&bytes),
+                    Some(Ok(Message::Close(frame))) => {
+                        let why = frame.map_or_else(|| "closed by the master".to_string(), |f| format!("closed by the master: {} {}", f.code, f.reason));
+                        break SessionEnd::Lost { why, registered };
+                    }
+                    Some(Ok(_)) => continue, // pings are answered by tungstenite
+                    Some(Err(e)) => break SessionEnd::Lost { why: e.to_string(), registered },
+                    None => break SessionEnd::Lost { why: "the socket ended".into(), registered },
+                };
+                let frame = match decoded {
+                    Ok(frame) => frame,
+                    Err(e) => {
+                        tracing::warn!(master, error = %e, "a relay frame not understood; ignored");
+                        continue;
+                    }
+                };
+                match frame {
+                    MasterFrame::Registered { ok: true } if !registered => {
+                        registered = true;
+                        slots.set_registered(master);
+                        tracing::info!(master, "registered with the master");
+                        let mut beat = tokio::time::interval(Duration::from_millis(HEARTBEAT_INTERVAL_MS));
+                        beat.set_missed_tick_behavior(MissedTickBehavior::Delay);
+                        heartbeat = Some(beat);
+                    }
+                    MasterFrame::Registered { ok } => tracing::debug!(master, ok, "another registered frame; ignored"),
+                    MasterFrame::Error { message } => tracing::warn!(master, message = %message, "the master reported an error"),
+                    MasterFrame::Command(cmd) => {
+                        tracing::info!(master, id = %cmd.id, action = %cmd.action, "command");
+                        let tx = tx.clone();
+                        tokio::spawn(async move {
+                            let result = SidecarFrame::Result(answer(&cmd));
+                            let _ = tx.send(Message::Text(encode_sidecar(&result).into()));
+                        });
+                    }
+                    MasterFrame::Config(frame) | MasterFrame::ConfigPush(frame) => apply_config(slots, master, frame),
+                    MasterFrame::MasterIdentity(identity) => {
+                        let fixed = slots.fix_ws_port(&identity.canonical_url, identity.ws_port);
+                        tracing::info!(master, canonical_url = %identity.canonical_url, ws_port = identity.ws_port, slot_found = fixed.is_some(), changed = fixed.unwrap_or(false), "master-identity");
+                        if slots.ws_url(master).as_deref() != Some(url) {
+                            break SessionEnd::Redial;
+                        }
+                    }
+                }
+            }
+            _ = &mut register_deadline, if !registered => {
+                break SessionEnd::Lost { why: format!("no registered within {} s", REGISTER_TIMEOUT.as_secs()), registered };
+            }
+            _ = tick(&mut heartbeat) => {
+                // A master-identity on another slot's socket may have moved this one.
+                match slots.ws_url(master) {
+                    None => break SessionEnd::Removed,
+                    Some(now) if now != url => break SessionEnd::Redial,
+                    Some(_) => {}
+                }
+                let beat = SidecarFrame::Heartbeat(Heartbeat {
+                    agent_url: None,
+                    active_requests: Some(0),
+                    status_data: Some(Box::new(status_data(ctx, slots, master))),
+                });
+                if !send(&beat) {
+                    break SessionEnd::Lost { why: "the socket's writer stopped".into(), registered };
+                }
+            }
+            _ = shutdown.changed() => break SessionEnd::Shutdown,
+        }
+    };
+    if matches!(end, SessionEnd::Lost { .. }) {
+        drop(tx);
+        writer.abort();
+    } else {
+        let _ = tx.send(Message::Close(Some(CloseFrame {
+            code: CloseCode::Normal,
+            reason: "agent closing this relay socket".into(),
+        })));
+        drop(tx);
+        if tokio::time::timeout(Duration::from_secs(2), &mut writer)
+            .await
+            .is_err()
+        {
+            writer.abort();
+        }
+    }
+    end
+}
+
+/// The result of one command. The actions themselves come next; for now a known action is
+/// refused by name and an unknown one gets the upstream convention.
+fn answer(cmd: &Command) -> CommandResult {
+    match cmd.parse() {
+        Ok(Action::Unknown(action)) => CommandResult::unknown_action(cmd.id.clone(), &action),
+        Ok(_) => CommandResult::err(
+            cmd.id.clone(),
+            format!("not implemented yet: {}", cmd.action),
+        ),
+        Err(e) => CommandResult::err(
+            cmd.id.clone(),
+            format!("invalid {} payload: {e}", cmd.action),
+        ),
+    }
+}
+
+/// Merges a `config`/`config-push` into this slot (no `result` is sent, §2.1.10). Logs the
+/// outcome only: never the push.
+fn apply_config(slots: &Slots, master: &str, frame: ConfigFrame) {
+    let config_id = frame.id.unwrap_or_default();
+    if let Some(revoked) = frame.payload.revoke_server_url.as_deref() {
+        let found = slots.revoke(revoked);
+        tracing::info!(master, config_id = %config_id, revoked_slot = %revoked, found, "config push revoked a slot's key and settings");
+    }
+    let Some(push) = frame.payload.openrouter else {
+        tracing::info!(master, config_id = %config_id, "config push without an openrouter object");
+        return;
+    };
+    match slots.apply_config(master, push) {
+        ConfigOutcome::Applied(report) => {
+            let key = if report.key_included {
+                "included"
+            } else {
+                "unchanged"
+            };
+            tracing::info!(master, config_id = %config_id, key, roles = ?report.roles, "config push applied");
+        }
+        ConfigOutcome::Refused(PushRefused::FirstPushWithoutKey) => {
+            tracing::warn!(master, config_id = %config_id, "pushed with no apiKey (and none on file) — ignoring");
+        }
+        ConfigOutcome::Refused(refused) => {
+            tracing::warn!(master, config_id = %config_id, reason = %refused, "config push refused");
+        }
+        ConfigOutcome::NoSlot => {
+            tracing::warn!(master, config_id = %config_id, "config push for a slot that is gone")
+        }
+    }
+}
