@@ -63,27 +63,6 @@ fn master_rows(heartbeat: &Value) -> Vec<(String, u64)> {
         .collect()
 }
 
-fn files_containing(dir: &Path, needle: &str, skip: &[&Path]) -> Vec<String> {
-    let mut hits = Vec::new();
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return hits;
-    };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if skip.contains(&path.as_path()) {
-            continue;
-        }
-        if path.is_dir() {
-            hits.extend(files_containing(&path, needle, skip));
-        } else if let Ok(bytes) = std::fs::read(&path)
-            && bytes.windows(needle.len()).any(|w| w == needle.as_bytes())
-        {
-            hits.push(path.display().to_string());
-        }
-    }
-    hits
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_registers_and_heartbeats_in_the_masters_shape() {
     let dir = tempfile::tempdir().unwrap();

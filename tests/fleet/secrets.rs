@@ -3,32 +3,9 @@
 //! dir or the agent's dirs, and never in the first 120 characters of a frame. The fleet and
 //! admin tokens stay out of the logs too.
 
-use std::path::Path;
-
 use serde_json::json;
 
 use crate::support::*;
-
-fn files_containing(dir: &Path, needle: &str, skip: &[&Path]) -> Vec<String> {
-    let mut hits = Vec::new();
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return hits;
-    };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if skip.contains(&path.as_path()) {
-            continue;
-        }
-        if path.is_dir() {
-            hits.extend(files_containing(&path, needle, skip));
-        } else if let Ok(bytes) = std::fs::read(&path)
-            && bytes.windows(needle.len()).any(|w| w == needle.as_bytes())
-        {
-            hits.push(path.display().to_string());
-        }
-    }
-    hits
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_key_never_reaches_logs_endpoints_files_or_frame_heads() {

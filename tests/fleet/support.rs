@@ -272,19 +272,7 @@ pub fn start_agent_with(
     extra: &str,
     envs: &[(&str, &str)],
 ) -> Proc {
-    let models = format!(
-        r#"{extra}
-
-[[models]]
-roles = ["embedding", "code-embedding"]
-model = "all-minilm-l6-v2"
-model_dir = "{}"
-device = "cpu"
-pipeline_depth = 2
-max_items_per_work = 16
-"#,
-        minilm_dir().display()
-    );
+    let models = format!("{extra}\n{}", minilm_models_toml());
     start_agent_toml(dir, hub_url, fleet_file, id, &models, envs)
 }
 
@@ -298,7 +286,6 @@ pub fn start_agent_toml(
     body: &str,
     envs: &[(&str, &str)],
 ) -> Proc {
-    let config = dir.join(format!("{id}.toml"));
     let toml = format!(
         r#"hub_url = "{hub_url}"
 agent_id = "{id}"
@@ -308,30 +295,13 @@ drain_timeout_s = 60
 "#,
         fleet_file.display(),
     );
-    std::fs::write(&config, toml).unwrap();
-    let args: Vec<String> = ["agent", "--config"]
-        .iter()
-        .map(|s| s.to_string())
-        .chain([
-            config.display().to_string(),
-            "--http".into(),
-            "127.0.0.1:0".into(),
-        ])
-        .collect();
-    Proc::start(&args, envs, &dir.join(format!("{id}.log")), "agent")
+    run_agent(dir, id, &toml, envs)
 }
 
-/// An agent with no hub: its TOML is only `agent_id`, `drain_timeout_s` and `body` (the
-/// Fantom relay's `agent_url`, `[[fantom_master]]` tables, models, cloud settings). Top-level
-/// keys of `body` must come before its first table.
-pub fn start_relay_agent(dir: &Path, id: &str, body: &str, envs: &[(&str, &str)]) -> Proc {
+/// Writes `<dir>/<id>.toml` and runs `agent --config` on it (`--http` on a free port),
+/// logging to `<dir>/<id>.log`.
+fn run_agent(dir: &Path, id: &str, toml: &str, envs: &[(&str, &str)]) -> Proc {
     let config = dir.join(format!("{id}.toml"));
-    let toml = format!(
-        r#"agent_id = "{id}"
-drain_timeout_s = 60
-{body}
-"#
-    );
     std::fs::write(&config, toml).unwrap();
     let args: Vec<String> = vec![
         "agent".into(),
@@ -341,6 +311,19 @@ drain_timeout_s = 60
         "127.0.0.1:0".into(),
     ];
     Proc::start(&args, envs, &dir.join(format!("{id}.log")), "agent")
+}
+
+/// An agent with no hub: its TOML is only `agent_id`, `drain_timeout_s` and `body` (the
+/// Fantom relay's `agent_url`, `[[fantom_master]]` tables, models, cloud settings). Top-level
+/// keys of `body` must come before its first table.
+pub fn start_relay_agent(dir: &Path, id: &str, body: &str, envs: &[(&str, &str)]) -> Proc {
+    let toml = format!(
+        r#"agent_id = "{id}"
+drain_timeout_s = 60
+{body}
+"#
+    );
+    run_agent(dir, id, &toml, envs)
 }
 
 /// The `[[models]]` table of [`start_agent_with`]: MiniLM on the CPU for both embedding roles.
@@ -523,4 +506,26 @@ pub fn vector(v: &Value) -> Vec<f32> {
         .iter()
         .map(|x| x.as_f64().unwrap() as f32)
         .collect()
+}
+
+/// Files under `dir` (recursively, `skip` aside) whose bytes contain `needle`.
+pub fn files_containing(dir: &Path, needle: &str, skip: &[&Path]) -> Vec<String> {
+    let mut hits = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return hits;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if skip.contains(&path.as_path()) {
+            continue;
+        }
+        if path.is_dir() {
+            hits.extend(files_containing(&path, needle, skip));
+        } else if let Ok(bytes) = std::fs::read(&path)
+            && bytes.windows(needle.len()).any(|w| w == needle.as_bytes())
+        {
+            hits.push(path.display().to_string());
+        }
+    }
+    hits
 }
