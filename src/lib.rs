@@ -13,6 +13,8 @@
 //! * [`hub`]: shared role queues, leases, dispatch, policy, persisted state.
 //! * [`http`]: the hub's client, admin and ops APIs, and the agents' WebSocket endpoint.
 //! * [`agent`]: providers, the pull loop and the one socket to the hub.
+//! * [`fantom`]: the drop-in for Fantom's existing sidecar relay and its HTTP routes.
+//! * [`service`]: running under systemd (notify, watchdog, credentials).
 //! * [`cli`]: the `fantom-sidecar` command line.
 
 pub mod agent;
@@ -29,3 +31,4 @@ pub mod model_spec;
 pub mod protocol;
 pub mod roles;
 pub mod secret;
+pub mod service;

@@ -33,6 +33,7 @@ async fn health(State(agent): State<Arc<Agent>>) -> impl IntoResponse {
     (
         status,
         Json(json!({
+            "ok": healthy,
             "status": if healthy { "ok" } else { "disconnected" },
             "agent_id": agent.id(),
             "hub_connected": connected,

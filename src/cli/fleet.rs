@@ -4,7 +4,6 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -15,7 +14,10 @@ use super::ModelArgs;
 use crate::agent::{self, Agent, AgentOptions};
 use crate::config::agent::{AgentConfig, ServedModel};
 use crate::config::tokens;
-use crate::fantom::relay::{RelayContext, run_slot};
+use crate::fantom;
+use crate::fantom::containers::Containers;
+use crate::fantom::relay::RelayContext;
+use crate::fantom::sidecar::Sidecar;
 use crate::fantom::slots::Slots;
 use crate::http::{self, TlsFiles};
 use crate::hub::core::HubSettings;
@@ -23,6 +25,7 @@ use crate::hub::{Hub, HubOptions};
 use crate::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
 use crate::roles::Role;
 use crate::secret::Secret;
+use crate::service::credentials;
 
 #[derive(Args, Clone, Debug)]
 pub struct HubArgs {
@@ -86,8 +89,9 @@ pub struct AgentCommand {
     /// The agent's TOML file (hub URL, Fantom masters, id, token source, models).
     #[arg(long)]
     config: PathBuf,
-    /// Address of the agent's health and metrics endpoints.
-    #[arg(long, default_value = "127.0.0.1:8098")]
+    /// Address of the agent's HTTP port: health and metrics, and with Fantom masters their
+    /// status, role and chat routes (masters need a reachable address: 0.0.0.0:8098).
+    #[arg(long, env = "FANTOM_AGENT_HTTP", default_value = "127.0.0.1:8098")]
     http: SocketAddr,
     /// OpenRouter's API base for cloud routes (overrides `openrouter_url` of the config).
     #[arg(long)]
@@ -183,15 +187,23 @@ fn open_hub(args: &HubArgs) -> anyhow::Result<Hub> {
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("cannot create the state dir {}", state_dir.display()))?;
-    let (admin_token, admin_path) =
-        tokens::load_or_generate(args.admin_token_file.as_deref(), &state_dir, "admin.token")?;
-    let (fleet_token, fleet_path) =
-        tokens::load_or_generate(args.fleet_token_file.as_deref(), &state_dir, "fleet.token")?;
-    let client_token = args
-        .client_token_file
-        .as_deref()
-        .map(tokens::read_token_file)
-        .transpose()?;
+    let (admin_token, admin_path) = tokens::load_or_generate(
+        args.admin_token_file.as_deref(),
+        credentials::ADMIN_TOKEN,
+        &state_dir,
+        "admin.token",
+    )?;
+    let (fleet_token, fleet_path) = tokens::load_or_generate(
+        args.fleet_token_file.as_deref(),
+        credentials::FLEET_TOKEN,
+        &state_dir,
+        "fleet.token",
+    )?;
+    let client_token = tokens::optional(
+        args.client_token_file.as_deref(),
+        None,
+        credentials::CLIENT_TOKEN,
+    )?;
     tracing::info!(admin_token = %admin_path.display(), fleet_token = %fleet_path.display(), state_dir = %state_dir.display(), client_auth = client_token.is_some(), "hub tokens (paths only)");
     let settings = HubSettings {
         lease: Duration::from_secs(args.lease_s.max(1)),
@@ -254,86 +266,107 @@ fn cloud_options(openrouter_url: Option<String>, depth: u32) -> agent::CloudOpti
 pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
     let cfg = AgentConfig::load(&cmd.config)?;
     let fleet_token = match &cfg.hub_url {
-        Some(_) => tokens::from_file_or_env(
+        Some(_) => tokens::optional(
             cfg.fleet_token_file.as_deref(),
             cfg.fleet_token_env.as_deref(),
-        )?,
+            credentials::FLEET_TOKEN,
+        )?
+        .ok_or(tokens::TokenError::NoSource)?,
         // Never sent: without a hub URL no hub session is dialled.
         None => Secret::new(String::new()),
     };
+    let http_token = tokens::optional(
+        cfg.http_token_file.as_deref(),
+        cfg.http_token_env.as_deref(),
+        credentials::HTTP_TOKEN,
+    )?;
     let providers = agent::load_providers(&cfg.models).await?;
     if providers.is_empty() {
         tracing::info!(
             "no local models: this agent serves cloud routes only, once a push gives it a key"
         );
     }
-    let local_roles: Vec<(Role, String)> = providers
-        .iter()
-        .map(|p| {
-            let info = p.info();
-            (info.role, info.model)
-        })
-        .collect();
     if cfg.hub_url.is_none() {
         tracing::info!("no hub_url: no hub session, Fantom masters only");
     }
+    let cloud = cloud_options(
+        cmd.openrouter_url.or(cfg.openrouter_url.clone()),
+        cfg.cloud_pipeline_depth,
+    );
+    let has_hub = cfg.hub_url.is_some();
     let agent = Agent::new(AgentOptions {
-        hub_url: cfg.hub_url,
-        agent_id: cfg.agent_id.unwrap_or_else(agent::hostname),
+        hub_url: cfg.hub_url.clone(),
+        agent_id: cfg.agent_id.clone().unwrap_or_else(agent::hostname),
         fleet_token,
-        ca_file: cfg.ca_file,
+        ca_file: cfg.ca_file.clone(),
         drain_timeout: Duration::from_secs(cfg.drain_timeout_s.clamp(1, 3600)),
         max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
-        providers,
-        cloud: cloud_options(
-            cmd.openrouter_url.or(cfg.openrouter_url),
-            cfg.cloud_pipeline_depth,
-        ),
+        // Without a hub the relay's containers are the models' only owners: a `stop` frees them.
+        providers: if has_hub {
+            providers.clone()
+        } else {
+            Vec::new()
+        },
+        cloud: cloud.clone(),
     });
     let listener = bind(cmd.http, "agent")?;
     let http_port = listener.local_addr()?.port();
     let stop = shutdown_signal();
-    let http_stop = signalled(stop.clone());
-    let server = tokio::spawn(http::serve(
-        listener,
-        agent::http::router(agent.clone()),
-        None,
-        http_stop,
-    ));
-    let mut relays = tokio::task::JoinSet::new();
+    let mut router = agent::http::router(agent.clone());
+    let mut sidecar = None;
     if !cfg.fantom_masters.is_empty() {
         if cmd.http.ip().is_loopback() {
             tracing::warn!(http = %cmd.http, "Fantom masters are configured but the agent's HTTP port listens on loopback only: masters cannot reach it (e.g. --http 0.0.0.0:8098)");
         }
         let hostname = cfg.hostname.clone().unwrap_or_else(agent::hostname);
-        let ctx = Arc::new(RelayContext {
+        let ctx = RelayContext {
             agent_url: cfg
                 .agent_url
                 .clone()
                 .unwrap_or_else(|| format!("http://{hostname}:{http_port}")),
             hostname,
-            http_port,
             version: env!("CARGO_PKG_VERSION").to_string(),
-            roles: local_roles,
             started: Instant::now(),
-        });
-        let slots = Arc::new(Slots::new(&cfg.fantom_masters));
-        tracing::info!(masters = cfg.fantom_masters.len(), agent_url = %ctx.agent_url, "relaying to Fantom masters");
-        for master in &cfg.fantom_masters {
-            relays.spawn(run_slot(
-                slots.clone(),
-                master.server_url.clone(),
-                ctx.clone(),
-                stop.clone(),
+        };
+        let slots = Slots::new(&cfg.fantom_masters, cloud);
+        for m in &cfg.fantom_masters {
+            if let Some(file) = &m.auth_token_file {
+                let token = tokens::read_token_file(file)?;
+                slots.add(&m.server_url, m.ws_port, Some(token));
+            }
+        }
+        let containers =
+            Containers::new(&providers, &cfg.models, &cfg.role_ports, http_port, has_hub);
+        let fantom = Sidecar::new(ctx, slots, containers, http_token, stop.clone());
+        tracing::info!(masters = cfg.fantom_masters.len(), agent_url = %fantom.ctx.agent_url, "relaying to Fantom masters");
+        // Role ports: the master sends each role's inference to its `config.port`.
+        let mut by_port: std::collections::BTreeMap<u16, Vec<Role>> = Default::default();
+        for (role, port) in &cfg.role_ports {
+            by_port.entry(*port).or_default().push(*role);
+        }
+        for (port, roles) in by_port {
+            if port == http_port {
+                continue;
+            }
+            let addr = SocketAddr::new(cmd.http.ip(), port);
+            let names: Vec<&str> = roles.iter().map(|r| r.as_str()).collect();
+            let listener = bind(addr, &format!("role port {}", names.join(",")))?;
+            tokio::spawn(http::serve(
+                listener,
+                fantom::http::role_port_router(fantom.clone(), roles),
+                None,
+                signalled(stop.clone()),
             ));
         }
+        router = router.merge(fantom::http::agent_port_router(fantom.clone()));
+        fantom.start_relays();
+        sidecar = Some(fantom);
     }
+    let server = tokio::spawn(http::serve(listener, router, None, signalled(stop.clone())));
     agent.run(stop).await;
     // The relays saw the same shutdown; give their close frames a moment.
-    let drained = async { while relays.join_next().await.is_some() {} };
-    if tokio::time::timeout(Duration::from_secs(5), drained)
-        .await
-        .is_err()
+    if let Some(fantom) = &sidecar
+        && !fantom.join_relays(Duration::from_secs(5)).await
     {
         tracing::warn!("relay sockets did not close within 5 s");
     }

@@ -208,6 +208,22 @@ impl CloudError {
         }
     }
 
+    /// The HTTP status that says this failure to a client of ours: OpenRouter's own where it
+    /// answered (429, 402, 401/403, 4xx), 404 for routing problems, 502 when it could not be
+    /// reached or answered badly, 503 when it was unavailable.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            CloudError::PlatformRateLimited { .. } | CloudError::UpstreamRateLimited { .. } => 429,
+            CloudError::InFlightBudget { .. } | CloudError::PaymentRequired { .. } => 402,
+            CloudError::Unauthorized { status, .. } | CloudError::Rejected { status, .. } => {
+                *status
+            }
+            CloudError::NoEndpoints { .. } => 404,
+            CloudError::Unavailable { .. } => 503,
+            CloudError::Transport { .. } | CloudError::BadResponse { .. } => 502,
+        }
+    }
+
     /// How the hub treats the failure.
     pub fn failure_class(&self) -> FailureClass {
         match self {

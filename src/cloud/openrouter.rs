@@ -14,8 +14,8 @@ use serde_json::Value;
 use super::error::{CloudError, MAX_MESSAGE_CHARS, truncate_chars};
 use super::route::CloudRoute;
 use super::wire::{
-    bad, chat_body, embed_body, error_in_success, parse_credits, parse_embeddings, parse_key,
-    parse_rerank, parse_tokens, rerank_body,
+    bad, chat_body, credit_totals, embed_body, error_in_success, parse_credits, parse_embeddings,
+    parse_key, parse_rerank, parse_tokens, rerank_body,
 };
 use crate::secret::Secret;
 
@@ -70,6 +70,12 @@ pub struct KeyInfo {
     pub is_free_tier: Option<bool>,
     /// `total_credits - total_usage` from `/credits`; `None` when unknown (401/403/404, 0/0).
     pub credits_remaining_usd: Option<f64>,
+    /// `/key`'s `rate_limit` as it stands (for a master that reads it itself).
+    pub rate_limit_requests: Option<i64>,
+    pub rate_limit_interval: Option<String>,
+    /// `/credits` as it stands (the master computes what remains).
+    pub total_credits_usd: Option<f64>,
+    pub total_usage_usd: Option<f64>,
 }
 
 impl KeyInfo {
@@ -235,7 +241,11 @@ impl OpenRouterClient {
         let mut info = parse_key(&answer.into_json()?);
         info.credits_remaining_usd = match self.get("/credits").await {
             Ok(answer) if answer.is_success() => {
-                answer.into_json().ok().as_ref().and_then(parse_credits)
+                let body = answer.into_json().ok();
+                if let Some(body) = &body {
+                    (info.total_credits_usd, info.total_usage_usd) = credit_totals(body);
+                }
+                body.as_ref().and_then(parse_credits)
             }
             Ok(answer) => {
                 tracing::debug!(status = answer.status, "openrouter credits unknown");

@@ -246,7 +246,27 @@ pub(super) fn parse_key(body: &Value) -> KeyInfo {
         usage_usd: data.get("usage").and_then(number),
         is_free_tier: data.get("is_free_tier").and_then(Value::as_bool),
         credits_remaining_usd: None,
+        rate_limit_requests: data
+            .get("rate_limit")
+            .and_then(|r| r.get("requests"))
+            .and_then(Value::as_i64),
+        rate_limit_interval: data
+            .get("rate_limit")
+            .and_then(|r| r.get("interval"))
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        total_credits_usd: None,
+        total_usage_usd: None,
     }
+}
+
+/// `/credits` as it stands: `(total_credits, total_usage)`.
+pub(super) fn credit_totals(body: &Value) -> (Option<f64>, Option<f64>) {
+    let data = body.get("data").unwrap_or(body);
+    (
+        data.get("total_credits").and_then(number),
+        data.get("total_usage").and_then(number),
+    )
 }
 
 /// `/credits`: `total_credits - total_usage`; 0/0 is unknown (ordinary keys get it).
@@ -450,6 +470,10 @@ mod tests {
                 usage_usd: Some(4.5),
                 is_free_tier: Some(false),
                 credits_remaining_usd: None,
+                rate_limit_requests: Some(-1),
+                rate_limit_interval: Some("10s".into()),
+                total_credits_usd: None,
+                total_usage_usd: None,
             }
         );
     }

@@ -27,8 +27,16 @@
 //! server_url = "http://10.0.0.2:3848"  # the slot's key, byte for byte
 //! ws_port = 3003                       # the relay port; unset dials 3002
 //! ```
+//!
+//! The agent's HTTP port (and role ports) take a bearer token when one is configured:
+//! `http_token_file` / `http_token_env`, and each master's `auth_token_file` (the registry
+//! entry's `authToken` the master sends). `[role_ports]` serves a role on its own port (the
+//! master reads `containers[role].config.port`), e.g. `embedding = 11434`. Masters may also come
+//! from the environment: `SIDECAR_MASTERS="url1,url2|3003"` and `MASTER_URL="url"`.
 
 use std::path::{Path, PathBuf};
+
+use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
@@ -70,6 +78,14 @@ pub struct AgentConfig {
     /// Work frames one cloud provider takes at once (the hub's budget decides how many run).
     #[serde(default = "default_cloud_depth")]
     pub cloud_pipeline_depth: u32,
+    /// The bearer token of the agent's HTTP port and role ports (a file; or `http_token_env`).
+    #[serde(default)]
+    pub http_token_file: Option<PathBuf>,
+    #[serde(default)]
+    pub http_token_env: Option<String>,
+    /// A role served on its own port (`embedding = 11434`); unset: on the agent's port.
+    #[serde(default)]
+    pub role_ports: BTreeMap<Role, u16>,
     /// Local models; none is fine (the agent then serves cloud routes only, after a push).
     #[serde(default)]
     pub models: Vec<ServedModel>,
@@ -137,20 +153,53 @@ impl AgentConfig {
             path: path.to_path_buf(),
             source,
         })?;
-        Self::parse(&text).map_err(|message| AgentConfigError::Parse {
+        let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        Self::parse_with_env(&text, env).map_err(|message| AgentConfigError::Parse {
             path: path.to_path_buf(),
             message,
         })
     }
 
+    /// Parses a config file's text (no environment).
     pub fn parse(text: &str) -> Result<Self, String> {
-        let cfg: AgentConfig = toml::from_str(text).map_err(|e| e.to_string())?;
+        Self::parse_with_env(text, |_| None)
+    }
+
+    /// Parses the text, adds the masters of `SIDECAR_MASTERS` and `MASTER_URL` (as `env`
+    /// reads them) that the file does not list, and checks the whole.
+    pub fn parse_with_env(
+        text: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, String> {
+        let mut cfg: AgentConfig = toml::from_str(text).map_err(|e| e.to_string())?;
+        for master in env_masters(
+            env("SIDECAR_MASTERS").as_deref(),
+            env("MASTER_URL").as_deref(),
+        )? {
+            if !cfg
+                .fantom_masters
+                .iter()
+                .any(|m| m.server_url == master.server_url)
+            {
+                cfg.fantom_masters.push(master);
+            }
+        }
         if let Some(hub_url) = &cfg.hub_url
             && !(hub_url.starts_with("ws://") || hub_url.starts_with("wss://"))
         {
             return Err(format!(
                 "hub_url '{hub_url}' must start with ws:// or wss://"
             ));
+        }
+        for (role, port) in &cfg.role_ports {
+            if *port == 0 {
+                return Err(format!("role_ports: {role} = 0"));
+            }
+            if !cfg.models.iter().any(|m| m.roles.contains(role)) {
+                return Err(format!(
+                    "role_ports: {role} has a port but no [[models]] table serves it"
+                ));
+            }
         }
         if cfg.hub_url.is_none() && cfg.fantom_masters.is_empty() {
             return Err("set hub_url, or at least one [[fantom_master]] table".into());
@@ -196,6 +245,30 @@ impl AgentConfig {
         }
         Ok(cfg)
     }
+}
+
+/// `SIDECAR_MASTERS="url1,url2|3003"` (a `|wsPort` per entry, optional) and `MASTER_URL`.
+fn env_masters(list: Option<&str>, single: Option<&str>) -> Result<Vec<FantomMaster>, String> {
+    let mut out = Vec::new();
+    let entries = list.into_iter().flat_map(|l| l.split(',')).chain(single);
+    for entry in entries.map(str::trim).filter(|e| !e.is_empty()) {
+        let (url, ws_port) = match entry.rsplit_once('|') {
+            Some((url, port)) => {
+                let port = port
+                    .trim()
+                    .parse::<u16>()
+                    .map_err(|_| format!("SIDECAR_MASTERS entry '{entry}': bad wsPort"))?;
+                (url.trim(), Some(port))
+            }
+            None => (entry, None),
+        };
+        out.push(FantomMaster {
+            server_url: url.to_string(),
+            ws_port,
+            auth_token_file: None,
+        });
+    }
+    Ok(out)
 }
 
 fn is_http(url: &str) -> bool {
@@ -265,5 +338,41 @@ mod tests {
         assert!(bad(
             "agent_url = \"10.0.0.5:8098\"\n[[fantom_master]]\nserver_url = \"http://h\""
         ));
+    }
+
+    #[test]
+    fn masters_come_from_the_environment_too_and_role_ports_need_a_model() {
+        let env = |name: &str| match name {
+            "SIDECAR_MASTERS" => Some("http://a:3848|3003, http://b:3848".to_string()),
+            "MASTER_URL" => Some("http://a:3848".to_string()),
+            _ => None,
+        };
+        let cfg = AgentConfig::parse_with_env("agent_id = \"x\"", env).unwrap();
+        let got: Vec<_> = cfg
+            .fantom_masters
+            .iter()
+            .map(|m| (m.server_url.as_str(), m.ws_port))
+            .collect();
+        assert_eq!(
+            got,
+            vec![("http://a:3848", Some(3003)), ("http://b:3848", None)]
+        );
+        let bad_port = |_: &str| Some("http://a|x".to_string());
+        assert!(AgentConfig::parse_with_env("", bad_port).is_err());
+
+        let with_port = |port: &str| {
+            AgentConfig::parse(&format!(
+                "hub_url = \"ws://h/v1/agent\"\nhttp_token_env = \"T\"\n[role_ports]\n{port}\n[[models]]\nroles = [\"embedding\"]\nmodel = \"m\""
+            ))
+        };
+        let cfg = with_port("embedding = 11434").unwrap();
+        assert_eq!(cfg.role_ports[&Role::Embedding], 11434);
+        assert!(
+            with_port("reranker = 8099")
+                .unwrap_err()
+                .contains("no [[models]]")
+        );
+        assert!(with_port("embedding = 0").is_err());
+        assert!(with_port("rerank = 8099").is_err());
     }
 }

@@ -1,13 +1,16 @@
 //! Where the fleet, admin and client tokens come from: a file (mode 0600 when we write it) or
 //! an environment variable; never a command-line value, never a log line.
 //!
-//! A hub started without a token file generates one into its state dir on first start and
-//! logs the file's path (the value stays in the file).
+//! Under systemd a token with neither configured comes from the unit's credentials
+//! (`LoadCredential=fleet-token:…`, see [`crate::service::credentials`]). A hub with none of
+//! these generates its token into its state dir on first start and logs the file's path (the
+//! value stays in the file).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::secret::Secret;
+use crate::service::credentials;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenError {
@@ -25,7 +28,9 @@ pub enum TokenError {
     },
     #[error("the environment variable {0} is not set or empty")]
     EnvMissing(String),
-    #[error("no fleet token: set fleet_token_file or fleet_token_env")]
+    #[error(
+        "no fleet token: set fleet_token_file or fleet_token_env (or the fleet-token credential under systemd)"
+    )]
     NoSource,
 }
 
@@ -42,15 +47,19 @@ pub fn read_token_file(path: &Path) -> Result<Secret, TokenError> {
     Ok(secret)
 }
 
-/// A token from `explicit` (must exist), else from `state_dir/name`, generated there when
-/// missing. Returns the token and the file it came from.
+/// A token from `explicit` (must exist), else the systemd credential `credential`, else from
+/// `state_dir/name`, generated there when missing. Returns the token and the file it came from.
 pub fn load_or_generate(
     explicit: Option<&Path>,
+    credential: &str,
     state_dir: &Path,
     name: &str,
 ) -> Result<(Secret, PathBuf), TokenError> {
     if let Some(path) = explicit {
         return Ok((read_token_file(path)?, path.to_path_buf()));
+    }
+    if let Some(path) = credentials::path(credential) {
+        return Ok((read_token_file(&path)?, path));
     }
     let path = state_dir.join(name);
     if path.exists() {
@@ -63,6 +72,22 @@ pub fn load_or_generate(
     })?;
     tracing::info!(path = %path.display(), "generated a token file (0600); its value is not logged");
     Ok((token, path))
+}
+
+/// A token from a file, an environment variable, or else the systemd credential `credential`;
+/// `Ok(None)` when none of them is there.
+pub fn optional(
+    file: Option<&Path>,
+    env: Option<&str>,
+    credential: &str,
+) -> Result<Option<Secret>, TokenError> {
+    match from_file_or_env(file, env) {
+        Ok(token) => Ok(Some(token)),
+        Err(TokenError::NoSource) => credentials::path(credential)
+            .map(|path| read_token_file(&path))
+            .transpose(),
+        Err(e) => Err(e),
+    }
 }
 
 /// A token from a file or from an environment variable (the agent's two sources).
@@ -101,8 +126,10 @@ mod tests {
     #[test]
     fn a_missing_token_is_generated_once_and_then_reused() {
         let dir = tempfile::tempdir().unwrap();
-        let (a, path) = load_or_generate(None, dir.path(), "fleet.token").unwrap();
-        let (b, _) = load_or_generate(None, dir.path(), "fleet.token").unwrap();
+        let (a, path) =
+            load_or_generate(None, "no-such-credential", dir.path(), "fleet.token").unwrap();
+        let (b, _) =
+            load_or_generate(None, "no-such-credential", dir.path(), "fleet.token").unwrap();
         assert_eq!(a.expose(), b.expose());
         #[cfg(unix)]
         {
@@ -111,7 +138,7 @@ mod tests {
             assert_eq!(mode & 0o777, 0o600);
         }
         let missing = dir.path().join("nope");
-        assert!(load_or_generate(Some(&missing), dir.path(), "x").is_err());
+        assert!(load_or_generate(Some(&missing), "x", dir.path(), "x").is_err());
         std::fs::write(dir.path().join("empty"), "\n").unwrap();
         assert!(matches!(
             read_token_file(&dir.path().join("empty")),

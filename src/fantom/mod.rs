@@ -26,10 +26,21 @@
 //! * [`relay`]: one sequential connection loop per slot: register, heartbeats, commands,
 //!   config pushes, `master-identity`, reconnect with backoff.
 //! * [`snapshot`]: the agent's identity for masters ([`snapshot::RelayContext`]) and the
-//!   `statusData` built from it and the slots.
+//!   `statusData` built from it, the containers and the slots.
+//! * [`containers`]: the local roles as the containers a master knows, with `start`/`stop`/
+//!   `acquire`/`release`.
+//! * [`commands`]: the answers to the relay's commands (the virtual commands on the slot's
+//!   key and pinned models; the container actions).
+//! * [`sidecar`]: all of the above for one agent, and its relay loops.
+//! * [`http`]: the agent's HTTP surface for masters (status, masters, role endpoints, chat
+//!   proxy), with the bearer check.
 
+pub mod commands;
+pub mod containers;
 pub mod frames;
+pub mod http;
 pub mod relay;
+pub mod sidecar;
 pub mod slots;
 pub mod snapshot;
 pub mod status;

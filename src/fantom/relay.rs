@@ -9,6 +9,10 @@
 //! results go through one channel to the socket's writer. tungstenite answers WebSocket pings
 //! as the stream is read. A master frame's text is never logged (`config` carries the key near
 //! its head); only decode errors and outcomes are.
+//!
+//! While the relay cannot be dialled, the same heartbeat goes to the master's HTTP fallback,
+//! `POST <serverUrl>/api/admin/gpu/sidecars/heartbeat`, every 5 s (§3.4); the WebSocket is
+//! retried all along (the fallback never creates the master's registry entry).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,15 +24,19 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::frame::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 
+use super::commands;
 use super::frames::{
-    Action, Command, CommandResult, ConfigFrame, HEARTBEAT_INTERVAL_MS, Heartbeat, MasterFrame,
-    Register, SidecarFrame, decode_master, decode_master_bytes, encode_sidecar,
+    ConfigFrame, HEARTBEAT_INTERVAL_MS, Heartbeat, MasterFrame, Register, SidecarFrame,
+    decode_master, decode_master_bytes, encode_sidecar,
 };
-use super::slots::{ConfigOutcome, Slots};
+use super::sidecar::Sidecar;
+use super::slots::{ConfigOutcome, Connection, Slots};
 pub use super::snapshot::RelayContext;
-use super::snapshot::status_data;
 use crate::agent::connection::backoff_delay;
 use crate::config::push::PushRefused;
+
+/// The master's HTTP-fallback heartbeat route (§3.4).
+pub const HTTP_HEARTBEAT_PATH: &str = "/api/admin/gpu/sidecars/heartbeat";
 
 /// A dial that has not completed in this long is abandoned.
 pub const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -52,21 +60,30 @@ enum SessionEnd {
     Shutdown,
 }
 
-/// Runs the slot `server_url` until shutdown or until the slot is removed.
+/// Runs the slot `server_url` (generation `generation`) until shutdown or until the slot is
+/// removed or handed to a newer loop.
 pub async fn run_slot(
-    slots: Arc<Slots>,
+    sidecar: Arc<Sidecar>,
     server_url: String,
-    ctx: Arc<RelayContext>,
+    generation: u64,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let slots = &sidecar.slots;
     let master = server_url.as_str();
     let mut attempt = 0u32;
+    let fallback = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .ok();
     loop {
         if *shutdown.borrow() {
             return;
         }
-        let Some(url) = slots.ws_url(master) else {
+        if slots.generation(master) != Some(generation) {
             tracing::info!(master, "the slot is gone; its relay loop ends");
+            return;
+        }
+        let Some(url) = slots.ws_url(master) else {
             return;
         };
         let dialled = tokio::select! {
@@ -76,9 +93,9 @@ pub async fn run_slot(
         match dialled {
             Ok(ws) => {
                 tracing::info!(master, relay = %url, "relay socket open");
-                slots.set_connected(master, true);
-                let end = session(&slots, master, &url, &ctx, ws, &mut shutdown).await;
-                slots.set_connected(master, false);
+                slots.set_connection(master, Connection::WebSocket);
+                let end = session(&sidecar, master, &url, ws, &mut shutdown).await;
+                slots.set_connection(master, Connection::None);
                 match end {
                     SessionEnd::Shutdown | SessionEnd::Removed => return,
                     SessionEnd::Redial => {
@@ -98,6 +115,7 @@ pub async fn run_slot(
             Err(e) => {
                 tracing::warn!(master, relay = %url, error = %e, "cannot connect to the relay");
                 slots.set_error(master, e.to_string());
+                slots.set_connection(master, Connection::Http);
             }
         }
         let delay = backoff_delay(attempt, &mut rand::rng());
@@ -108,10 +126,59 @@ pub async fn run_slot(
             attempt,
             "relay: reconnecting after a backoff"
         );
+        let http_beats = async {
+            if slots.with_slot(master, |s| s.connection) == Some(Connection::Http)
+                && let Some(client) = &fallback
+            {
+                http_heartbeats(&sidecar, master, client).await
+            } else {
+                std::future::pending::<()>().await
+            }
+        };
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
+            _ = http_beats => {}
             _ = shutdown.changed() => return,
         }
+    }
+}
+
+/// Heartbeats over HTTP every 5 s, the first at once (§3.4), until the caller stops waiting.
+async fn http_heartbeats(sidecar: &Sidecar, master: &str, client: &reqwest::Client) {
+    let target = format!("{}{HTTP_HEARTBEAT_PATH}", master.trim_end_matches('/'));
+    let mut beat = tokio::time::interval(Duration::from_millis(HEARTBEAT_INTERVAL_MS));
+    beat.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        beat.tick().await;
+        let frame = SidecarFrame::Heartbeat(heartbeat(sidecar, master, true));
+        let sent = client
+            .post(&target)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(encode_sidecar(&frame))
+            .send()
+            .await;
+        match sent {
+            Ok(r) if r.status().is_success() => {
+                tracing::debug!(master, "heartbeat sent over the HTTP fallback")
+            }
+            Ok(r) => {
+                tracing::warn!(
+                    master,
+                    status = r.status().as_u16(),
+                    "the HTTP fallback refused a heartbeat"
+                )
+            }
+            Err(e) => tracing::debug!(master, error = %e, "the HTTP fallback is unreachable too"),
+        }
+    }
+}
+
+/// A heartbeat for `master`; over HTTP it names the agent at the top (§3.4).
+fn heartbeat(sidecar: &Sidecar, master: &str, over_http: bool) -> Heartbeat {
+    Heartbeat {
+        agent_url: over_http.then(|| sidecar.ctx.agent_url.clone()),
+        active_requests: Some(sidecar.containers.active_requests()),
+        status_data: Some(Box::new(sidecar.heartbeat_status(master))),
     }
 }
 
@@ -136,13 +203,16 @@ async fn tick(heartbeat: &mut Option<Interval>) {
 
 /// One socket's life: register, registered, heartbeats, commands, pushes.
 async fn session(
-    slots: &Arc<Slots>,
+    sidecar: &Arc<Sidecar>,
     master: &str,
     url: &str,
-    ctx: &Arc<RelayContext>,
     ws: WsStream,
     shutdown: &mut watch::Receiver<bool>,
 ) -> SessionEnd {
+    let slots = &sidecar.slots;
+    let ctx = &sidecar.ctx;
+    let mut changes = slots.subscribe();
+    let generation = slots.generation(master);
     let (mut sink, mut stream) = ws.split();
     let (tx, mut rx) = mpsc::unbounded_channel::<Message>();
     let mut writer = tokio::spawn(async move {
@@ -158,9 +228,10 @@ async fn session(
     send(&SidecarFrame::Register(Register {
         agent_url: ctx.agent_url.clone(),
         hostname: Some(ctx.hostname.clone()),
-        containers: ctx
-            .containers()
-            .map(|(role, _)| format!("ss-{role}"))
+        containers: sidecar
+            .containers
+            .iter()
+            .map(|c| format!("ss-{}", c.role))
             .collect(),
     }));
     let register_deadline = tokio::time::sleep(REGISTER_TIMEOUT);
@@ -203,9 +274,14 @@ async fn session(
                     MasterFrame::Command(cmd) => {
                         tracing::info!(master, id = %cmd.id, action = %cmd.action, "command");
                         let tx = tx.clone();
+                        let (sidecar, master) = (sidecar.clone(), master.to_string());
                         tokio::spawn(async move {
-                            let result = SidecarFrame::Result(answer(&cmd));
-                            let _ = tx.send(Message::Text(encode_sidecar(&result).into()));
+                            let result = commands::answer(&sidecar, &master, &cmd).await;
+                            match &result.error {
+                                Some(error) => tracing::info!(master = %master, id = %result.id, action = %cmd.action, error = %error, "command refused or failed"),
+                                None => tracing::info!(master = %master, id = %result.id, action = %cmd.action, "command answered"),
+                            }
+                            let _ = tx.send(Message::Text(encode_sidecar(&SidecarFrame::Result(result)).into()));
                         });
                     }
                     MasterFrame::Config(frame) | MasterFrame::ConfigPush(frame) => apply_config(slots, master, frame),
@@ -221,18 +297,19 @@ async fn session(
             _ = &mut register_deadline, if !registered => {
                 break SessionEnd::Lost { why: format!("no registered within {} s", REGISTER_TIMEOUT.as_secs()), registered };
             }
-            _ = tick(&mut heartbeat) => {
-                // A master-identity on another slot's socket may have moved this one.
+            Ok(()) = changes.changed() => {
+                // Removed through the API, or moved by a master-identity on another socket.
+                if slots.generation(master) != generation {
+                    break SessionEnd::Removed;
+                }
                 match slots.ws_url(master) {
                     None => break SessionEnd::Removed,
                     Some(now) if now != url => break SessionEnd::Redial,
                     Some(_) => {}
                 }
-                let beat = SidecarFrame::Heartbeat(Heartbeat {
-                    agent_url: None,
-                    active_requests: Some(0),
-                    status_data: Some(Box::new(status_data(ctx, slots, master))),
-                });
+            }
+            _ = tick(&mut heartbeat) => {
+                let beat = SidecarFrame::Heartbeat(heartbeat_frame(sidecar, master));
                 if !send(&beat) {
                     break SessionEnd::Lost { why: "the socket's writer stopped".into(), registered };
                 }
@@ -259,20 +336,8 @@ async fn session(
     end
 }
 
-/// The result of one command. The actions themselves come next; for now a known action is
-/// refused by name and an unknown one gets the upstream convention.
-fn answer(cmd: &Command) -> CommandResult {
-    match cmd.parse() {
-        Ok(Action::Unknown(action)) => CommandResult::unknown_action(cmd.id.clone(), &action),
-        Ok(_) => CommandResult::err(
-            cmd.id.clone(),
-            format!("not implemented yet: {}", cmd.action),
-        ),
-        Err(e) => CommandResult::err(
-            cmd.id.clone(),
-            format!("invalid {} payload: {e}", cmd.action),
-        ),
-    }
+fn heartbeat_frame(sidecar: &Sidecar, master: &str) -> Heartbeat {
+    heartbeat(sidecar, master, false)
 }
 
 /// Merges a `config`/`config-push` into this slot (no `result` is sent, §2.1.10). Logs the

@@ -7,14 +7,24 @@
 //! [`SlotView`] snapshot says only whether one is held.
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use serde::Serialize;
+use tokio::sync::watch;
 use tokio_tungstenite::tungstenite::http::Uri;
 
 use super::frames::{DEFAULT_WS_PORT, RELAY_PATH};
+use super::status::{
+    KeyState, MasterEntry, VirtualContainer, VirtualInference, VirtualState, WireMode,
+};
+use crate::agent::CloudOptions;
+use crate::cloud::openrouter::OpenRouterClient;
 use crate::config::agent::FantomMaster;
-use crate::config::push::{self, CloudSettings, MergeReport, OpenRouterPush, PushRefused};
+use crate::config::push::{
+    self, AllowedModel, CloudSettings, MergeReport, OpenRouterPush, PushRefused,
+};
+use crate::hub::now_ms;
+use crate::roles::Role;
 use crate::secret::Secret;
 
 /// The relay URL of a master: `ws://<host of server_url>:<ws_port or 3002>/sidecar` (`wss://`
@@ -33,6 +43,40 @@ pub fn relay_url(server_url: &str, ws_port: Option<u16>) -> Option<String> {
     Some(format!("{scheme}://{host}:{port}{RELAY_PATH}"))
 }
 
+/// How a slot reaches its master now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Connection {
+    #[default]
+    None,
+    /// A relay socket is open.
+    WebSocket,
+    /// The relay cannot be dialled: heartbeats go over HTTP (§3.4).
+    Http,
+}
+
+impl Connection {
+    fn wire(self) -> Option<String> {
+        match self {
+            Connection::None => None,
+            Connection::WebSocket => Some("websocket".into()),
+            Connection::Http => Some("http".into()),
+        }
+    }
+}
+
+/// What one slot's cloud route of one role has done (a `virtualContainers[]` row's counters).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct VirtualUsage {
+    pub served: u64,
+    pub failures: u64,
+    pub in_flight: u64,
+    pub last_served_at_ms: Option<u64>,
+    pub last_duration_ms: Option<u64>,
+    pub last_error: Option<String>,
+    /// The last call failed.
+    pub failed: bool,
+}
+
 /// One master's slot.
 #[derive(Clone, Debug)]
 pub struct Slot {
@@ -40,6 +84,10 @@ pub struct Slot {
     pub server_url: String,
     /// The relay port; `None` dials [`DEFAULT_WS_PORT`].
     pub ws_port: Option<u16>,
+    /// Which relay loop owns this slot (a slot removed and added again gets a new one).
+    pub generation: u64,
+    /// The token this master presents on the agent's HTTP port.
+    pub auth_token: Option<Secret>,
     /// What the pushes left, merged by [`push::merge`] (`policies` is not used on the relay).
     pub held: CloudSettings,
     /// `modeByRole` as pushed (`local-only`, `local-first`, `cloud-only`; `rlm` kept for
@@ -47,10 +95,13 @@ pub struct Slot {
     pub modes: BTreeMap<String, String>,
     /// The pushed OpenRouter key (memory only).
     pub key: Option<Secret>,
+    /// The client calling OpenRouter with that key.
+    pub client: Option<Arc<OpenRouterClient>>,
+    /// Per role key (`embedding`, …, `rlm-sandbox`): what its cloud route did.
+    pub usage: BTreeMap<String, VirtualUsage>,
     /// `registered` came on the current socket.
     pub registered: bool,
-    /// A socket is open.
-    pub connected: bool,
+    pub connection: Connection,
     /// Sockets that reached `registered` since start.
     pub sessions: u64,
     pub last_error: Option<String>,
@@ -61,11 +112,15 @@ impl Slot {
         Slot {
             server_url: server_url.into(),
             ws_port,
+            generation: 0,
+            auth_token: None,
             held: CloudSettings::default(),
             modes: BTreeMap::new(),
             key: None,
+            client: None,
+            usage: BTreeMap::new(),
             registered: false,
-            connected: false,
+            connection: Connection::None,
             sessions: 0,
             last_error: None,
         }
@@ -74,6 +129,86 @@ impl Slot {
     /// The port this slot dials.
     pub fn effective_ws_port(&self) -> u16 {
         self.ws_port.unwrap_or(DEFAULT_WS_PORT)
+    }
+
+    /// The pushed mode of a role key (`local-only` when none was pushed).
+    pub fn mode(&self, role: &str) -> WireMode {
+        WireMode::from_wire(self.modes.get(role).map(String::as_str))
+    }
+
+    /// The pushed cloud model of a role.
+    pub fn allowed(&self, role: Role) -> Option<&AllowedModel> {
+        self.held.allowed_models.get(&role)
+    }
+
+    /// The `masters[]` row; with `detailed`, the virtual inference and containers too.
+    fn entry(&self, detailed: bool) -> MasterEntry {
+        let (virtual_inference, virtual_containers) = if detailed {
+            let mode_by_role = self
+                .modes
+                .iter()
+                .map(|(role, mode)| (role.clone(), WireMode::from_wire(Some(mode))))
+                .collect();
+            let inference = VirtualInference {
+                openrouter: if self.key.is_some() {
+                    KeyState::Configured
+                } else {
+                    KeyState::Unset
+                },
+                mode_by_role,
+            };
+            (Some(inference), Some(self.virtual_containers()))
+        } else {
+            (None, None)
+        };
+        MasterEntry {
+            server_url: self.server_url.clone(),
+            ws_port: Some(self.effective_ws_port()),
+            connection_mode: self.connection.wire(),
+            virtual_inference,
+            virtual_containers,
+        }
+    }
+
+    /// One row per pushed cloud model; the sandbox model is the master's role `rlm`.
+    fn virtual_containers(&self) -> Vec<VirtualContainer> {
+        self.held
+            .allowed_models
+            .iter()
+            .map(|(role, m)| {
+                let key = role.as_str();
+                let shown = if *role == Role::RlmSandbox {
+                    "rlm"
+                } else {
+                    key
+                };
+                let mode = match self.modes.get(key) {
+                    Some(mode) => WireMode::from_wire(Some(mode)),
+                    None => self.mode(shown),
+                };
+                let usage = self.usage.get(key).cloned().unwrap_or_default();
+                let state = if usage.in_flight > 0 {
+                    VirtualState::Serving
+                } else if usage.failed {
+                    VirtualState::Failed
+                } else {
+                    VirtualState::Idle
+                };
+                VirtualContainer {
+                    role: shown.to_string(),
+                    model: m.model.clone(),
+                    provider: m.provider.clone(),
+                    dims: m.dims,
+                    mode,
+                    served: Some(usage.served),
+                    last_served_at: usage.last_served_at_ms,
+                    failures: Some(usage.failures),
+                    last_error: usage.last_error,
+                    last_duration_ms: usage.last_duration_ms,
+                    state,
+                }
+            })
+            .collect()
     }
 }
 
@@ -88,17 +223,20 @@ pub enum ConfigOutcome {
     NoSlot,
 }
 
-/// One slot as the status routes show it: never the key.
+/// One slot as `GET /api/masters` shows it: never the key nor the token.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct SlotView {
     pub server_url: String,
     /// The effective relay port.
     pub ws_port: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub connection_mode: Option<String>,
     pub connected: bool,
     pub registered: bool,
     pub sessions: u64,
     pub key_held: bool,
+    pub auth_token_set: bool,
     /// Role → its cloud model.
     pub models: BTreeMap<String, SlotModel>,
     pub modes: BTreeMap<String, String>,
@@ -118,30 +256,94 @@ pub struct SlotModel {
 }
 
 /// Every slot of this agent.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Slots {
     inner: Mutex<BTreeMap<String, Slot>>,
+    cloud: CloudOptions,
+    /// Bumped on every change a relay loop must look at (a slot removed, its port fixed).
+    changes: watch::Sender<u64>,
+    next_generation: std::sync::atomic::AtomicU64,
 }
 
 impl Slots {
-    /// One slot per configured master (a repeated server URL keeps the first).
-    pub fn new(masters: &[FantomMaster]) -> Self {
-        let mut all = BTreeMap::new();
+    /// One slot per configured master (a repeated server URL keeps the first); OpenRouter is
+    /// called as `cloud` says.
+    pub fn new(masters: &[FantomMaster], cloud: CloudOptions) -> Self {
+        let slots = Slots {
+            inner: Mutex::new(BTreeMap::new()),
+            cloud,
+            changes: watch::channel(0).0,
+            next_generation: std::sync::atomic::AtomicU64::new(1),
+        };
         for m in masters {
-            all.entry(m.server_url.clone())
-                .or_insert_with(|| Slot::new(m.server_url.clone(), m.ws_port));
+            slots.add(&m.server_url, m.ws_port, None);
         }
-        Slots {
-            inner: Mutex::new(all),
-        }
+        slots
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Slot>> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn changed(&self) {
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    /// Wakes when a slot is removed or its relay port changes.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
     pub fn server_urls(&self) -> Vec<String> {
         self.lock().keys().cloned().collect()
+    }
+
+    /// Adds a slot, or updates the port (and token, when given) of an existing one. Returns
+    /// whether it was created and its generation (the relay loop that must run it).
+    pub fn add(
+        &self,
+        server_url: &str,
+        ws_port: Option<u16>,
+        auth_token: Option<Secret>,
+    ) -> (bool, u64) {
+        let mut all = self.lock();
+        if let Some(slot) = all.get_mut(server_url) {
+            let moved = ws_port.is_some() && slot.ws_port != ws_port;
+            if ws_port.is_some() {
+                slot.ws_port = ws_port;
+            }
+            if auth_token.is_some() {
+                slot.auth_token = auth_token;
+            }
+            let generation = slot.generation;
+            drop(all);
+            if moved {
+                self.changed();
+            }
+            return (false, generation);
+        }
+        let generation = self
+            .next_generation
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut slot = Slot::new(server_url, ws_port);
+        slot.generation = generation;
+        slot.auth_token = auth_token;
+        all.insert(server_url.to_string(), slot);
+        (true, generation)
+    }
+
+    /// Removes a slot (its key and settings go with it); its relay loop closes its socket.
+    pub fn remove(&self, server_url: &str) -> bool {
+        let removed = self.lock().remove(server_url).is_some();
+        if removed {
+            self.changed();
+        }
+        removed
+    }
+
+    /// The generation of a slot now (`None`: no such slot).
+    pub fn generation(&self, server_url: &str) -> Option<u64> {
+        self.lock().get(server_url).map(|s| s.generation)
     }
 
     /// The relay URL the slot dials now; `None` when there is no such slot.
@@ -162,9 +364,21 @@ impl Slots {
         }
     }
 
+    /// Whether `presented` is the auth token of some slot.
+    pub fn accepts_token(&self, presented: &str) -> bool {
+        self.lock()
+            .values()
+            .any(|s| s.auth_token.as_ref().is_some_and(|t| t.matches(presented)))
+    }
+
+    /// Whether any slot has an auth token.
+    pub fn any_token(&self) -> bool {
+        self.lock().values().any(|s| s.auth_token.is_some())
+    }
+
     /// Merges a `config`/`config-push` onto the slot. On success the pushed key (if any)
-    /// replaces the held one and each pushed mode replaces its role's; on refusal nothing
-    /// changes, modes included.
+    /// replaces the held one (with a new client) and each pushed mode replaces its role's; on
+    /// refusal nothing changes, modes included.
     pub fn apply_config(&self, server_url: &str, mut push: OpenRouterPush) -> ConfigOutcome {
         let mut all = self.lock();
         let Some(slot) = all.get_mut(server_url) else {
@@ -173,6 +387,17 @@ impl Slots {
         match push::merge(&mut slot.held, slot.key.is_some(), &push) {
             Ok(report) => {
                 if let Some(key) = push.api_key.take() {
+                    slot.client = match OpenRouterClient::new(
+                        &self.cloud.openrouter_url,
+                        key.clone(),
+                        self.cloud.request_timeout,
+                    ) {
+                        Ok(client) => Some(Arc::new(client)),
+                        Err(e) => {
+                            tracing::error!(master = %server_url, error = %e, "no OpenRouter client for this master");
+                            None
+                        }
+                    };
                     slot.key = Some(key);
                 }
                 if let Some(modes) = push.mode_by_role.take() {
@@ -192,6 +417,7 @@ impl Slots {
             return false;
         };
         slot.key = None;
+        slot.client = None;
         slot.held = CloudSettings::default();
         slot.modes.clear();
         true
@@ -208,14 +434,18 @@ impl Slots {
         }
         let changed = slot.effective_ws_port() != ws_port;
         slot.ws_port = Some(ws_port);
+        drop(all);
+        if changed {
+            self.changed();
+        }
         Some(changed)
     }
 
-    /// A socket opened (`true`) or closed (`false`: not registered either).
-    pub fn set_connected(&self, server_url: &str, connected: bool) {
+    /// How the slot reaches its master now (closing a socket also ends its registration).
+    pub fn set_connection(&self, server_url: &str, connection: Connection) {
         self.update(server_url, |slot| {
-            slot.connected = connected;
-            if !connected {
+            slot.connection = connection;
+            if connection != Connection::WebSocket {
                 slot.registered = false;
             }
         });
@@ -234,17 +464,53 @@ impl Slots {
         self.update(server_url, |slot| slot.last_error = Some(error));
     }
 
-    /// Every slot, without its key.
+    /// A cloud call of this slot's `role` starts.
+    pub fn begin_call(&self, server_url: &str, role: &str) {
+        self.update(server_url, |slot| {
+            slot.usage.entry(role.to_string()).or_default().in_flight += 1;
+        });
+    }
+
+    /// A cloud call of this slot's `role` ended after `duration_ms`.
+    pub fn end_call(&self, server_url: &str, role: &str, duration_ms: u64, error: Option<String>) {
+        self.update(server_url, |slot| {
+            let usage = slot.usage.entry(role.to_string()).or_default();
+            usage.in_flight = usage.in_flight.saturating_sub(1);
+            usage.last_duration_ms = Some(duration_ms);
+            usage.failed = error.is_some();
+            match error {
+                Some(e) => {
+                    usage.failures += 1;
+                    usage.last_error = Some(e);
+                }
+                None => {
+                    usage.served += 1;
+                    usage.last_served_at_ms = Some(now_ms());
+                    usage.last_error = None;
+                }
+            }
+        });
+    }
+
+    /// The `masters[]` rows: small for heartbeats, with the virtual containers for
+    /// `GET /api/status` (`detailed`).
+    pub fn master_entries(&self, detailed: bool) -> Vec<MasterEntry> {
+        self.lock().values().map(|s| s.entry(detailed)).collect()
+    }
+
+    /// Every slot, without its key or token.
     pub fn snapshot(&self) -> Vec<SlotView> {
         self.lock()
             .values()
             .map(|slot| SlotView {
                 server_url: slot.server_url.clone(),
                 ws_port: slot.effective_ws_port(),
-                connected: slot.connected,
+                connection_mode: slot.connection.wire(),
+                connected: slot.connection == Connection::WebSocket,
                 registered: slot.registered,
                 sessions: slot.sessions,
                 key_held: slot.key.is_some(),
+                auth_token_set: slot.auth_token.is_some(),
                 models: slot
                     .held
                     .allowed_models
@@ -297,10 +563,13 @@ mod tests {
 
     #[test]
     fn pushes_merge_per_slot_and_a_keyless_first_push_changes_nothing() {
-        let slots = Slots::new(&[
-            master("http://a:3848", Some(3003)),
-            master("http://b", None),
-        ]);
+        let slots = Slots::new(
+            &[
+                master("http://a:3848", Some(3003)),
+                master("http://b", None),
+            ],
+            CloudOptions::default(),
+        );
         let keyless = push(r#"{"modeByRole":{"embedding":"cloud-only"}}"#);
         let outcome = slots.apply_config("http://a:3848", keyless);
         assert!(matches!(
@@ -349,7 +618,10 @@ mod tests {
 
     #[test]
     fn master_identity_fixes_a_slot_in_place() {
-        let slots = Slots::new(&[master("http://10.0.0.2:3848", None)]);
+        let slots = Slots::new(
+            &[master("http://10.0.0.2:3848", None)],
+            CloudOptions::default(),
+        );
         assert_eq!(
             slots.fix_ws_port("http://10.0.0.2:3848/", 3003),
             None,

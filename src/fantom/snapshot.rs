@@ -1,16 +1,14 @@
-//! The status snapshot this agent reports to a master (§2.1.4): its identity
+//! The status snapshot this agent reports to a master (§2.1.4, §3.1): its identity
 //! ([`RelayContext`]), its local roles as the containers a Fantom master expects, and one
-//! `masters[]` row per slot. The heartbeat sends it every 5 s; `GET /api/status` will add the
-//! per-slot virtual containers.
+//! `masters[]` row per slot. The heartbeat sends the small form every 5 s; `GET /api/status`
+//! adds each slot's virtual inference and virtual containers.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use super::containers::Containers;
 use super::slots::Slots;
-use super::status::{
-    AgentInfo, Container, ContainerConfig, ContainerKind, LoadedModel, MasterEntry, RoleActivity,
-    StatusData,
-};
+use super::status::{AgentInfo, Gpu, RoleActivity, StatusData};
 use crate::roles::Role;
 
 /// What every slot reports about this agent.
@@ -19,138 +17,149 @@ pub struct RelayContext {
     /// `register.agentUrl`: the same to every master.
     pub agent_url: String,
     pub hostname: String,
-    /// The agent's HTTP port: `config.port` of every local container for now.
-    pub http_port: u16,
     /// `version` and `agent.version` of the status snapshot.
     pub version: String,
-    /// The local roles and the model serving each.
-    pub roles: Vec<(Role, String)>,
     /// For `agent.uptime`.
     pub started: Instant,
 }
 
-impl RelayContext {
-    /// The local roles a master knows as containers (`embedding`, `code-embedding`,
-    /// `reranker`); chat roles are never local.
-    pub fn containers(&self) -> impl Iterator<Item = (Role, &str)> {
-        self.roles
-            .iter()
-            .filter(|(role, _)| {
-                matches!(role, Role::Embedding | Role::CodeEmbedding | Role::Reranker)
-            })
-            .map(|(role, model)| (*role, model.as_str()))
-    }
-}
-
-/// The heartbeat's `statusData` (§2.1.4) as the slot `master` sends it (the `masters[]` rows
-/// carry no virtual containers: the heartbeat stays small).
-pub fn status_data(ctx: &RelayContext, slots: &Slots, master: &str) -> StatusData {
-    let mut containers = BTreeMap::new();
+/// The status snapshot as the slot `master` sees it (a sandbox model pushed by that master
+/// adds the `rlm-sandbox` role key, which the chat host ranking reads, §3.3). `detailed` adds
+/// the virtual containers of every slot (`GET /api/status`); heartbeats stay small.
+pub fn status_data(
+    ctx: &RelayContext,
+    containers: &Containers,
+    slots: &Slots,
+    master: Option<&str>,
+    detailed: bool,
+) -> StatusData {
+    let mut by_role = BTreeMap::new();
     let mut roles = BTreeMap::new();
-    for (role, model) in ctx.containers() {
-        // Ollama's `/api/embed` for embedders, vLLM's `/v1/rerank` for the reranker.
-        let kind = if role == Role::Reranker {
-            ContainerKind::Vllm
-        } else {
-            ContainerKind::Ollama
-        };
-        let container = Container {
-            name: format!("ss-{role}"),
-            status: Container::RUNNING.to_string(),
-            image: None,
-            model: Some(model.to_string()),
-            kind: Some(kind),
-            config: ContainerConfig {
-                image: None,
-                model: Some(model.to_string()),
-                port: ctx.http_port,
-                vram: None,
-                kind: Some(kind),
-                gpu_only: None,
-            },
-            loaded_models: vec![LoadedModel {
-                name: model.to_string(),
-                size: None,
-                gpu_percent: None,
-                processor: None,
-                until: None,
-            }],
-            exists: None,
-        };
-        containers.insert(role.as_str().to_string(), container);
-        let activity = RoleActivity {
-            active_requests: Some(0),
-            ..Default::default()
-        };
-        roles.insert(role.as_str().to_string(), activity);
+    let mut gpus: Vec<Gpu> = Vec::new();
+    for c in containers.iter() {
+        by_role.insert(c.role.as_str().to_string(), c.container());
+        roles.insert(c.role.as_str().to_string(), c.activity());
+        if let Some(index) = c.device.strip_prefix("cuda:").and_then(|i| i.parse().ok())
+            && !gpus.iter().any(|g| g.index == index)
+        {
+            gpus.push(Gpu {
+                index,
+                name: Some(c.device.clone()),
+                ..Default::default()
+            });
+        }
     }
-    let views = slots.snapshot();
-    // The chat host ranking reads `roles` keys: say so when this master pushed a sandbox model.
-    if views
-        .iter()
-        .any(|v| v.server_url == master && v.models.contains_key(Role::RlmSandbox.as_str()))
-    {
+    let sandbox = |url: &str| {
+        slots
+            .with_slot(url, |s| s.allowed(Role::RlmSandbox).is_some())
+            .unwrap_or(false)
+    };
+    let with_sandbox = match master {
+        Some(url) => sandbox(url),
+        None => slots.server_urls().iter().any(|u| sandbox(u)),
+    };
+    if with_sandbox {
         roles.insert(
             Role::RlmSandbox.as_str().to_string(),
             RoleActivity::default(),
         );
     }
-    let masters = views
-        .into_iter()
-        .map(|v| MasterEntry {
-            server_url: v.server_url,
-            ws_port: Some(v.ws_port),
-            connection_mode: v.connected.then(|| "websocket".to_string()),
-            virtual_inference: None,
-            virtual_containers: None,
-        })
-        .collect();
     StatusData {
         agent_url: Some(ctx.agent_url.clone()),
         hostname: Some(ctx.hostname.clone()),
+        mode: Some("fantom-sidecar".into()),
         version: Some(ctx.version.clone()),
         agent: Some(AgentInfo {
             version: ctx.version.clone(),
             uptime: Some(ctx.started.elapsed().as_secs()),
         }),
-        container_names: containers
-            .values()
-            .map(|c: &Container| c.name.clone())
-            .collect(),
-        containers,
+        container_names: by_role.values().map(|c| c.name.clone()).collect(),
+        containers: by_role,
         roles,
-        masters,
+        gpus,
+        masters: slots.master_entries(detailed),
         ..Default::default()
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
+    use crate::agent::CloudOptions;
+    use crate::agent::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
     use crate::config::agent::FantomMaster;
     use crate::fantom::frames::{Heartbeat, SidecarFrame, encode_sidecar};
+    use crate::protocol::{Backend, FailureClass, ProviderInfo, WorkInput};
 
-    #[test]
-    fn the_heartbeat_reports_local_roles_at_the_agent_port_and_every_slot() {
+    /// A provider that only describes itself.
+    struct Described(ProviderInfo);
+
+    impl Provider for Described {
+        fn info(&self) -> ProviderInfo {
+            self.0.clone()
+        }
+        fn pipeline_depth(&self) -> u32 {
+            1
+        }
+        fn run(&self, _: WorkInput) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
+            Box::pin(async { Err(ProviderFailure::new(FailureClass::Fatal, "not here")) })
+        }
+    }
+
+    fn described(role: Role, model: &str, device: &str) -> Arc<dyn Provider> {
+        Arc::new(Described(ProviderInfo {
+            id: role.to_string(),
+            role,
+            backend: Backend::Local,
+            model: model.into(),
+            revision: None,
+            upstream: None,
+            dims: None,
+            dtype: None,
+            device: Some(device.into()),
+            max_batch_items: 16,
+            max_batch_tokens: 1024,
+        }))
+    }
+
+    fn fixture() -> (RelayContext, Containers, Slots) {
         let ctx = RelayContext {
             agent_url: "http://10.0.0.5:8098".into(),
             hostname: "gpu-01".into(),
-            http_port: 8098,
             version: "0.1.0".into(),
-            roles: vec![
-                (Role::Embedding, "all-minilm-l6-v2".into()),
-                (Role::Reranker, "ms-marco-minilm".into()),
-                (Role::CodeAssistant, "never-local".into()),
-            ],
             started: Instant::now(),
         };
+        let providers = [
+            described(Role::Embedding, "all-minilm-l6-v2", "cpu"),
+            described(Role::Reranker, "ms-marco-minilm", "cuda:0"),
+            described(Role::CodeAssistant, "never-local", "cpu"),
+        ];
+        let ports = [(Role::Reranker, 8099)].into_iter().collect();
+        let containers = Containers::new(&providers, &[], &ports, 8098, false);
         let masters = [FantomMaster {
             server_url: "http://10.0.0.2:3848".into(),
             ws_port: None,
             auth_token_file: None,
         }];
-        let slots = Slots::new(&masters);
-        let data = status_data(&ctx, &slots, "http://10.0.0.2:3848");
+        (
+            ctx,
+            containers,
+            Slots::new(&masters, CloudOptions::default()),
+        )
+    }
+
+    #[test]
+    fn the_heartbeat_reports_local_roles_at_their_ports_and_every_slot() {
+        let (ctx, containers, slots) = fixture();
+        let data = status_data(
+            &ctx,
+            &containers,
+            &slots,
+            Some("http://10.0.0.2:3848"),
+            false,
+        );
         let beat = SidecarFrame::Heartbeat(Heartbeat {
             status_data: Some(Box::new(data)),
             ..Default::default()
@@ -164,12 +173,63 @@ mod tests {
         assert_eq!(embedding["status"], "running");
         assert_eq!(embedding["config"]["port"], 8098);
         assert_eq!(embedding["loadedModels"][0]["name"], "all-minilm-l6-v2");
-        assert_eq!(sd["containers"]["reranker"]["type"], "vllm");
+        assert_eq!(embedding["loadedModels"][0]["gpuPercent"], -1, "on the CPU");
+        let reranker = &sd["containers"]["reranker"];
+        assert_eq!(reranker["type"], "vllm");
+        assert_eq!(reranker["config"]["port"], 8099, "its own role port");
+        assert_eq!(reranker["loadedModels"][0]["gpuPercent"], 100);
+        assert_eq!(sd["gpus"][0]["index"], 0);
         assert!(sd["containers"].get("code-assistant").is_none());
         assert!(sd["roles"].get("embedding").is_some());
         assert_eq!(sd["masters"][0]["serverUrl"], "http://10.0.0.2:3848");
         assert_eq!(sd["masters"][0]["wsPort"], 3002, "the effective port");
+        assert!(sd["masters"][0].get("virtualContainers").is_none(), "small");
         assert_eq!(sd["agent"]["version"], "0.1.0");
         assert_eq!(sd["agentUrl"], "http://10.0.0.5:8098");
+    }
+
+    #[test]
+    fn the_status_route_adds_each_slots_virtual_containers_without_the_key() {
+        let (ctx, containers, slots) = fixture();
+        let master = "http://10.0.0.2:3848";
+        let push = serde_json::from_str(
+            r#"{"apiKey":"sk-or-v1-snapshot-secret","allowedModels":{
+                "code-embedding":{"model":"qwen/qwen3-embedding-8b","provider":"Nebius","dims":4096},
+                "rlm-sandbox":{"model":"deepseek/deepseek-v4-flash"}},
+              "modeByRole":{"code-embedding":"cloud-only","rlm":"local-first"}}"#,
+        )
+        .unwrap();
+        slots.apply_config(master, push);
+        slots.begin_call(master, "code-embedding");
+        slots.end_call(master, "code-embedding", 840, None);
+        let data = status_data(&ctx, &containers, &slots, None, true);
+        let text = serde_json::to_string(&data).unwrap();
+        assert!(!text.contains("snapshot-secret"), "{text}");
+        let v: serde_json::Value =
+            serde_json::from_value(serde_json::to_value(&data).unwrap()).unwrap();
+        let row = &v["masters"][0];
+        assert_eq!(row["virtualInference"]["openrouter"], "configured");
+        assert_eq!(
+            row["virtualInference"]["modeByRole"]["code-embedding"],
+            "cloud-only"
+        );
+        let rows = row["virtualContainers"].as_array().unwrap();
+        let code = rows.iter().find(|r| r["role"] == "code-embedding").unwrap();
+        assert_eq!(code["provider"], "Nebius");
+        assert_eq!(code["dims"], 4096);
+        assert_eq!(code["mode"], "cloud-only");
+        assert_eq!(code["served"], 1);
+        assert_eq!(code["lastDurationMs"], 840);
+        assert_eq!(code["state"], "idle");
+        let rlm = rows
+            .iter()
+            .find(|r| r["role"] == "rlm")
+            .expect("the sandbox row as rlm");
+        assert_eq!(rlm["model"], "deepseek/deepseek-v4-flash");
+        assert_eq!(
+            rlm["mode"], "local-first",
+            "rlm-sandbox falls back to the rlm mode"
+        );
+        assert!(v["roles"].get("rlm-sandbox").is_some());
     }
 }

@@ -151,7 +151,7 @@ pub struct RoleActivity {
     pub last_release: Option<u64>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Gpu {
     pub index: u32,

@@ -686,6 +686,14 @@ impl TestMaster {
         self.shared.lock().http_heartbeats.clone()
     }
 
+    /// Every HTTP-fallback heartbeat accepted so far (parsed), once there are at least `n`.
+    pub async fn wait_http_heartbeats(&self, n: usize) -> Vec<Value> {
+        self.wait_for(&format!("{n} HTTP-fallback heartbeat(s)"), |s| {
+            (s.http_heartbeats.len() >= n).then(|| s.http_heartbeats.clone())
+        })
+        .await
+    }
+
     /// Heartbeats whose text did not start with exactly `{"type":"heartbeat"`.
     pub fn prefix_violations(&self) -> u64 {
         self.shared.lock().prefix_violations
@@ -846,6 +854,20 @@ impl TestMaster {
             Value::from(format!("cfg-{}", base36(now_ms())))
         );
         self.send_raw(&text).await;
+    }
+
+    /// Fantom's push as its frame has it: `payload.openrouter` with `apiKey` first, then the
+    /// keys of `rest` (an object: `allowedModels`, `modeByRole`, `domain`, …).
+    pub async fn push_openrouter_with_key(&self, key: &str, rest: Value) {
+        let rest = rest
+            .as_object()
+            .expect("the rest of payload.openrouter is an object");
+        let mut text = format!("{{\"openrouter\":{{\"apiKey\":{}", Value::from(key));
+        for (k, v) in rest {
+            text.push_str(&format!(",{}:{v}", Value::from(k.as_str())));
+        }
+        text.push_str("}}");
+        self.push_config_text(&text).await;
     }
 
     /// As [`TestMaster::push_config`] with another frame type (the upstream sidecar also

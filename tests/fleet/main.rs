@@ -14,6 +14,7 @@ mod kill;
 mod leases;
 mod reconnect;
 mod relay;
+mod relay_commands;
 mod secrets;
 mod serve;
 mod tls;

@@ -14,16 +14,16 @@ use crate::support::*;
 use crate::upstream::{Upstream, UpstreamConfig};
 
 /// The identity every register and heartbeat carries (the master never calls it here).
-const AGENT_URL: &str = "http://127.0.0.1:8098";
+pub(crate) const AGENT_URL: &str = "http://127.0.0.1:8098";
 const ROLES: [&str; 2] = ["embedding", "code-embedding"];
-const TRACE: (&str, &str) = (
+pub(crate) const TRACE: (&str, &str) = (
     "RUST_LOG",
     "trace,tungstenite::protocol=trace,tokio_tungstenite=trace",
 );
 
 /// The reference's timings, but a ping every 2 s (a client is dropped after 3 missed pongs),
 /// so the tests see the agent answer pings.
-fn opts() -> TestMasterOpts {
+pub(crate) fn opts() -> TestMasterOpts {
     TestMasterOpts {
         ping_every: Duration::from_secs(2),
         ..Default::default()
@@ -32,7 +32,7 @@ fn opts() -> TestMasterOpts {
 
 /// The agent's TOML body: `agent_url`, extra top-level lines, one `[[fantom_master]]` per
 /// `(server_url, ws_port)`, and MiniLM for both embedding roles.
-fn relay_toml(masters: &[(&str, u16)], top: &str) -> String {
+pub(crate) fn relay_toml(masters: &[(&str, u16)], top: &str) -> String {
     let mut toml = format!("agent_url = \"{AGENT_URL}\"\n{top}\n");
     for (server_url, ws_port) in masters {
         toml.push_str(&format!(
@@ -43,7 +43,13 @@ fn relay_toml(masters: &[(&str, u16)], top: &str) -> String {
     toml
 }
 
-fn start(dir: &Path, id: &str, master: &TestMaster, top: &str, envs: &[(&str, &str)]) -> Proc {
+pub(crate) fn start(
+    dir: &Path,
+    id: &str,
+    master: &TestMaster,
+    top: &str,
+    envs: &[(&str, &str)],
+) -> Proc {
     let body = relay_toml(&[(master.http_url.as_str(), master.ws_port)], top);
     start_relay_agent(dir, id, &body, envs)
 }
@@ -217,15 +223,9 @@ async fn a_config_push_applies_and_the_key_never_shows() {
             "code-assistant": "cloud-only", "rlm": "local-only", "rlm-sandbox": "local-only"
         },
         "domain": "code"
-    })
-    .to_string();
-    let payload = format!(
-        r#"{{"openrouter":{{"apiKey":{},{}}}"#,
-        Value::from(key.as_str()),
-        &rest[1..]
-    );
+    });
     let mark = master.seq();
-    master.push_config_text(&payload).await;
+    master.push_openrouter_with_key(&key, rest).await;
 
     // It applied: the agent says so in its log, or its /api/status shows this master's slot
     // configured.

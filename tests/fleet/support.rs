@@ -342,6 +342,27 @@ max_items_per_work = 16
     )
 }
 
+/// A `[[models]]` table serving the reranker role: the MiniLM cross-encoder fixture (the
+/// committed head shard, MiniLM's trunk weights linked) assembled under `dir`, on the CPU.
+pub fn cross_encoder_models_toml(dir: &Path) -> String {
+    let model_dir = crate::local_support::assemble_cross_encoder(dir);
+    format!(
+        r#"
+[[models]]
+roles = ["reranker"]
+model_dir = "{}"
+device = "cpu"
+"#,
+        model_dir.display()
+    )
+}
+
+/// A loopback port nothing listens on (bound, then released).
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    listener.local_addr().unwrap().port()
+}
+
 /// A protocol-level agent driven frame by frame.
 pub struct RawAgent {
     ws: tokio_tungstenite::WebSocketStream<

@@ -1,0 +1,137 @@
+//! The sidecar agent's own routes (§3.1): the status snapshot with each slot's virtual
+//! containers, health, the master registry (`/api/masters`), and the container actions over
+//! HTTP (the master's fallback when it has no relay socket).
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::json;
+
+use super::{error, json_body};
+use crate::fantom::containers::{ContainerError, ContainerVerb};
+use crate::fantom::frames::ContainerAction;
+use crate::fantom::sidecar::Sidecar;
+use crate::fantom::slots::relay_url;
+use crate::secret::Secret;
+
+pub fn router(sidecar: Arc<Sidecar>) -> Router {
+    Router::new()
+        .route("/api/status", get(status))
+        .route("/status", get(status))
+        .route("/api/masters", get(list_masters).post(add_master))
+        .route("/api/masters/{url}", delete(remove_master))
+        .route("/start", post(start))
+        .route("/stop", post(stop))
+        .route("/acquire", post(acquire))
+        .route("/release", post(release))
+        .with_state(sidecar)
+        .merge(health_router())
+}
+
+/// `GET /api/health`: any 2xx is healthy to the master. No `capabilities`: that would replace
+/// the ones it derives from heartbeats.
+pub fn health_router() -> Router {
+    Router::new().route("/api/health", get(|| async { Json(json!({ "ok": true })) }))
+}
+
+async fn status(State(sidecar): State<Arc<Sidecar>>) -> Response {
+    Json(sidecar.full_status()).into_response()
+}
+
+async fn list_masters(State(sidecar): State<Arc<Sidecar>>) -> Response {
+    Json(json!({ "masters": sidecar.slots.snapshot() })).into_response()
+}
+
+/// `POST /api/masters` ("Register as master").
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NewMaster {
+    server_url: Option<String>,
+    ws_port: Option<u16>,
+    auth_token: Option<Secret>,
+}
+
+async fn add_master(State(sidecar): State<Arc<Sidecar>>, body: Bytes) -> Response {
+    let new: NewMaster = match json_body(&body) {
+        Ok(new) => new,
+        Err(refusal) => return refusal.into_response(),
+    };
+    let Some(server_url) = new.server_url.filter(|u| !u.trim().is_empty()) else {
+        return error(StatusCode::BAD_REQUEST, "serverUrl is required").into_response();
+    };
+    if !(server_url.starts_with("http://") || server_url.starts_with("https://"))
+        || relay_url(&server_url, new.ws_port).is_none()
+    {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("serverUrl '{server_url}' must be an http(s) URL with a host"),
+        )
+        .into_response();
+    }
+    if new.ws_port == Some(0) {
+        return error(StatusCode::BAD_REQUEST, "wsPort 0").into_response();
+    }
+    let (created, generation) = sidecar.slots.add(&server_url, new.ws_port, new.auth_token);
+    if created {
+        sidecar.spawn_relay(server_url.clone(), generation);
+    }
+    let ws_port = sidecar
+        .slots
+        .with_slot(&server_url, |s| s.effective_ws_port())
+        .unwrap_or_default();
+    tracing::info!(master = %server_url, ws_port, created, "master registered through the API");
+    Json(json!({ "ok": true, "serverUrl": server_url, "wsPort": ws_port, "created": created }))
+        .into_response()
+}
+
+/// `DELETE /api/masters/<encodeURIComponent(serverUrl)>` (the path segment arrives decoded).
+async fn remove_master(State(sidecar): State<Arc<Sidecar>>, Path(url): Path<String>) -> Response {
+    let removed = sidecar.slots.remove(&url);
+    tracing::info!(master = %url, removed, "master unregistered through the API");
+    Json(json!({ "ok": true, "removed": removed })).into_response()
+}
+
+async fn start(State(s): State<Arc<Sidecar>>, body: Bytes) -> Response {
+    act(&s, ContainerVerb::Start, &body).await
+}
+async fn stop(State(s): State<Arc<Sidecar>>, body: Bytes) -> Response {
+    act(&s, ContainerVerb::Stop, &body).await
+}
+async fn acquire(State(s): State<Arc<Sidecar>>, body: Bytes) -> Response {
+    act(&s, ContainerVerb::Acquire, &body).await
+}
+async fn release(State(s): State<Arc<Sidecar>>, body: Bytes) -> Response {
+    act(&s, ContainerVerb::Release, &body).await
+}
+
+async fn act(sidecar: &Sidecar, verb: ContainerVerb, body: &[u8]) -> Response {
+    let args: ContainerAction = match json_body(body) {
+        Ok(args) => args,
+        Err(refusal) => return refusal.into_response(),
+    };
+    match sidecar
+        .containers
+        .act(verb, &args.role, args.model.as_deref())
+        .await
+    {
+        Ok(report) => {
+            tracing::info!(action = verb.as_str(), role = %args.role, status = report.status, "container action");
+            Json(report).into_response()
+        }
+        Err(e) => {
+            let status = match e {
+                ContainerError::NoContainer(_) => StatusCode::NOT_FOUND,
+                ContainerError::ModelMismatch { .. } => StatusCode::CONFLICT,
+                ContainerError::Stopped(_) => StatusCode::SERVICE_UNAVAILABLE,
+                ContainerError::Load { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            };
+            error(status, e.to_string()).into_response()
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! What this agent is to Fantom masters, in one place: its identity ([`RelayContext`]), its
+//! slots (one per master), its local containers, the bearer token of its HTTP port, and the
+//! relay loops it runs (one per slot; `POST /api/masters` starts more).
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use super::containers::Containers;
+use super::relay::run_slot;
+use super::slots::Slots;
+use super::snapshot::{RelayContext, status_data};
+use super::status::StatusData;
+use crate::secret::Secret;
+
+pub struct Sidecar {
+    pub ctx: RelayContext,
+    pub slots: Arc<Slots>,
+    pub containers: Containers,
+    /// `http_token_file`/`http_token_env`: accepted on every route but `/health`, `/metrics`.
+    http_token: Option<Secret>,
+    shutdown: watch::Receiver<bool>,
+    relays: Mutex<JoinSet<()>>,
+}
+
+impl Sidecar {
+    pub fn new(
+        ctx: RelayContext,
+        slots: Slots,
+        containers: Containers,
+        http_token: Option<Secret>,
+        shutdown: watch::Receiver<bool>,
+    ) -> Arc<Self> {
+        Arc::new(Sidecar {
+            ctx,
+            slots: Arc::new(slots),
+            containers,
+            http_token,
+            shutdown,
+            relays: Mutex::new(JoinSet::new()),
+        })
+    }
+
+    /// Starts one relay loop per slot.
+    pub fn start_relays(self: &Arc<Self>) {
+        for url in self.slots.server_urls() {
+            if let Some(generation) = self.slots.generation(&url) {
+                self.spawn_relay(url, generation);
+            }
+        }
+    }
+
+    /// Starts the relay loop of slot `server_url` (generation `generation`).
+    pub fn spawn_relay(self: &Arc<Self>, server_url: String, generation: u64) {
+        let task = run_slot(self.clone(), server_url, generation, self.shutdown.clone());
+        self.relays
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .spawn(task);
+    }
+
+    /// Waits (at most `timeout`) for every relay loop to end after shutdown.
+    pub async fn join_relays(&self, timeout: Duration) -> bool {
+        let mut relays =
+            std::mem::take(&mut *self.relays.lock().unwrap_or_else(PoisonError::into_inner));
+        let drained = async { while relays.join_next().await.is_some() {} };
+        tokio::time::timeout(timeout, drained).await.is_ok()
+    }
+
+    /// Whether HTTP requests need a bearer token at all.
+    pub fn auth_required(&self) -> bool {
+        self.http_token.is_some() || self.slots.any_token()
+    }
+
+    /// Whether `presented` is the agent's token or one of the masters'.
+    pub fn accepts_token(&self, presented: &str) -> bool {
+        self.http_token
+            .as_ref()
+            .is_some_and(|t| t.matches(presented))
+            || self.slots.accepts_token(presented)
+    }
+
+    /// The snapshot a heartbeat to `master` carries (small).
+    pub fn heartbeat_status(&self, master: &str) -> StatusData {
+        status_data(
+            &self.ctx,
+            &self.containers,
+            &self.slots,
+            Some(master),
+            false,
+        )
+    }
+
+    /// The body of `GET /api/status`: every slot with its virtual containers.
+    pub fn full_status(&self) -> StatusData {
+        status_data(&self.ctx, &self.containers, &self.slots, None, true)
+    }
+}
