@@ -61,6 +61,7 @@ pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) {
             r = dial(&agent) => r,
             _ = shutdown.changed() => return,
         };
+        agent.note_dial();
         match dialled {
             Ok(ws) => {
                 let welcomed_before = agent.sessions();

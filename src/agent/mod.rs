@@ -75,6 +75,8 @@ pub struct Agent {
     counters: Mutex<BTreeMap<String, ProviderCounters>>,
     cloud: Mutex<HeldConfig>,
     connected: AtomicBool,
+    /// Hub dials attempted (connected or not): `READY=1` waits for the first.
+    dials: watch::Sender<u64>,
     sessions: AtomicU64,
 }
 
@@ -95,6 +97,7 @@ impl Agent {
             counters: Mutex::default(),
             cloud: Mutex::new(HeldConfig::default()),
             connected: AtomicBool::new(false),
+            dials: watch::channel(0).0,
             sessions: AtomicU64::new(0),
         })
     }
@@ -113,6 +116,28 @@ impl Agent {
     /// Whether this agent has a hub to dial at all.
     pub fn has_hub(&self) -> bool {
         self.opts.hub_url.is_some()
+    }
+
+    /// One more hub dial was attempted.
+    pub(crate) fn note_dial(&self) {
+        self.dials.send_modify(|n| *n += 1);
+    }
+
+    /// Waits (at most `timeout`) until the first hub dial was attempted; at once without a hub.
+    pub async fn first_dial(&self, timeout: Duration) {
+        if !self.has_hub() {
+            return;
+        }
+        let mut dials = self.dials.subscribe();
+        let _ = tokio::time::timeout(timeout, dials.wait_for(|n| *n > 0)).await;
+    }
+
+    /// Work frames in progress across every provider.
+    pub fn in_flight(&self) -> u64 {
+        self.provider_stats()
+            .iter()
+            .map(|s| s.in_flight as u64)
+            .sum()
     }
 
     pub fn is_connected(&self) -> bool {

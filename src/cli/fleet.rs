@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -11,8 +12,10 @@ use clap::Args;
 use tokio::sync::watch;
 
 use super::ModelArgs;
+use super::reload;
 use crate::agent::{self, Agent, AgentOptions};
 use crate::config::agent::{AgentConfig, ServedModel};
+use crate::config::hub::{HubConfig, HubLayer};
 use crate::config::tokens;
 use crate::fantom;
 use crate::fantom::containers::Containers;
@@ -26,45 +29,83 @@ use crate::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
 use crate::roles::Role;
 use crate::secret::Secret;
 use crate::service::credentials;
+use crate::service::notify::Notifier;
 
 #[derive(Args, Clone, Debug)]
 pub struct HubArgs {
-    /// Address of the client, admin and agent endpoints.
-    #[arg(long, default_value = "127.0.0.1:8090")]
-    listen: SocketAddr,
+    /// A TOML file with these settings as keys (snake_case); a flag given here wins over its
+    /// key. SIGHUP reads it again (systemd/hub.example.toml).
+    #[arg(long, env = "FANTOM_HUB_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address of the client, admin and agent endpoints [default: 127.0.0.1:8090].
+    #[arg(long)]
+    listen: Option<SocketAddr>,
     /// Where the hub keeps its safe config and generated tokens ($STATE_DIRECTORY under
     /// systemd; else ~/.local/state/fantom-sidecar).
     #[arg(long, env = "FANTOM_STATE_DIR")]
     state_dir: Option<PathBuf>,
-    /// The admin API's token (generated into the state dir when absent).
+    /// The admin API's token (else the admin-token credential; else generated into the state
+    /// dir).
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
-    /// The agents' token (generated into the state dir when absent).
+    /// The agents' token (else the fleet-token credential; else generated into the state dir).
     #[arg(long)]
     fleet_token_file: Option<PathBuf>,
-    /// When given, client endpoints require this token as a bearer key.
+    /// When given (or the client-token credential), client endpoints require this token.
     #[arg(long)]
     client_token_file: Option<PathBuf>,
-    /// Seconds a lease may run before its items go back to the front of the queue.
-    #[arg(long, default_value_t = 120)]
-    lease_s: u64,
-    /// Items each role queue holds before clients get 429.
-    #[arg(long, default_value_t = 100_000)]
-    queue_capacity: usize,
-    /// Seconds a client request may wait for all its items.
-    #[arg(long, default_value_t = 600)]
-    request_timeout_s: u64,
+    /// Seconds a lease may run before its items go back to the front of the queue [default:
+    /// 120].
+    #[arg(long)]
+    lease_s: Option<u64>,
+    /// Items each role queue holds before clients get 429 [default: 100000].
+    #[arg(long)]
+    queue_capacity: Option<usize>,
+    /// Seconds a client request may wait for all its items [default: 600].
+    #[arg(long)]
+    request_timeout_s: Option<u64>,
     /// The gate's minimum cosine between a provider's probe vectors and the space's
-    /// fingerprint (values under 0.99 are raised to 0.99).
-    #[arg(long, default_value_t = 0.99)]
-    gate_min_cosine: f64,
-    /// Seconds between the drift sentinel's re-probes of every serving embedding provider.
-    #[arg(long, default_value_t = 600)]
-    gate_sentinel_s: u64,
+    /// fingerprint (values under 0.99 are raised to 0.99) [default: 0.99].
+    #[arg(long)]
+    gate_min_cosine: Option<f64>,
+    /// Seconds between the drift sentinel's re-probes of every serving embedding provider
+    /// [default: 600].
+    #[arg(long)]
+    gate_sentinel_s: Option<u64>,
     /// `agent/provider` of the gate's reference for local policies (default: the first
     /// healthy local provider in a stable order).
     #[arg(long)]
     gate_reference: Option<String>,
+}
+
+impl HubArgs {
+    /// The flags as a layer over the file.
+    fn layer(&self, tls: Option<&TlsArgs>) -> HubLayer {
+        HubLayer {
+            listen: self.listen,
+            state_dir: self.state_dir.clone(),
+            admin_token_file: self.admin_token_file.clone(),
+            fleet_token_file: self.fleet_token_file.clone(),
+            client_token_file: self.client_token_file.clone(),
+            lease_s: self.lease_s,
+            queue_capacity: self.queue_capacity,
+            request_timeout_s: self.request_timeout_s,
+            gate_min_cosine: self.gate_min_cosine,
+            gate_sentinel_s: self.gate_sentinel_s,
+            gate_reference: self.gate_reference.clone(),
+            tls_cert: tls.and_then(|t| t.tls_cert.clone()),
+            tls_key: tls.and_then(|t| t.tls_key.clone()),
+        }
+    }
+
+    /// The flags over the `--config` file (read now) over the defaults.
+    fn resolve(&self, tls: Option<&TlsArgs>) -> anyhow::Result<HubConfig> {
+        let file = match &self.config {
+            Some(path) => HubLayer::load(path).map_err(anyhow::Error::msg)?,
+            None => HubLayer::default(),
+        };
+        self.layer(tls).over(&file).map_err(anyhow::Error::msg)
+    }
 }
 
 #[derive(Args, Clone, Debug)]
@@ -183,7 +224,7 @@ fn bind(addr: SocketAddr, name: &str) -> anyhow::Result<std::net::TcpListener> {
     Ok(listener)
 }
 
-fn open_hub(args: &HubArgs) -> anyhow::Result<Hub> {
+fn open_hub(args: &HubConfig) -> anyhow::Result<Hub> {
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("cannot create the state dir {}", state_dir.display()))?;
@@ -236,22 +277,145 @@ fn open_hub(args: &HubArgs) -> anyhow::Result<Hub> {
 }
 
 pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
-    let hub = open_hub(&cmd.hub)?;
-    let tls = match (cmd.tls.tls_cert, cmd.tls.tls_key) {
+    let notifier = Notifier::from_env();
+    let _watchdog = notifier.spawn_watchdog();
+    notifier.status("starting");
+    let cfg = cmd.hub.resolve(Some(&cmd.tls))?;
+    let hub = open_hub(&cfg)?;
+    let tls = match (cfg.tls_cert.clone(), cfg.tls_key.clone()) {
         (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
         _ => None,
     };
-    let listener = bind(cmd.hub.listen, "hub")?;
+    let listener = bind(cfg.listen, "hub")?;
     let _maintenance = hub.spawn_maintenance();
     let stop = shutdown_signal();
+    notifier.ready(&hub_status_line(&hub));
+    let status_task = {
+        let (hub, notifier, mut stop) = (hub.clone(), notifier.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut last = String::new();
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = stop.wait_for(|s| *s) => break,
+                }
+                let line = hub_status_line(&hub);
+                if line != last {
+                    notifier.status(&line);
+                    last = line;
+                }
+            }
+        })
+    };
+    let reload_task = tokio::spawn(reload_hub_on_hangup(
+        cmd.hub.clone(),
+        Some(cmd.tls.clone()),
+        cfg,
+        hub.clone(),
+        notifier.clone(),
+    ));
     let draining = hub.clone();
     let shutdown = async move {
         signalled(stop).await;
+        notifier.stopping("draining");
         // Waiting clients are told now; they would otherwise hold the server open.
         draining.core().fail_all();
     };
     http::serve(listener, http::hub_router(hub.clone()), tls, shutdown).await?;
+    status_task.abort();
+    reload_task.abort();
     Ok(())
+}
+
+/// SIGHUP for the hub: read `--config` again; the lease, the request timeout and the gate's
+/// settings apply at once, the rest is named as needing a restart.
+async fn reload_hub_on_hangup(
+    args: HubArgs,
+    tls: Option<TlsArgs>,
+    mut running: HubConfig,
+    hub: Hub,
+    notifier: Notifier,
+) {
+    #[cfg(unix)]
+    {
+        let Ok(mut hangups) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        else {
+            return;
+        };
+        while hangups.recv().await.is_some() {
+            notifier.reloading();
+            let report = match args.resolve(tls.as_ref()) {
+                Err(e) => {
+                    tracing::error!(error = %e, "SIGHUP: reload failed; the running settings stay");
+                    reload::ReloadReport {
+                        error: Some(e.to_string()),
+                        ..Default::default()
+                    }
+                }
+                Ok(new) => {
+                    let restart = running.needs_restart(&new);
+                    let mut applied = Vec::new();
+                    {
+                        let mut core = hub.core();
+                        if new.lease_s != running.lease_s {
+                            core.settings.lease = Duration::from_secs(new.lease_s.max(1));
+                            applied.push("lease_s");
+                        }
+                        if new.request_timeout_s != running.request_timeout_s {
+                            core.settings.request_timeout =
+                                Duration::from_secs(new.request_timeout_s.max(1));
+                            applied.push("request_timeout_s");
+                        }
+                        let gate = &mut core.gate.settings;
+                        if new.gate_min_cosine != running.gate_min_cosine {
+                            gate.min_cosine = new
+                                .gate_min_cosine
+                                .max(crate::hub::gate::measure::MIN_COSINE_FLOOR);
+                            applied.push("gate_min_cosine");
+                        }
+                        if new.gate_sentinel_s != running.gate_sentinel_s {
+                            gate.sentinel = Duration::from_secs(new.gate_sentinel_s.max(1));
+                            applied.push("gate_sentinel_s");
+                        }
+                        if new.gate_reference != running.gate_reference {
+                            gate.reference = new.gate_reference.clone();
+                            applied.push("gate_reference");
+                        }
+                    }
+                    tracing::info!(applied = ?applied, needs_restart = ?restart, "SIGHUP: hub settings reloaded");
+                    let kept = running.clone();
+                    running = HubConfig {
+                        lease_s: new.lease_s,
+                        request_timeout_s: new.request_timeout_s,
+                        gate_min_cosine: new.gate_min_cosine,
+                        gate_sentinel_s: new.gate_sentinel_s,
+                        gate_reference: new.gate_reference.clone(),
+                        ..kept
+                    };
+                    reload::ReloadReport {
+                        applied: applied.into_iter().map(String::from).collect(),
+                        needs_restart: restart.into_iter().map(String::from).collect(),
+                        error: None,
+                    }
+                }
+            };
+            notifier.ready(&report.line());
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (args, tls, &mut running, hub, notifier);
+}
+
+/// The hub's `STATUS=` line.
+fn hub_status_line(hub: &Hub) -> String {
+    let core = hub.core();
+    let queued: usize = Role::ALL.iter().map(|r| core.queue_depth(*r)).sum();
+    format!(
+        "serving: {} agents, {queued} items queued",
+        core.agents().len()
+    )
 }
 
 fn cloud_options(openrouter_url: Option<String>, depth: u32) -> agent::CloudOptions {
@@ -264,6 +428,9 @@ fn cloud_options(openrouter_url: Option<String>, depth: u32) -> agent::CloudOpti
 }
 
 pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
+    let notifier = Notifier::from_env();
+    let _watchdog = notifier.spawn_watchdog();
+    notifier.status("loading models");
     let cfg = AgentConfig::load(&cmd.config)?;
     let fleet_token = match &cfg.hub_url {
         Some(_) => tokens::optional(
@@ -289,6 +456,7 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
     if cfg.hub_url.is_none() {
         tracing::info!("no hub_url: no hub session, Fantom masters only");
     }
+    notifier.status("models loaded; connecting");
     let cloud = cloud_options(
         cmd.openrouter_url.or(cfg.openrouter_url.clone()),
         cfg.cloud_pipeline_depth,
@@ -363,7 +531,47 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
         sidecar = Some(fantom);
     }
     let server = tokio::spawn(http::serve(listener, router, None, signalled(stop.clone())));
-    agent.run(stop).await;
+    let run = tokio::spawn(agent.clone().run(stop.clone()));
+
+    // READY once the models are loaded and every first dial (hub, masters) was attempted.
+    let first_dials = async {
+        agent.first_dial(Duration::from_secs(15)).await;
+        if let Some(fantom) = &sidecar {
+            fantom.slots.first_dials(Duration::from_secs(15)).await;
+        }
+    };
+    first_dials.await;
+    notifier.ready(&agent_status_line(&agent, sidecar.as_deref()));
+    let status_task = {
+        let (agent, sidecar, notifier) = (agent.clone(), sidecar.clone(), notifier.clone());
+        let mut stop = stop.clone();
+        tokio::spawn(async move {
+            let mut last = String::new();
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = stop.wait_for(|s| *s) => break,
+                }
+                let line = agent_status_line(&agent, sidecar.as_deref());
+                if line != last {
+                    notifier.status(&line);
+                    last = line;
+                }
+            }
+            notifier.stopping(&format!("draining: {} leases in flight", agent.in_flight()));
+        })
+    };
+    let reload_task = tokio::spawn(reload_on_hangup(
+        cmd.config.clone(),
+        cfg.clone(),
+        sidecar.clone(),
+        notifier.clone(),
+    ));
+
+    let _ = run.await;
+    reload_task.abort();
+    let _ = status_task.await;
     // The relays saw the same shutdown; give their close frames a moment.
     if let Some(fantom) = &sidecar
         && !fantom.join_relays(Duration::from_secs(5)).await
@@ -372,6 +580,57 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
     }
     server.abort();
     Ok(())
+}
+
+/// The agent's `STATUS=` line: its hub session and its masters.
+fn agent_status_line(agent: &Agent, sidecar: Option<&Sidecar>) -> String {
+    let mut parts = Vec::new();
+    if !agent.has_hub() {
+        let roles = sidecar.map_or(0, |s| s.containers.iter().count());
+        parts.push(format!("serving: {roles} local roles"));
+    } else if agent.is_connected() {
+        parts.push(format!(
+            "serving: hub connected, {} providers",
+            agent.providers().len()
+        ));
+    } else {
+        parts.push("hub unreachable; retrying".to_string());
+    }
+    if let Some(fantom) = sidecar {
+        let (registered, all) = fantom.slots.registered_count();
+        parts.push(format!("{registered}/{all} masters registered"));
+    }
+    parts.join("; ")
+}
+
+/// SIGHUP: reload the config file where that is safe, and say what could not be applied.
+async fn reload_on_hangup(
+    path: PathBuf,
+    mut current: AgentConfig,
+    sidecar: Option<Arc<Sidecar>>,
+    notifier: Notifier,
+) {
+    #[cfg(unix)]
+    {
+        let Ok(mut hangups) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        else {
+            return;
+        };
+        while hangups.recv().await.is_some() {
+            notifier.reloading();
+            let report = reload::reload_agent(&path, &mut current, sidecar.as_ref());
+            let line = report.line();
+            if report.error.is_some() {
+                tracing::error!(config = %path.display(), outcome = %line, "SIGHUP: reload failed");
+            } else {
+                tracing::info!(config = %path.display(), applied = ?report.applied, needs_restart = ?report.needs_restart, "SIGHUP: config reloaded");
+            }
+            notifier.ready(&line);
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (path, &mut current, sidecar, notifier);
 }
 
 pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
@@ -403,8 +662,9 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
         );
     }
     let providers = agent::load_providers(&models).await?;
-    let hub = open_hub(&cmd.hub)?;
-    let listener = bind(cmd.hub.listen, "hub")?;
+    let hub_cfg = cmd.hub.resolve(None)?;
+    let hub = open_hub(&hub_cfg)?;
+    let listener = bind(hub_cfg.listen, "hub")?;
     let bound = listener.local_addr()?;
     let _maintenance = hub.spawn_maintenance();
     let stop = shutdown_signal();

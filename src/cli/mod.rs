@@ -7,6 +7,7 @@ mod gate;
 mod input;
 mod models;
 mod oneshot;
+mod reload;
 mod stream;
 
 use std::io::IsTerminal;

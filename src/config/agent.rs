@@ -341,6 +341,14 @@ mod tests {
     }
 
     #[test]
+    fn the_example_file_parses() {
+        let cfg = AgentConfig::parse(include_str!("../../systemd/agent.example.toml")).unwrap();
+        assert!(cfg.hub_url.is_some());
+        assert!(!cfg.models.is_empty());
+        assert!(!cfg.fantom_masters.is_empty());
+    }
+
+    #[test]
     fn masters_come_from_the_environment_too_and_role_ports_need_a_model() {
         let env = |name: &str| match name {
             "SIDECAR_MASTERS" => Some("http://a:3848|3003, http://b:3848".to_string()),

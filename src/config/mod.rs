@@ -2,6 +2,7 @@
 //! ([`agent`]), one local model ([`model`]), and where tokens come from ([`tokens`]).
 
 pub mod agent;
+pub mod hub;
 pub mod model;
 pub mod push;
 pub mod tokens;

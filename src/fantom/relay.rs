@@ -90,6 +90,7 @@ pub async fn run_slot(
             r = dial(&url) => r,
             _ = shutdown.changed() => return,
         };
+        slots.note_dial();
         match dialled {
             Ok(ws) => {
                 tracing::info!(master, relay = %url, "relay socket open");

@@ -20,7 +20,7 @@ pub struct Sidecar {
     pub slots: Arc<Slots>,
     pub containers: Containers,
     /// `http_token_file`/`http_token_env`: accepted on every route but `/health`, `/metrics`.
-    http_token: Option<Secret>,
+    http_token: Mutex<Option<Secret>>,
     shutdown: watch::Receiver<bool>,
     relays: Mutex<JoinSet<()>>,
 }
@@ -37,7 +37,7 @@ impl Sidecar {
             ctx,
             slots: Arc::new(slots),
             containers,
-            http_token,
+            http_token: Mutex::new(http_token),
             shutdown,
             relays: Mutex::new(JoinSet::new()),
         })
@@ -71,15 +71,35 @@ impl Sidecar {
 
     /// Whether HTTP requests need a bearer token at all.
     pub fn auth_required(&self) -> bool {
-        self.http_token.is_some() || self.slots.any_token()
+        self.http_token().is_some() || self.slots.any_token()
     }
 
     /// Whether `presented` is the agent's token or one of the masters'.
     pub fn accepts_token(&self, presented: &str) -> bool {
-        self.http_token
-            .as_ref()
-            .is_some_and(|t| t.matches(presented))
+        self.http_token().is_some_and(|t| t.matches(presented))
             || self.slots.accepts_token(presented)
+    }
+
+    fn http_token(&self) -> Option<Secret> {
+        self.http_token
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Replaces the agent's bearer token (a reload); whether it changed.
+    pub fn set_http_token(&self, token: Option<Secret>) -> bool {
+        let mut held = self
+            .http_token
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let changed = match (&*held, &token) {
+            (Some(a), Some(b)) => !a.matches(b.expose()),
+            (None, None) => false,
+            _ => true,
+        };
+        *held = token;
+        changed
     }
 
     /// The snapshot a heartbeat to `master` carries (small).

@@ -262,6 +262,8 @@ pub struct Slots {
     cloud: CloudOptions,
     /// Bumped on every change a relay loop must look at (a slot removed, its port fixed).
     changes: watch::Sender<u64>,
+    /// Relay dials attempted (connected or not), across slots.
+    dials: watch::Sender<u64>,
     next_generation: std::sync::atomic::AtomicU64,
 }
 
@@ -273,6 +275,7 @@ impl Slots {
             inner: Mutex::new(BTreeMap::new()),
             cloud,
             changes: watch::channel(0).0,
+            dials: watch::channel(0).0,
             next_generation: std::sync::atomic::AtomicU64::new(1),
         };
         for m in masters {
@@ -287,6 +290,24 @@ impl Slots {
 
     fn changed(&self) {
         self.changes.send_modify(|n| *n += 1);
+    }
+
+    /// One more relay dial was attempted.
+    pub fn note_dial(&self) {
+        self.dials.send_modify(|n| *n += 1);
+    }
+
+    /// Waits (at most `timeout`) until at least one dial per slot was attempted.
+    pub async fn first_dials(&self, timeout: std::time::Duration) {
+        let wanted = self.lock().len() as u64;
+        let mut dials = self.dials.subscribe();
+        let _ = tokio::time::timeout(timeout, dials.wait_for(|n| *n >= wanted)).await;
+    }
+
+    /// `(registered, all)` slots.
+    pub fn registered_count(&self) -> (usize, usize) {
+        let all = self.lock();
+        (all.values().filter(|s| s.registered).count(), all.len())
     }
 
     /// Wakes when a slot is removed or its relay port changes.

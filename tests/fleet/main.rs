@@ -17,5 +17,6 @@ mod relay;
 mod relay_commands;
 mod secrets;
 mod serve;
+mod service;
 mod tls;
 mod upstream;

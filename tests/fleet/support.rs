@@ -84,6 +84,16 @@ impl Proc {
         }
     }
 
+    /// Sends a signal by name (`HUP`, `TERM`, ...).
+    pub fn signal(&self, name: &str) {
+        let child = self.child.as_ref().expect("running");
+        let sent = Command::new("kill")
+            .args([format!("-{name}"), child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(sent.success(), "kill -{name} failed");
+    }
+
     /// SIGTERM, then wait (bounded) for the exit status.
     pub fn terminate(&mut self) -> ExitStatus {
         let mut child = self.child.take().expect("running");

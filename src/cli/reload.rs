@@ -1,0 +1,215 @@
+//! SIGHUP for the agent: read the config file again and apply what can change under a running
+//! agent: the Fantom masters (slots added, removed, their relay port or token changed) and the
+//! bearer token of the HTTP port. Everything else (models, hub, identity, role ports, cloud
+//! settings) needs a restart and is reported by name; the running config stays for it.
+
+use std::fmt::Debug;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::config::agent::AgentConfig;
+use crate::config::tokens;
+use crate::fantom::sidecar::Sidecar;
+use crate::service::credentials;
+
+/// What a reload did, for the log and the `STATUS=` line.
+#[derive(Debug, Default, PartialEq)]
+pub struct ReloadReport {
+    pub applied: Vec<String>,
+    pub needs_restart: Vec<String>,
+    /// The file could not be read or parsed: nothing changed.
+    pub error: Option<String>,
+}
+
+impl ReloadReport {
+    /// `reloaded: <applied>; needs restart: <list>`.
+    pub fn line(&self) -> String {
+        if let Some(e) = &self.error {
+            return format!("reload failed, the running config stays: {e}");
+        }
+        let applied = if self.applied.is_empty() {
+            "nothing changed".to_string()
+        } else {
+            self.applied.join(", ")
+        };
+        if self.needs_restart.is_empty() {
+            format!("reloaded: {applied}")
+        } else {
+            format!(
+                "reloaded: {applied}; needs restart: {}",
+                self.needs_restart.join(", ")
+            )
+        }
+    }
+}
+
+/// Reads `path` again and applies what is safe onto `current` and `sidecar`.
+pub fn reload_agent(
+    path: &Path,
+    current: &mut AgentConfig,
+    sidecar: Option<&Arc<Sidecar>>,
+) -> ReloadReport {
+    let new = match AgentConfig::load(path) {
+        Ok(new) => new,
+        Err(e) => {
+            return ReloadReport {
+                error: Some(e.to_string()),
+                ..Default::default()
+            };
+        }
+    };
+    let mut report = ReloadReport::default();
+    let differs = |a: &dyn Debug, b: &dyn Debug| format!("{a:?}") != format!("{b:?}");
+    let fixed: [(&str, bool); 11] = [
+        ("hub_url", differs(&current.hub_url, &new.hub_url)),
+        ("agent_id", differs(&current.agent_id, &new.agent_id)),
+        ("agent_url", differs(&current.agent_url, &new.agent_url)),
+        ("hostname", differs(&current.hostname, &new.hostname)),
+        (
+            "fleet token source",
+            differs(
+                &(&current.fleet_token_file, &current.fleet_token_env),
+                &(&new.fleet_token_file, &new.fleet_token_env),
+            ),
+        ),
+        ("ca_file", differs(&current.ca_file, &new.ca_file)),
+        (
+            "drain_timeout_s",
+            current.drain_timeout_s != new.drain_timeout_s,
+        ),
+        (
+            "openrouter_url",
+            differs(&current.openrouter_url, &new.openrouter_url),
+        ),
+        (
+            "cloud_pipeline_depth",
+            current.cloud_pipeline_depth != new.cloud_pipeline_depth,
+        ),
+        ("models", differs(&current.models, &new.models)),
+        ("role_ports", differs(&current.role_ports, &new.role_ports)),
+    ];
+    report.needs_restart = fixed
+        .iter()
+        .filter(|(_, changed)| *changed)
+        .map(|(name, _)| name.to_string())
+        .collect();
+
+    match sidecar {
+        Some(sidecar) => {
+            apply_masters(current, &new, sidecar, &mut report);
+            match tokens::optional(
+                new.http_token_file.as_deref(),
+                new.http_token_env.as_deref(),
+                credentials::HTTP_TOKEN,
+            ) {
+                Ok(token) => {
+                    if sidecar.set_http_token(token) {
+                        report.applied.push("http token".into());
+                    }
+                    current.http_token_file = new.http_token_file.clone();
+                    current.http_token_env = new.http_token_env.clone();
+                }
+                Err(e) => report.needs_restart.push(format!("http token ({e})")),
+            }
+        }
+        None if !new.fantom_masters.is_empty() => report
+            .needs_restart
+            .push("fantom_master (the agent started without masters)".into()),
+        None => {}
+    }
+    report
+}
+
+/// Adds, removes and updates the slots so they match `new`'s masters.
+fn apply_masters(
+    current: &mut AgentConfig,
+    new: &AgentConfig,
+    sidecar: &Arc<Sidecar>,
+    report: &mut ReloadReport,
+) {
+    let (mut added, mut removed, mut changed) = (0, 0, 0);
+    for old in &current.fantom_masters {
+        if !new
+            .fantom_masters
+            .iter()
+            .any(|m| m.server_url == old.server_url)
+            && sidecar.slots.remove(&old.server_url)
+        {
+            removed += 1;
+        }
+    }
+    for m in &new.fantom_masters {
+        let token = match m.auth_token_file.as_deref().map(tokens::read_token_file) {
+            Some(Ok(token)) => Some(token),
+            Some(Err(e)) => {
+                report
+                    .needs_restart
+                    .push(format!("master {} token ({e})", m.server_url));
+                None
+            }
+            None => None,
+        };
+        let before = current
+            .fantom_masters
+            .iter()
+            .find(|o| o.server_url == m.server_url);
+        let (created, generation) = sidecar.slots.add(&m.server_url, m.ws_port, token);
+        if created {
+            sidecar.spawn_relay(m.server_url.clone(), generation);
+            added += 1;
+        } else if before
+            .is_some_and(|b| b.ws_port != m.ws_port || b.auth_token_file != m.auth_token_file)
+        {
+            changed += 1;
+        }
+    }
+    current.fantom_masters = new.fantom_masters.clone();
+    if added + removed + changed > 0 {
+        report
+            .applied
+            .push(format!("masters +{added} -{removed} ~{changed}"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_line_says_what_applied_and_what_needs_a_restart() {
+        let report = ReloadReport {
+            applied: vec!["masters +1 -0 ~0".into(), "http token".into()],
+            needs_restart: vec!["models".into()],
+            error: None,
+        };
+        assert_eq!(
+            report.line(),
+            "reloaded: masters +1 -0 ~0, http token; needs restart: models"
+        );
+        assert_eq!(ReloadReport::default().line(), "reloaded: nothing changed");
+    }
+
+    #[test]
+    fn a_changed_model_needs_a_restart_and_a_bad_file_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.toml");
+        let body = |model: &str| {
+            format!(
+                "hub_url = \"ws://h/v1/agent\"\nfleet_token_env = \"T\"\n[[models]]\nroles = [\"embedding\"]\nmodel = \"{model}\"\n"
+            )
+        };
+        std::fs::write(&path, body("a")).unwrap();
+        let mut current = AgentConfig::load(&path).unwrap();
+        std::fs::write(&path, body("b")).unwrap();
+        let report = reload_agent(&path, &mut current, None);
+        assert_eq!(report.needs_restart, vec!["models".to_string()]);
+        std::fs::write(&path, "hub_url = 3").unwrap();
+        let report = reload_agent(&path, &mut current, None);
+        assert!(report.error.is_some());
+        assert!(
+            report.line().starts_with("reload failed"),
+            "{}",
+            report.line()
+        );
+    }
+}

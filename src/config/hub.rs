@@ -1,0 +1,175 @@
+//! The hub's settings: the `hub` flags, and the same keys in a TOML file (`--config`,
+//! `systemd/hub.example.toml`). A flag given on the command line wins over its key; a key
+//! absent from both takes its default. SIGHUP reads the file again: the lease, the request
+//! timeout and the gate's keys apply at once; the rest needs a restart and is named.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Every hub setting, each optional: one layer (the flags, or the file).
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HubLayer {
+    pub listen: Option<SocketAddr>,
+    pub state_dir: Option<PathBuf>,
+    pub admin_token_file: Option<PathBuf>,
+    pub fleet_token_file: Option<PathBuf>,
+    pub client_token_file: Option<PathBuf>,
+    pub lease_s: Option<u64>,
+    pub queue_capacity: Option<usize>,
+    pub request_timeout_s: Option<u64>,
+    pub gate_min_cosine: Option<f64>,
+    pub gate_sentinel_s: Option<u64>,
+    pub gate_reference: Option<String>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+}
+
+/// The hub's settings, resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HubConfig {
+    pub listen: SocketAddr,
+    pub state_dir: Option<PathBuf>,
+    pub admin_token_file: Option<PathBuf>,
+    pub fleet_token_file: Option<PathBuf>,
+    pub client_token_file: Option<PathBuf>,
+    pub lease_s: u64,
+    pub queue_capacity: usize,
+    pub request_timeout_s: u64,
+    pub gate_min_cosine: f64,
+    pub gate_sentinel_s: u64,
+    pub gate_reference: Option<String>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+}
+
+impl HubLayer {
+    /// Reads a hub TOML file.
+    pub fn load(path: &Path) -> Result<HubLayer, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// `self` over `under`, then the defaults.
+    pub fn over(&self, under: &HubLayer) -> Result<HubConfig, String> {
+        let tls_cert = self.tls_cert.clone().or_else(|| under.tls_cert.clone());
+        let tls_key = self.tls_key.clone().or_else(|| under.tls_key.clone());
+        if tls_cert.is_some() != tls_key.is_some() {
+            return Err("tls_cert and tls_key go together".into());
+        }
+        Ok(HubConfig {
+            listen: self
+                .listen
+                .or(under.listen)
+                .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 8090))),
+            state_dir: self.state_dir.clone().or_else(|| under.state_dir.clone()),
+            admin_token_file: pick(&self.admin_token_file, &under.admin_token_file),
+            fleet_token_file: pick(&self.fleet_token_file, &under.fleet_token_file),
+            client_token_file: pick(&self.client_token_file, &under.client_token_file),
+            lease_s: self.lease_s.or(under.lease_s).unwrap_or(120),
+            queue_capacity: self
+                .queue_capacity
+                .or(under.queue_capacity)
+                .unwrap_or(100_000),
+            request_timeout_s: self
+                .request_timeout_s
+                .or(under.request_timeout_s)
+                .unwrap_or(600),
+            gate_min_cosine: self
+                .gate_min_cosine
+                .or(under.gate_min_cosine)
+                .unwrap_or(0.99),
+            gate_sentinel_s: self
+                .gate_sentinel_s
+                .or(under.gate_sentinel_s)
+                .unwrap_or(600),
+            gate_reference: pick(&self.gate_reference, &under.gate_reference),
+            tls_cert,
+            tls_key,
+        })
+    }
+}
+
+fn pick<T: Clone>(a: &Option<T>, b: &Option<T>) -> Option<T> {
+    a.clone().or_else(|| b.clone())
+}
+
+impl HubConfig {
+    /// The keys that differ from `other` and cannot change under a running hub.
+    pub fn needs_restart(&self, other: &HubConfig) -> Vec<&'static str> {
+        let mut names = Vec::new();
+        let mut check = |name, differs: bool| {
+            if differs {
+                names.push(name);
+            }
+        };
+        check("listen", self.listen != other.listen);
+        check("state_dir", self.state_dir != other.state_dir);
+        check(
+            "token files",
+            (
+                &self.admin_token_file,
+                &self.fleet_token_file,
+                &self.client_token_file,
+            ) != (
+                &other.admin_token_file,
+                &other.fleet_token_file,
+                &other.client_token_file,
+            ),
+        );
+        check(
+            "queue_capacity",
+            self.queue_capacity != other.queue_capacity,
+        );
+        check(
+            "tls",
+            (&self.tls_cert, &self.tls_key) != (&other.tls_cert, &other.tls_key),
+        );
+        names
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_win_over_the_file_and_defaults_fill_the_rest() {
+        let file: HubLayer =
+            toml::from_str("listen = \"0.0.0.0:9000\"\nlease_s = 30\ngate_sentinel_s = 60")
+                .unwrap();
+        let flags = HubLayer {
+            lease_s: Some(45),
+            ..Default::default()
+        };
+        let cfg = flags.over(&file).unwrap();
+        assert_eq!(cfg.listen.to_string(), "0.0.0.0:9000");
+        assert_eq!(cfg.lease_s, 45);
+        assert_eq!(cfg.gate_sentinel_s, 60);
+        assert_eq!(cfg.request_timeout_s, 600);
+        assert!(
+            toml::from_str::<HubLayer>("lease = 3").is_err(),
+            "unknown keys are refused"
+        );
+        let half_tls = HubLayer {
+            tls_cert: Some("c.pem".into()),
+            ..Default::default()
+        };
+        assert!(half_tls.over(&HubLayer::default()).is_err());
+    }
+
+    #[test]
+    fn the_example_file_parses() {
+        let example = include_str!("../../systemd/hub.example.toml");
+        let layer: HubLayer = toml::from_str(example).unwrap();
+        let cfg = HubLayer::default().over(&layer).unwrap();
+        assert_eq!(cfg.listen.to_string(), "0.0.0.0:8090");
+        let mut moved = cfg.clone();
+        moved.listen = "0.0.0.0:8091".parse().unwrap();
+        moved.lease_s = 10;
+        assert_eq!(cfg.needs_restart(&moved), vec!["listen"]);
+    }
+}
