@@ -4,10 +4,14 @@
 #
 #   benches/gpu/run.sh [BINARY]          default BINARY: target/release/fantom-sidecar
 #
-# 1. correctness: the tiny Qwen3 embedder and reranker (tests/fixtures/qwen3) on the GPU in f32
-#    and bf16, compared with the CPU path of the same binary;
-# 2. throughput: the Qwen3-4B architecture with random weights (same FLOPs as the real model) at
-#    batch sizes 1, 32, 256 × 512 tokens, tokens/s and the fraction of the bf16 peak.
+# 1. kernels: our CUDA kernels (kernels/*.cu: fused pooling + normalisation, the gate's cosine
+#    matrix) against their CPU bodies (`fantom-sidecar kernel-check`);
+# 2. correctness: the tiny Qwen3 embedder and reranker (tests/fixtures/qwen3) on the GPU in f32
+#    and bf16, compared with the CPU path of the same binary, with candle's pooling and with our
+#    fused kernel (FANTOM_FUSED_POOLING=1);
+# 3. throughput: the Qwen3-4B architecture with random weights (same FLOPs as the real model) at
+#    batch sizes 1, 32, 256 × 512 tokens, tokens/s and the fraction of the bf16 peak, with
+#    candle's pooling and with the fused kernel.
 # Full numbers go to $OUT (default /tmp/fantom-gpu); a short table is printed last.
 # Env: DEVICE (cuda:0), OUT, PEAK_TFLOPS (790, H200 bf16), SECONDS_PER_SIZE (5), DEVICE_CHECK_ONLY=1
 # to skip the throughput part. Needs python3 (for the comparison only) and the CUDA 13 libraries
@@ -44,11 +48,13 @@ PY
 
 run_embed() { "$BIN" embed --log-format json --model-dir "$FX/tiny-qwen3-embedding" --device "$1" --dtype "$2" < "$OUT/docs.jsonl" > "$OUT/embed-$3.jsonl" 2>>"$OUT/log.jsonl"; }
 run_rerank() { "$BIN" rerank --log-format json --model-dir "$FX/tiny-qwen3-reranker" --max-tokens 160 --device "$1" --dtype "$2" --query "$(cat "$OUT/rerank-query.txt")" < "$OUT/rerank-docs.jsonl" > "$OUT/rerank-$3.jsonl" 2>>"$OUT/log.jsonl"; }
+status=0
+"$BIN" kernel-check --device "$DEV" > "$OUT/kernels.jsonl" 2> "$OUT/kernels.txt" || { echo "kernel-check on $DEV failed; see $OUT/kernels.txt"; status=1; }
 run_embed cpu f32 cpu
 run_rerank cpu f32 cpu
-status=0
 for dt in f32 bf16; do
   run_embed "$DEV" "$dt" "gpu-$dt" || { echo "embed on $DEV ($dt) failed; see $OUT/log.jsonl"; status=1; }
+  FANTOM_FUSED_POOLING=1 run_embed "$DEV" "$dt" "gpu-fused-$dt" || { echo "fused embed on $DEV ($dt) failed; see $OUT/log.jsonl"; status=1; }
   run_rerank "$DEV" "$dt" "gpu-$dt" || { echo "rerank on $DEV ($dt) failed; see $OUT/log.jsonl"; status=1; }
 done
 
@@ -66,9 +72,14 @@ for dt, (min_cos, max_dp) in limits.items():
     ge, gr = lines(f"{out}/embed-gpu-{dt}.jsonl"), lines(f"{out}/rerank-gpu-{dt}.jsonl")
     if len(ge) != len(cpu_e) or len(gr) != len(cpu_r):
         print(f"{'GPU ' + dt:<28} {'no output':>12} {'':>10}  FAIL"); ok = False; continue
+    gf = lines(f"{out}/embed-gpu-fused-{dt}.jsonl")
+    if len(gf) != len(cpu_e):
+        print(f"{'fused ' + dt:<28} {'no output':>12} {'':>10}  FAIL"); ok = False; continue
     c = min(cos(a["embedding"], b["embedding"]) for a, b in zip(ge, cpu_e))
+    cf = min(cos(a["embedding"], b["embedding"]) for a, b in zip(gf, cpu_e))
     p = max(abs(a["probability"] - b["probability"]) for a, b in zip(gr, cpu_r))
     for name, v, lim, good in [(f"embed min cosine ({dt})", c, min_cos, c >= min_cos),
+                               (f"fused embed min cos ({dt})", cf, min_cos, cf >= min_cos),
                                (f"rerank max |dp| ({dt})", p, max_dp, p <= max_dp)]:
         print(f"{name:<28} {v:>12.6f} {lim:>10}  {'ok' if good else 'FAIL'}"); ok &= good
 sys.exit(0 if ok else 1)
@@ -83,11 +94,16 @@ if [ "${DEVICE_CHECK_ONLY:-0}" != 1 ]; then
   "$BIN" bench --log-format json --model-dir "$CFG" --random-weights --device "$DEV" \
     --batch-sizes 1,32,256 --tokens 512 --seconds "$SECS" --peak-tflops "$PEAK" \
     --json "$OUT/throughput.json" > "$OUT/throughput.txt" 2>>"$OUT/log.jsonl" || { echo "throughput run failed; see $OUT/log.jsonl"; status=1; }
+  FANTOM_FUSED_POOLING=1 "$BIN" bench --log-format json --model-dir "$CFG" --random-weights --device "$DEV" \
+    --batch-sizes 1,32,256 --tokens 512 --seconds "$SECS" --peak-tflops "$PEAK" \
+    --json "$OUT/throughput-fused.json" > "$OUT/throughput-fused.txt" 2>>"$OUT/log.jsonl" || { echo "fused throughput run failed; see $OUT/log.jsonl"; status=1; }
 fi
 
 echo
 echo "== GPU check ($DEV) =="
+tail -1 "$OUT/kernels.txt"
 cat "$OUT/correctness.txt"
-[ -f "$OUT/throughput.txt" ] && cat "$OUT/throughput.txt"
+[ -f "$OUT/throughput.txt" ] && { echo "-- candle pooling"; cat "$OUT/throughput.txt"; }
+[ -f "$OUT/throughput-fused.txt" ] && { echo "-- fused pooling kernel"; cat "$OUT/throughput-fused.txt"; }
 echo "full results: $OUT"
 exit $status

@@ -5,6 +5,7 @@ mod bench;
 mod fleet;
 mod gate;
 mod input;
+mod kernel_check;
 mod models;
 mod oneshot;
 mod reload;
@@ -61,6 +62,8 @@ enum Command {
     Serve(Box<fleet::ServeCommand>),
     /// Compare two embedding routes on the gate's probe texts (exit 0 pass, 1 refused, 2 error).
     Gate(gate::GateCommand),
+    /// Run our CUDA kernels on a device against their CPU bodies (exit 1 on a mismatch).
+    KernelCheck(kernel_check::KernelCheckArgs),
 }
 
 /// Which model and how to run it (shared by `embed` and `rerank`).
@@ -194,6 +197,7 @@ pub fn main() -> ExitCode {
         let done = match cli.command {
             // The gate reports its own errors: its exit code tells a refusal from a failure.
             Command::Gate(cmd) => return Ok::<_, anyhow::Error>(gate::run(cmd).await),
+            Command::KernelCheck(args) => return kernel_check::run(args),
             Command::Embed(args) => oneshot::embed(args).await,
             Command::Rerank(args) => oneshot::rerank(args).await,
             Command::Models(cmd) => models::run(cmd).await,

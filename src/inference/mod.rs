@@ -11,6 +11,7 @@ pub mod cpu_ops;
 pub mod device;
 pub mod engine;
 pub mod heap;
+pub mod kernels;
 pub mod models;
 pub mod pooling;
 pub mod tokenize;

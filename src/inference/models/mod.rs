@@ -41,11 +41,44 @@ pub trait Head: Send {
 }
 
 /// Embedders: pooled token states.
-pub struct PooledHead(pub Pooling);
+pub struct PooledHead {
+    pub pooling: Pooling,
+    /// Whether the model's vectors are unit length (the host normalises again after any
+    /// Matryoshka truncation).
+    pub normalize: bool,
+    /// Pool (and normalise) with our fused CUDA kernel on CUDA devices
+    /// (`FANTOM_FUSED_POOLING=1`; off until measured on a GPU, see docs/gpu.md).
+    pub fused: bool,
+}
+
+impl PooledHead {
+    pub fn new(pooling: Pooling, normalize: bool) -> Self {
+        let fused = std::env::var("FANTOM_FUSED_POOLING").is_ok_and(|v| v == "1");
+        PooledHead {
+            pooling,
+            normalize,
+            fused,
+        }
+    }
+}
 
 impl Head for PooledHead {
     fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> candle_core::Result<ModelOutput> {
-        let pooled = pooling::pool(hidden, batch, self.0)?;
+        if self.fused && hidden.device().is_cuda() && !batch.has_prefixes() {
+            let lengths: Vec<u32> = batch.lengths.iter().map(|&l| l as u32).collect();
+            let lengths = Tensor::new(lengths.as_slice(), hidden.device())?;
+            let width = hidden.dim(1)?;
+            let pooled = super::kernels::pool_normalize(
+                hidden,
+                &batch.first_token,
+                &lengths,
+                self.pooling,
+                width,
+                self.normalize,
+            )?;
+            return Ok(ModelOutput::Vectors(pooled.to_vec2()?));
+        }
+        let pooled = pooling::pool(hidden, batch, self.pooling)?;
         Ok(ModelOutput::Vectors(
             pooled.to_dtype(DType::F32)?.to_vec2()?,
         ))
@@ -98,7 +131,8 @@ pub fn load(
         unsafe { VarBuilder::from_mmaped_safetensors(&files.weights, dtype, device)? }
     };
     let parse = |e: serde_json::Error| candle_core::Error::Msg(format!("config.json: {e}"));
-    let embed_head = || -> Box<dyn Head> { Box::new(PooledHead(spec.pooling)) };
+    let embed_head =
+        || -> Box<dyn Head> { Box::new(PooledHead::new(spec.pooling, spec.normalize)) };
     let model = match spec.architecture {
         Architecture::Bert => {
             let cfg: bert::BertConfig = serde_json::from_str(&config_text).map_err(parse)?;
