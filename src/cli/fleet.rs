@@ -184,6 +184,9 @@ fn default_state_dir() -> PathBuf {
     Path::new(&home).join(".local/state/fantom-sidecar")
 }
 
+/// How often the `STATUS=` line is brought up to date.
+const STATUS_EVERY: Duration = Duration::from_secs(5);
+
 /// SIGTERM or SIGINT flips the returned flag.
 fn shutdown_signal() -> watch::Receiver<bool> {
     let (tx, rx) = watch::channel(false);
@@ -291,22 +294,13 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
     let stop = shutdown_signal();
     notifier.ready(&hub_status_line(&hub));
     let status_task = {
-        let (hub, notifier, mut stop) = (hub.clone(), notifier.clone(), stop.clone());
-        tokio::spawn(async move {
-            let mut last = String::new();
-            let mut tick = tokio::time::interval(Duration::from_secs(5));
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    _ = stop.wait_for(|s| *s) => break,
-                }
-                let line = hub_status_line(&hub);
-                if line != last {
-                    notifier.status(&line);
-                    last = line;
-                }
-            }
-        })
+        let hub = hub.clone();
+        notifier.spawn_status_updates(
+            STATUS_EVERY,
+            stop.clone(),
+            move || hub_status_line(&hub),
+            || "draining".to_string(),
+        )
     };
     let reload_task = tokio::spawn(reload_hub_on_hangup(
         cmd.hub.clone(),
@@ -318,13 +312,12 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
     let draining = hub.clone();
     let shutdown = async move {
         signalled(stop).await;
-        notifier.stopping("draining");
         // Waiting clients are told now; they would otherwise hold the server open.
         draining.core().fail_all();
     };
     http::serve(listener, http::hub_router(hub.clone()), tls, shutdown).await?;
-    status_task.abort();
     reload_task.abort();
+    let _ = status_task.await;
     Ok(())
 }
 
@@ -337,75 +330,54 @@ async fn reload_hub_on_hangup(
     hub: Hub,
     notifier: Notifier,
 ) {
-    #[cfg(unix)]
-    {
-        let Ok(mut hangups) =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-        else {
-            return;
+    reload::on_hangup(notifier, move || {
+        let new = match args.resolve(tls.as_ref()) {
+            Ok(new) => new,
+            Err(e) => return reload::ReloadReport::failed(e.to_string()),
         };
-        while hangups.recv().await.is_some() {
-            notifier.reloading();
-            let report = match args.resolve(tls.as_ref()) {
-                Err(e) => {
-                    tracing::error!(error = %e, "SIGHUP: reload failed; the running settings stay");
-                    reload::ReloadReport {
-                        error: Some(e.to_string()),
-                        ..Default::default()
-                    }
-                }
-                Ok(new) => {
-                    let restart = running.needs_restart(&new);
-                    let mut applied = Vec::new();
-                    {
-                        let mut core = hub.core();
-                        if new.lease_s != running.lease_s {
-                            core.settings.lease = Duration::from_secs(new.lease_s.max(1));
-                            applied.push("lease_s");
-                        }
-                        if new.request_timeout_s != running.request_timeout_s {
-                            core.settings.request_timeout =
-                                Duration::from_secs(new.request_timeout_s.max(1));
-                            applied.push("request_timeout_s");
-                        }
-                        let gate = &mut core.gate.settings;
-                        if new.gate_min_cosine != running.gate_min_cosine {
-                            gate.min_cosine = new
-                                .gate_min_cosine
-                                .max(crate::hub::gate::measure::MIN_COSINE_FLOOR);
-                            applied.push("gate_min_cosine");
-                        }
-                        if new.gate_sentinel_s != running.gate_sentinel_s {
-                            gate.sentinel = Duration::from_secs(new.gate_sentinel_s.max(1));
-                            applied.push("gate_sentinel_s");
-                        }
-                        if new.gate_reference != running.gate_reference {
-                            gate.reference = new.gate_reference.clone();
-                            applied.push("gate_reference");
-                        }
-                    }
-                    tracing::info!(applied = ?applied, needs_restart = ?restart, "SIGHUP: hub settings reloaded");
-                    let kept = running.clone();
-                    running = HubConfig {
-                        lease_s: new.lease_s,
-                        request_timeout_s: new.request_timeout_s,
-                        gate_min_cosine: new.gate_min_cosine,
-                        gate_sentinel_s: new.gate_sentinel_s,
-                        gate_reference: new.gate_reference.clone(),
-                        ..kept
-                    };
-                    reload::ReloadReport {
-                        applied: applied.into_iter().map(String::from).collect(),
-                        needs_restart: restart.into_iter().map(String::from).collect(),
-                        error: None,
-                    }
-                }
-            };
-            notifier.ready(&report.line());
+        let needs_restart = running.needs_restart(&new);
+        let mut applied = Vec::new();
+        {
+            let mut core = hub.core();
+            if new.lease_s != running.lease_s {
+                core.settings.lease = Duration::from_secs(new.lease_s.max(1));
+                applied.push("lease_s");
+            }
+            if new.request_timeout_s != running.request_timeout_s {
+                core.settings.request_timeout = Duration::from_secs(new.request_timeout_s.max(1));
+                applied.push("request_timeout_s");
+            }
+            let gate = &mut core.gate.settings;
+            if new.gate_min_cosine != running.gate_min_cosine {
+                gate.min_cosine = new
+                    .gate_min_cosine
+                    .max(crate::hub::gate::measure::MIN_COSINE_FLOOR);
+                applied.push("gate_min_cosine");
+            }
+            if new.gate_sentinel_s != running.gate_sentinel_s {
+                gate.sentinel = Duration::from_secs(new.gate_sentinel_s.max(1));
+                applied.push("gate_sentinel_s");
+            }
+            if new.gate_reference != running.gate_reference {
+                gate.reference = new.gate_reference.clone();
+                applied.push("gate_reference");
+            }
         }
-    }
-    #[cfg(not(unix))]
-    let _ = (args, tls, &mut running, hub, notifier);
+        running = HubConfig {
+            lease_s: new.lease_s,
+            request_timeout_s: new.request_timeout_s,
+            gate_min_cosine: new.gate_min_cosine,
+            gate_sentinel_s: new.gate_sentinel_s,
+            gate_reference: new.gate_reference,
+            ..running.clone()
+        };
+        reload::ReloadReport {
+            applied: applied.into_iter().map(String::from).collect(),
+            needs_restart: needs_restart.into_iter().map(String::from).collect(),
+            error: None,
+        }
+    })
+    .await
 }
 
 /// The hub's `STATUS=` line.
@@ -543,24 +515,14 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
     first_dials.await;
     notifier.ready(&agent_status_line(&agent, sidecar.as_deref()));
     let status_task = {
-        let (agent, sidecar, notifier) = (agent.clone(), sidecar.clone(), notifier.clone());
-        let mut stop = stop.clone();
-        tokio::spawn(async move {
-            let mut last = String::new();
-            let mut tick = tokio::time::interval(Duration::from_secs(5));
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    _ = stop.wait_for(|s| *s) => break,
-                }
-                let line = agent_status_line(&agent, sidecar.as_deref());
-                if line != last {
-                    notifier.status(&line);
-                    last = line;
-                }
-            }
-            notifier.stopping(&format!("draining: {} leases in flight", agent.in_flight()));
-        })
+        let (agent, sidecar) = (agent.clone(), sidecar.clone());
+        let draining = agent.clone();
+        notifier.spawn_status_updates(
+            STATUS_EVERY,
+            stop.clone(),
+            move || agent_status_line(&agent, sidecar.as_deref()),
+            move || format!("draining: {} leases in flight", draining.in_flight()),
+        )
     };
     let reload_task = tokio::spawn(reload_on_hangup(
         cmd.config.clone(),
@@ -610,27 +572,10 @@ async fn reload_on_hangup(
     sidecar: Option<Arc<Sidecar>>,
     notifier: Notifier,
 ) {
-    #[cfg(unix)]
-    {
-        let Ok(mut hangups) =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-        else {
-            return;
-        };
-        while hangups.recv().await.is_some() {
-            notifier.reloading();
-            let report = reload::reload_agent(&path, &mut current, sidecar.as_ref());
-            let line = report.line();
-            if report.error.is_some() {
-                tracing::error!(config = %path.display(), outcome = %line, "SIGHUP: reload failed");
-            } else {
-                tracing::info!(config = %path.display(), applied = ?report.applied, needs_restart = ?report.needs_restart, "SIGHUP: config reloaded");
-            }
-            notifier.ready(&line);
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = (path, &mut current, sidecar, notifier);
+    reload::on_hangup(notifier, move || {
+        reload::reload_agent(&path, &mut current, sidecar.as_ref())
+    })
+    .await
 }
 
 pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {

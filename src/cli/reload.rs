@@ -11,6 +11,7 @@ use crate::config::agent::AgentConfig;
 use crate::config::tokens;
 use crate::fantom::sidecar::Sidecar;
 use crate::service::credentials;
+use crate::service::notify::Notifier;
 
 /// What a reload did, for the log and the `STATUS=` line.
 #[derive(Debug, Default, PartialEq)]
@@ -21,7 +22,40 @@ pub struct ReloadReport {
     pub error: Option<String>,
 }
 
+/// On every SIGHUP: `RELOADING=1`, `reload()`, the outcome logged, then `READY=1` with its line.
+pub async fn on_hangup(notifier: Notifier, mut reload: impl FnMut() -> ReloadReport) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+            tracing::warn!("cannot listen for SIGHUP: no reloads");
+            return;
+        };
+        while hangups.recv().await.is_some() {
+            notifier.reloading();
+            let report = reload();
+            let line = report.line();
+            if report.error.is_some() {
+                tracing::error!(outcome = %line, "SIGHUP: reload failed");
+            } else {
+                tracing::info!(applied = ?report.applied, needs_restart = ?report.needs_restart, "SIGHUP: config reloaded");
+            }
+            notifier.ready(&line);
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (notifier, &mut reload);
+}
+
 impl ReloadReport {
+    /// A reload that changed nothing because the file could not be read.
+    pub fn failed(error: String) -> Self {
+        ReloadReport {
+            error: Some(error),
+            ..Default::default()
+        }
+    }
+
     /// `reloaded: <applied>; needs restart: <list>`.
     pub fn line(&self) -> String {
         if let Some(e) = &self.error {
@@ -51,12 +85,7 @@ pub fn reload_agent(
 ) -> ReloadReport {
     let new = match AgentConfig::load(path) {
         Ok(new) => new,
-        Err(e) => {
-            return ReloadReport {
-                error: Some(e.to_string()),
-                ..Default::default()
-            };
-        }
+        Err(e) => return ReloadReport::failed(e.to_string()),
     };
     let mut report = ReloadReport::default();
     let differs = |a: &dyn Debug, b: &dyn Debug| format!("{a:?}") != format!("{b:?}");

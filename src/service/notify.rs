@@ -68,6 +68,34 @@ impl Notifier {
         self.notify(&format!("RELOADING=1\nMONOTONIC_USEC={usec}"));
     }
 
+    /// Sends `line()` as `STATUS=` every `every` when it changed, until `stop` turns true; then
+    /// `STOPPING=1` with `last_words()`.
+    pub fn spawn_status_updates(
+        &self,
+        every: Duration,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+        line: impl Fn() -> String + Send + 'static,
+        last_words: impl FnOnce() -> String + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        let notifier = self.clone();
+        tokio::spawn(async move {
+            let mut last = String::new();
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = stop.wait_for(|s| *s) => break,
+                }
+                let now = line();
+                if now != last {
+                    notifier.status(&now);
+                    last = now;
+                }
+            }
+            notifier.stopping(&last_words());
+        })
+    }
+
     /// Pings the watchdog every half `WATCHDOG_USEC` while the runtime runs (when systemd asked
     /// for it and `WATCHDOG_PID`, if set, is this process).
     pub fn spawn_watchdog(&self) -> Option<tokio::task::JoinHandle<()>> {

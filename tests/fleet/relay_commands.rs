@@ -235,6 +235,15 @@ impl AgentApi {
     }
 }
 
+/// A key, the OpenRouter stand-in that takes it, a scratch dir, and the agent's
+/// `openrouter_url` line pointing at the stand-in.
+async fn with_upstream(name: &str) -> (String, Upstream, tempfile::TempDir, String) {
+    let key = key(name);
+    let up = upstream(&key).await;
+    let top = format!("openrouter_url = \"{}\"", up.base_url);
+    (key, up, tempfile::tempdir().unwrap(), top)
+}
+
 /// The `virtualContainers` rows of a `masters[]` row, by role.
 fn virtual_rows(row: &Value) -> BTreeMap<String, Value> {
     row["virtualContainers"]
@@ -252,11 +261,8 @@ fn virtual_rows(row: &Value) -> BTreeMap<String, Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn virtual_commands_serve_pinned_cloud_answers_and_refuse_mismatches() {
-    let key = key("virtual");
-    let up = upstream(&key).await;
-    let dir = tempfile::tempdir().unwrap();
+    let (key, up, dir, top) = with_upstream("virtual").await;
     let master = TestMaster::start(opts()).await;
-    let top = format!("openrouter_url = \"{}\"", up.base_url);
     let agent = start(dir.path(), "relay-cmd-a", &master, &top, &[TRACE]);
     master.wait_registered(AGENT_URL).await;
     let api = AgentApi::new(&agent, None);
@@ -450,11 +456,8 @@ async fn virtual_commands_serve_pinned_cloud_answers_and_refuse_mismatches() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_http_surface_answers_as_the_master_expects() {
-    let key = key("surface");
-    let up = upstream(&key).await;
-    let dir = tempfile::tempdir().unwrap();
+    let (key, _up, dir, top) = with_upstream("surface").await;
     let master = TestMaster::start(opts()).await;
-    let top = format!("openrouter_url = \"{}\"", up.base_url);
     let body = format!(
         "{}{}",
         relay_toml(&[(master.http_url.as_str(), master.ws_port)], &top),

@@ -48,6 +48,16 @@ impl NotifySocket {
         }
     }
 
+    /// Sends SIGHUP to `proc` and returns the reload's outcome: the `READY=1` message that
+    /// follows its `RELOADING=1` (with the `reloaded: …` or `reload failed …` line).
+    async fn reload(&mut self, proc: &Proc) -> String {
+        proc.signal("HUP");
+        self.until("RELOADING=1", |m| m.starts_with("RELOADING=1"))
+            .await;
+        self.until("the reload's outcome", |m| m.starts_with("READY=1"))
+            .await
+    }
+
     /// The position of the first message containing `needle`.
     fn position(&self, needle: &str) -> Option<usize> {
         self.seen.iter().position(|m| m.contains(needle))
@@ -80,13 +90,7 @@ async fn the_agent_notifies_systemd_reloads_on_sighup_and_drains_on_sigterm() {
     };
     write_config(&[(first.http_url.as_str(), first.ws_port)], "");
     let (notify_env, creds_env) = (notify.env(), creds.display().to_string());
-    let args: Vec<String> = vec![
-        "agent".into(),
-        "--config".into(),
-        config.display().to_string(),
-        "--http".into(),
-        "127.0.0.1:0".into(),
-    ];
+    let args = agent_args(&config);
     let envs = [
         ("NOTIFY_SOCKET", notify_env.as_str()),
         ("CREDENTIALS_DIRECTORY", creds_env.as_str()),
@@ -125,15 +129,11 @@ async fn the_agent_notifies_systemd_reloads_on_sighup_and_drains_on_sigterm() {
         ],
         "",
     );
-    agent.signal("HUP");
-    notify
-        .until("RELOADING=1", |m| m.starts_with("RELOADING=1"))
-        .await;
-    let reloaded = notify
-        .until("the reload's line", |m| m.contains("reloaded"))
-        .await;
-    assert!(reloaded.contains("READY=1"), "{reloaded}");
-    assert!(reloaded.contains("masters +1 -0 ~0"), "{reloaded}");
+    let reloaded = notify.reload(&agent).await;
+    assert!(
+        reloaded.contains("STATUS=reloaded: masters +1 -0 ~0"),
+        "{reloaded}"
+    );
     second.wait_registered(AGENT_URL).await;
 
     // What cannot change under a running agent is named, and the rest keeps running.
@@ -144,11 +144,11 @@ async fn the_agent_notifies_systemd_reloads_on_sighup_and_drains_on_sigterm() {
         ],
         "cloud_pipeline_depth = 3",
     );
-    agent.signal("HUP");
-    let line = notify
-        .until("a needs-restart line", |m| m.contains("needs restart"))
-        .await;
-    assert!(line.contains("cloud_pipeline_depth"), "{line}");
+    let line = notify.reload(&agent).await;
+    assert!(
+        line.contains("needs restart: cloud_pipeline_depth"),
+        "{line}"
+    );
     assert_eq!(status(Some(&token)).await.unwrap().status(), 200);
 
     // SIGTERM: STOPPING, then a clean exit.
@@ -209,22 +209,13 @@ async fn the_hub_notifies_ready_and_takes_its_tokens_from_credentials() {
 
     // SIGHUP: the lease applies at once, a new listen address needs a restart.
     std::fs::write(&config, "listen = \"127.0.0.1:1\"\nlease_s = 30\n").unwrap();
-    hub.signal("HUP");
-    notify
-        .until("RELOADING=1", |m| m.starts_with("RELOADING=1"))
-        .await;
-    let line = notify
-        .until("the reload's line", |m| m.contains("reloaded"))
-        .await;
+    let line = notify.reload(&hub).await;
     assert!(
         line.contains("reloaded: lease_s; needs restart: listen"),
         "{line}"
     );
     std::fs::write(&config, "lease_s = [").unwrap();
-    hub.signal("HUP");
-    let line = notify
-        .until("a failed reload", |m| m.contains("reload failed"))
-        .await;
+    let line = notify.reload(&hub).await;
     assert!(line.contains("the running config stays"), "{line}");
     let r = reqwest::Client::new()
         .get(hub.url("/admin/status"))

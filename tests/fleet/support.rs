@@ -313,14 +313,23 @@ drain_timeout_s = 60
 fn run_agent(dir: &Path, id: &str, toml: &str, envs: &[(&str, &str)]) -> Proc {
     let config = dir.join(format!("{id}.toml"));
     std::fs::write(&config, toml).unwrap();
-    let args: Vec<String> = vec![
+    Proc::start(
+        &agent_args(&config),
+        envs,
+        &dir.join(format!("{id}.log")),
+        "agent",
+    )
+}
+
+/// `agent --config <config> --http 127.0.0.1:0`.
+pub fn agent_args(config: &Path) -> Vec<String> {
+    vec![
         "agent".into(),
         "--config".into(),
         config.display().to_string(),
         "--http".into(),
         "127.0.0.1:0".into(),
-    ];
-    Proc::start(&args, envs, &dir.join(format!("{id}.log")), "agent")
+    ]
 }
 
 /// An agent with no hub: its TOML is only `agent_id`, `drain_timeout_s` and `body` (the
