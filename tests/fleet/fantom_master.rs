@@ -644,6 +644,21 @@ impl TestMaster {
     }
 
     /// Waits (bounded) until `pred` holds over the master's counters, via a snapshot.
+    /// The first heartbeat on a registered socket whose `statusData.containers` shows every
+    /// role of `roles` running.
+    pub async fn wait_running(&self, roles: &[&str]) -> Received {
+        self.wait_frame(&format!("a heartbeat with {roles:?} running"), |f| {
+            f.registered
+                && f.kind() == Some("heartbeat")
+                && roles.iter().all(|r| {
+                    f.value
+                        .as_ref()
+                        .is_some_and(|v| v["statusData"]["containers"][r]["status"] == "running")
+                })
+        })
+        .await
+    }
+
     pub async fn wait_until(&self, what: &str, pred: impl Fn(&TestMaster) -> bool) {
         let mut changes = self.shared.events.subscribe();
         let deadline = Instant::now() + PATIENCE;

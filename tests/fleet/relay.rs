@@ -99,15 +99,7 @@ async fn the_agent_registers_and_heartbeats_in_the_masters_shape() {
     assert_eq!(master.registered_sent(), 1);
 
     // Heartbeats: `type` first, the status snapshot with every container's status and port.
-    master
-        .wait_frame("a heartbeat with both embedding roles running", |f| {
-            f.registered
-                && f.kind() == Some("heartbeat")
-                && ROLES.iter().all(|r| {
-                    f.value.as_ref().unwrap()["statusData"]["containers"][r]["status"] == "running"
-                })
-        })
-        .await;
+    master.wait_running(&ROLES).await;
     let beats = master.wait_heartbeats(2).await;
     for beat in &beats {
         let status = &beat["statusData"];

@@ -469,15 +469,7 @@ async fn the_agent_http_surface_answers_as_the_master_expects() {
     let port = agent.addr.port();
 
     // The model names the master routes by are the heartbeat's `containers[role].config.model`.
-    let beat = master
-        .wait_frame("a heartbeat with the three local roles running", |f| {
-            f.registered
-                && f.kind() == Some("heartbeat")
-                && LOCAL_ROLES.iter().all(|r| {
-                    f.value.as_ref().unwrap()["statusData"]["containers"][r]["status"] == "running"
-                })
-        })
-        .await;
+    let beat = master.wait_running(&LOCAL_ROLES).await;
     let beat = beat.value.unwrap();
     let model_of = |role: &str| {
         beat["statusData"]["containers"][role]["config"]["model"]

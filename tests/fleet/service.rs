@@ -122,13 +122,11 @@ async fn the_agent_notifies_systemd_reloads_on_sighup_and_drains_on_sigterm() {
 
     // SIGHUP with a second master: it is dialled, and the reload says what it applied.
     let second = TestMaster::start(opts()).await;
-    write_config(
-        &[
-            (first.http_url.as_str(), first.ws_port),
-            (second.http_url.as_str(), second.ws_port),
-        ],
-        "",
-    );
+    let both = [
+        (first.http_url.as_str(), first.ws_port),
+        (second.http_url.as_str(), second.ws_port),
+    ];
+    write_config(&both, "");
     let reloaded = notify.reload(&agent).await;
     assert!(
         reloaded.contains("STATUS=reloaded: masters +1 -0 ~0"),
@@ -137,13 +135,7 @@ async fn the_agent_notifies_systemd_reloads_on_sighup_and_drains_on_sigterm() {
     second.wait_registered(AGENT_URL).await;
 
     // What cannot change under a running agent is named, and the rest keeps running.
-    write_config(
-        &[
-            (first.http_url.as_str(), first.ws_port),
-            (second.http_url.as_str(), second.ws_port),
-        ],
-        "cloud_pipeline_depth = 3",
-    );
+    write_config(&both, "cloud_pipeline_depth = 3");
     let line = notify.reload(&agent).await;
     assert!(
         line.contains("needs restart: cloud_pipeline_depth"),
