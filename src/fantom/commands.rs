@@ -159,9 +159,14 @@ async fn virtual_embed(
         ));
     }
     let key = args.role.as_str();
-    let SlotRoute { client, route } =
-        slot_route(slots, master, args.role, Some(key), args.model.as_deref())
-            .map_err(|e| e.to_string())?;
+    let SlotRoute { client, route } = slot_route(
+        slots,
+        master,
+        args.role,
+        Some(key),
+        args.common.model.as_deref(),
+    )
+    .map_err(|e| e.to_string())?;
     let dims = route.dims().unwrap_or_default();
     let call = client.embed(&route, &args.texts, None, None);
     let embedded = metered(slots, master, key, call)
@@ -189,7 +194,7 @@ async fn virtual_rerank(
     }
     let key = role.as_str();
     let SlotRoute { client, route } =
-        slot_route(slots, master, role, Some(key), args.model.as_deref())
+        slot_route(slots, master, role, Some(key), args.common.model.as_deref())
             .map_err(|e| e.to_string())?;
     let call = client.rerank(&route, &args.query, &args.documents);
     let reranked = metered(slots, master, key, call)

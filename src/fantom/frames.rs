@@ -269,20 +269,29 @@ impl Command {
     }
 }
 
+/// What both virtual commands carry beside their input.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualCommon {
+    /// Fantom always sends `false`: do not fall back to local.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_available: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_error_reason: Option<String>,
+    /// The model the master expects: refuse rather than substitute another (always sent with
+    /// `virtual-embed`; with `virtual-rerank` in strict mode only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct VirtualEmbed {
     /// `embedding` or `code-embedding`.
     pub role: Role,
     pub texts: Vec<String>,
-    /// Fantom always sends `false`: do not fall back to local.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub local_available: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub local_error_reason: Option<String>,
-    /// Always sent by Fantom: refuse rather than substitute a different model.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
+    #[serde(flatten)]
+    pub common: VirtualCommon,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -296,13 +305,8 @@ pub struct VirtualRerank {
     /// Fantom sends `documents.length`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_n: Option<usize>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub local_available: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub local_error_reason: Option<String>,
-    /// Strict mode only; a mismatch with the slot's model is a hard refusal.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
+    #[serde(flatten)]
+    pub common: VirtualCommon,
 }
 
 /// `start`, `stop`, `acquire`, `release`: a local container role (`embedding`,

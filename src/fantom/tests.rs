@@ -237,8 +237,11 @@ fn commands_keep_their_flat_payload_and_parse_per_action() {
     };
     assert_eq!(embed.role, Role::CodeEmbedding);
     assert_eq!(embed.texts.len(), 1);
-    assert_eq!(embed.local_available, Some(false));
-    assert_eq!(embed.model.as_deref(), Some("qwen/qwen3-embedding-8b"));
+    assert_eq!(embed.common.local_available, Some(false));
+    assert_eq!(
+        embed.common.model.as_deref(),
+        Some("qwen/qwen3-embedding-8b")
+    );
     // The test master's writer puts the payload back flat.
     let text = encode_master(&MasterFrame::Command(cmd));
     assert!(text.starts_with(r#"{"type":"command""#), "{text}");
@@ -251,7 +254,7 @@ fn commands_keep_their_flat_payload_and_parse_per_action() {
         panic!("{cmd:?}")
     };
     assert_eq!(
-        (rerank.role, rerank.top_n, rerank.model),
+        (rerank.role, rerank.top_n, rerank.common.model),
         (Some(Role::Reranker), Some(2), None)
     );
     assert_eq!(rerank.documents, ["doc A", "doc B"]);

@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
@@ -186,11 +186,6 @@ pub struct Core {
     next_lease: u64,
     next_session: u64,
     turn: usize,
-}
-
-fn unix_ms(at: SystemTime) -> u64 {
-    at.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn failure_name(class: FailureClass) -> &'static str {
@@ -1084,7 +1079,9 @@ impl Core {
                 provider: pid.clone(),
                 role,
                 input: shape.work_input(items.iter().map(|i| i.text.clone()).collect()),
-                deadline_ms: unix_ms(SystemTime::now() + self.settings.lease),
+                deadline_ms: super::now_ms().saturating_add(
+                    u64::try_from(self.settings.lease.as_millis()).unwrap_or(u64::MAX),
+                ),
             });
             let sent = agent.send(protocol::encode(&frame));
             let Some(p) = agent.providers.get_mut(&pid) else {
