@@ -71,6 +71,7 @@ pub async fn run_slot(
     let slots = &sidecar.slots;
     let master = server_url.as_str();
     let mut attempt = 0u32;
+    let mut last_http_beat = None;
     let fallback = reqwest::Client::builder()
         .timeout(Duration::from_secs(5))
         .build()
@@ -131,7 +132,7 @@ pub async fn run_slot(
             if slots.with_slot(master, |s| s.connection) == Some(Connection::Http)
                 && let Some(client) = &fallback
             {
-                http_heartbeats(&sidecar, master, client).await
+                http_heartbeats(&sidecar, master, client, &mut last_http_beat).await
             } else {
                 std::future::pending::<()>().await
             }
@@ -144,13 +145,21 @@ pub async fn run_slot(
     }
 }
 
-/// Heartbeats over HTTP every 5 s, the first at once (§3.4), until the caller stops waiting.
-async fn http_heartbeats(sidecar: &Sidecar, master: &str, client: &reqwest::Client) {
+/// Heartbeats over HTTP every 5 s (the first at once), until the caller stops waiting (§3.4).
+/// `last` spans the caller's backoff waits, so short early waits do not beat more often.
+async fn http_heartbeats(
+    sidecar: &Sidecar,
+    master: &str,
+    client: &reqwest::Client,
+    last: &mut Option<tokio::time::Instant>,
+) {
     let target = format!("{}{HTTP_HEARTBEAT_PATH}", master.trim_end_matches('/'));
-    let mut beat = tokio::time::interval(Duration::from_millis(HEARTBEAT_INTERVAL_MS));
-    beat.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let every = Duration::from_millis(HEARTBEAT_INTERVAL_MS);
     loop {
-        beat.tick().await;
+        if let Some(at) = *last {
+            tokio::time::sleep_until(at + every).await;
+        }
+        *last = Some(tokio::time::Instant::now());
         let frame = SidecarFrame::Heartbeat(heartbeat(sidecar, master, true));
         let sent = client
             .post(&target)

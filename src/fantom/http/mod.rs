@@ -18,7 +18,7 @@ pub mod role_api;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Request, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -27,11 +27,15 @@ use serde_json::json;
 use super::sidecar::Sidecar;
 use crate::roles::Role;
 
+/// The largest request body (a batch of texts to embed, a long chat): 32 MiB.
+pub const MAX_BODY_BYTES: usize = 32 << 20;
+
 /// The routes of the agent port: everything for masters, every local role.
 pub fn agent_port_router(sidecar: Arc<Sidecar>) -> Router {
     agent_api::router(sidecar.clone())
         .merge(role_api::router(sidecar.clone(), None))
         .merge(chat_proxy::router(sidecar.clone()))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(sidecar, require_bearer))
 }
 
@@ -39,6 +43,7 @@ pub fn agent_port_router(sidecar: Arc<Sidecar>) -> Router {
 pub fn role_port_router(sidecar: Arc<Sidecar>, roles: Vec<Role>) -> Router {
     role_api::router(sidecar.clone(), Some(roles))
         .merge(agent_api::health_router())
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(sidecar, require_bearer))
 }
 
