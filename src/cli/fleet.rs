@@ -579,6 +579,9 @@ async fn reload_on_hangup(
 }
 
 pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
+    let notifier = Notifier::from_env();
+    let _watchdog = notifier.spawn_watchdog();
+    notifier.status("loading models");
     let mut models = Vec::new();
     let embedder = cmd.model.choice();
     if embedder.model.is_some() || embedder.model_dir.is_some() {
@@ -638,7 +641,28 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
             signalled(stop.clone()),
         ));
     }
-    agent.run(stop).await;
+    let run = tokio::spawn(agent.clone().run(stop.clone()));
+    agent.first_dial(Duration::from_secs(15)).await;
+    notifier.ready(&hub_status_line(&hub));
+    let status_task = {
+        let hub = hub.clone();
+        notifier.spawn_status_updates(
+            STATUS_EVERY,
+            stop.clone(),
+            move || hub_status_line(&hub),
+            || "draining".to_string(),
+        )
+    };
+    let reload_task = tokio::spawn(reload_hub_on_hangup(
+        cmd.hub.clone(),
+        None,
+        hub_cfg,
+        hub.clone(),
+        notifier.clone(),
+    ));
+    let _ = run.await;
+    reload_task.abort();
+    let _ = status_task.await;
     hub.core().fail_all();
     match tokio::time::timeout(Duration::from_secs(10), server).await {
         Ok(joined) => joined.context("the hub server panicked")??,

@@ -224,3 +224,36 @@ async fn the_hub_notifies_ready_and_takes_its_tokens_from_credentials() {
         .until("STOPPING=1", |m| m.starts_with("STOPPING=1"))
         .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_notifies_too_and_reloads_its_hub_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut notify = NotifySocket::bind(dir.path());
+    let config = dir.path().join("hub.toml");
+    std::fs::write(&config, "request_timeout_s = 600\n").unwrap();
+    let state = dir.path().join("state");
+    let args: Vec<String> = vec![
+        "serve".into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--config".into(),
+        config.display().to_string(),
+        "--state-dir".into(),
+        state.display().to_string(),
+    ];
+    let notify_env = notify.env();
+    let envs = [("NOTIFY_SOCKET", notify_env.as_str())];
+    let mut serve = Proc::start(&args, &envs, &dir.path().join("serve.log"), "hub");
+    let ready = notify.until("READY=1", |m| m.contains("READY=1")).await;
+    assert!(ready.contains("STATUS=serving:"), "{ready}");
+    std::fs::write(&config, "request_timeout_s = 60\n").unwrap();
+    let line = notify.reload(&serve).await;
+    assert!(line.contains("reloaded: request_timeout_s"), "{line}");
+    let exit = tokio::task::spawn_blocking(move || serve.terminate())
+        .await
+        .unwrap();
+    assert!(exit.success(), "{exit:?}");
+    notify
+        .until("STOPPING=1", |m| m.starts_with("STOPPING=1"))
+        .await;
+}
