@@ -186,6 +186,8 @@ fn default_state_dir() -> PathBuf {
 
 /// How often the `STATUS=` line is brought up to date.
 const STATUS_EVERY: Duration = Duration::from_secs(5);
+/// The longest `READY=1` waits for a first dial (hub, each master) to be attempted.
+const FIRST_DIAL_WAIT: Duration = Duration::from_secs(15);
 
 /// SIGTERM or SIGINT flips the returned flag.
 fn shutdown_signal() -> watch::Receiver<bool> {
@@ -250,9 +252,9 @@ fn open_hub(args: &HubConfig) -> anyhow::Result<Hub> {
     )?;
     tracing::info!(admin_token = %admin_path.display(), fleet_token = %fleet_path.display(), state_dir = %state_dir.display(), client_auth = client_token.is_some(), "hub tokens (paths only)");
     let settings = HubSettings {
-        lease: Duration::from_secs(args.lease_s.max(1)),
+        lease: args.lease(),
         queue_capacity: args.queue_capacity.max(1),
-        request_timeout: Duration::from_secs(args.request_timeout_s.max(1)),
+        request_timeout: args.request_timeout(),
         ..HubSettings::default()
     };
     if args.gate_min_cosine < crate::hub::gate::measure::MIN_COSINE_FLOOR {
@@ -261,14 +263,7 @@ fn open_hub(args: &HubConfig) -> anyhow::Result<Hub> {
             "the gate's minimum cosine is never under 0.99; using 0.99"
         );
     }
-    let gate = crate::hub::gate::GateSettings {
-        min_cosine: args
-            .gate_min_cosine
-            .max(crate::hub::gate::measure::MIN_COSINE_FLOOR),
-        sentinel: Duration::from_secs(args.gate_sentinel_s.max(1)),
-        reference: args.gate_reference.clone(),
-        ..Default::default()
-    };
+    let gate = args.gate();
     Ok(Hub::open(HubOptions {
         settings,
         state_dir,
@@ -292,23 +287,14 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
     let listener = bind(cfg.listen, "hub")?;
     let _maintenance = hub.spawn_maintenance();
     let stop = shutdown_signal();
-    notifier.ready(&hub_status_line(&hub));
-    let status_task = {
-        let hub = hub.clone();
-        notifier.spawn_status_updates(
-            STATUS_EVERY,
-            stop.clone(),
-            move || hub_status_line(&hub),
-            || "draining".to_string(),
-        )
-    };
-    let reload_task = tokio::spawn(reload_hub_on_hangup(
+    let (status_task, reload_task) = supervise_hub(
+        &notifier,
+        &hub,
+        &stop,
         cmd.hub.clone(),
         Some(cmd.tls.clone()),
         cfg,
-        hub.clone(),
-        notifier.clone(),
-    ));
+    );
     let draining = hub.clone();
     let shutdown = async move {
         signalled(stop).await;
@@ -319,6 +305,36 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
     reload_task.abort();
     let _ = status_task.await;
     Ok(())
+}
+
+/// `READY=1` with the hub's status line, then its `STATUS=` updates until `stop` (ending with
+/// `STOPPING=1`) and SIGHUP reloads of its settings: the two tasks.
+fn supervise_hub(
+    notifier: &Notifier,
+    hub: &Hub,
+    stop: &watch::Receiver<bool>,
+    args: HubArgs,
+    tls: Option<TlsArgs>,
+    running: HubConfig,
+) -> (tokio::task::JoinHandle<()>, tokio::task::JoinHandle<()>) {
+    notifier.ready(&hub_status_line(hub));
+    let status_task = {
+        let hub = hub.clone();
+        notifier.spawn_status_updates(
+            STATUS_EVERY,
+            stop.clone(),
+            move || hub_status_line(&hub),
+            || "draining".to_string(),
+        )
+    };
+    let reload_task = tokio::spawn(reload_hub_on_hangup(
+        args,
+        tls,
+        running,
+        hub.clone(),
+        notifier.clone(),
+    ));
+    (status_task, reload_task)
 }
 
 /// SIGHUP for the hub: read `--config` again; the lease, the request timeout and the gate's
@@ -340,26 +356,24 @@ async fn reload_hub_on_hangup(
         {
             let mut core = hub.core();
             if new.lease_s != running.lease_s {
-                core.settings.lease = Duration::from_secs(new.lease_s.max(1));
+                core.settings.lease = new.lease();
                 applied.push("lease_s");
             }
             if new.request_timeout_s != running.request_timeout_s {
-                core.settings.request_timeout = Duration::from_secs(new.request_timeout_s.max(1));
+                core.settings.request_timeout = new.request_timeout();
                 applied.push("request_timeout_s");
             }
-            let gate = &mut core.gate.settings;
+            let (gate, wanted) = (&mut core.gate.settings, new.gate());
             if new.gate_min_cosine != running.gate_min_cosine {
-                gate.min_cosine = new
-                    .gate_min_cosine
-                    .max(crate::hub::gate::measure::MIN_COSINE_FLOOR);
+                gate.min_cosine = wanted.min_cosine;
                 applied.push("gate_min_cosine");
             }
             if new.gate_sentinel_s != running.gate_sentinel_s {
-                gate.sentinel = Duration::from_secs(new.gate_sentinel_s.max(1));
+                gate.sentinel = wanted.sentinel;
                 applied.push("gate_sentinel_s");
             }
             if new.gate_reference != running.gate_reference {
-                gate.reference = new.gate_reference.clone();
+                gate.reference = wanted.reference;
                 applied.push("gate_reference");
             }
         }
@@ -450,69 +464,24 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
         cloud: cloud.clone(),
     });
     let listener = bind(cmd.http, "agent")?;
-    let http_port = listener.local_addr()?.port();
+    let bound = listener.local_addr()?;
     let stop = shutdown_signal();
     let mut router = agent::http::router(agent.clone());
-    let mut sidecar = None;
-    if !cfg.fantom_masters.is_empty() {
-        if cmd.http.ip().is_loopback() {
-            tracing::warn!(http = %cmd.http, "Fantom masters are configured but the agent's HTTP port listens on loopback only: masters cannot reach it (e.g. --http 0.0.0.0:8098)");
-        }
-        let hostname = cfg.hostname.clone().unwrap_or_else(agent::hostname);
-        let ctx = RelayContext {
-            agent_url: cfg
-                .agent_url
-                .clone()
-                .unwrap_or_else(|| format!("http://{hostname}:{http_port}")),
-            hostname,
-            version: env!("CARGO_PKG_VERSION").to_string(),
-            started: Instant::now(),
-        };
-        let slots = Slots::new(&cfg.fantom_masters, cloud);
-        for m in &cfg.fantom_masters {
-            if let Some(file) = &m.auth_token_file {
-                let token = tokens::read_token_file(file)?;
-                slots.add(&m.server_url, m.ws_port, Some(token));
-            }
-        }
-        let containers =
-            Containers::new(&providers, &cfg.models, &cfg.role_ports, http_port, has_hub);
-        let fantom = Sidecar::new(ctx, slots, containers, http_token, stop.clone());
-        tracing::info!(masters = cfg.fantom_masters.len(), agent_url = %fantom.ctx.agent_url, "relaying to Fantom masters");
-        // Role ports: the master sends each role's inference to its `config.port`.
-        let mut by_port: std::collections::BTreeMap<u16, Vec<Role>> = Default::default();
-        for (role, port) in &cfg.role_ports {
-            by_port.entry(*port).or_default().push(*role);
-        }
-        for (port, roles) in by_port {
-            if port == http_port {
-                continue;
-            }
-            let addr = SocketAddr::new(cmd.http.ip(), port);
-            let names: Vec<&str> = roles.iter().map(|r| r.as_str()).collect();
-            let listener = bind(addr, &format!("role port {}", names.join(",")))?;
-            tokio::spawn(http::serve(
-                listener,
-                fantom::http::role_port_router(fantom.clone(), roles),
-                None,
-                signalled(stop.clone()),
-            ));
-        }
+    let sidecar = if cfg.fantom_masters.is_empty() {
+        None
+    } else {
+        let fantom = start_sidecar(&cfg, bound, &providers, cloud, http_token, has_hub, &stop)?;
         router = router.merge(fantom::http::agent_port_router(fantom.clone()));
-        fantom.start_relays();
-        sidecar = Some(fantom);
-    }
+        Some(fantom)
+    };
     let server = tokio::spawn(http::serve(listener, router, None, signalled(stop.clone())));
     let run = tokio::spawn(agent.clone().run(stop.clone()));
 
     // READY once the models are loaded and every first dial (hub, masters) was attempted.
-    let first_dials = async {
-        agent.first_dial(Duration::from_secs(15)).await;
-        if let Some(fantom) = &sidecar {
-            fantom.slots.first_dials(Duration::from_secs(15)).await;
-        }
-    };
-    first_dials.await;
+    agent.first_dial(FIRST_DIAL_WAIT).await;
+    if let Some(fantom) = &sidecar {
+        fantom.slots.first_dials(FIRST_DIAL_WAIT).await;
+    }
     notifier.ready(&agent_status_line(&agent, sidecar.as_deref()));
     let status_task = {
         let (agent, sidecar) = (agent.clone(), sidecar.clone());
@@ -542,6 +511,69 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
     }
     server.abort();
     Ok(())
+}
+
+/// An agent's drop-in for Fantom masters: its slots (with each master's token), containers
+/// and relay loops, and its role ports, listening already. The caller merges its agent-port
+/// routes.
+fn start_sidecar(
+    cfg: &AgentConfig,
+    bound: SocketAddr,
+    providers: &[Arc<dyn agent::provider::Provider>],
+    cloud: agent::CloudOptions,
+    http_token: Option<Secret>,
+    shared_with_hub: bool,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<Arc<Sidecar>> {
+    if bound.ip().is_loopback() {
+        tracing::warn!(http = %bound, "Fantom masters are configured but the agent's HTTP port listens on loopback only: masters cannot reach it (e.g. --http 0.0.0.0:8098)");
+    }
+    let hostname = cfg.hostname.clone().unwrap_or_else(agent::hostname);
+    let ctx = RelayContext {
+        agent_url: cfg
+            .agent_url
+            .clone()
+            .unwrap_or_else(|| format!("http://{hostname}:{}", bound.port())),
+        hostname,
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        started: Instant::now(),
+    };
+    let slots = Slots::new(&[], cloud);
+    for m in &cfg.fantom_masters {
+        slots.add(&m.server_url, m.ws_port, m.auth_token()?);
+    }
+    let containers = Containers::new(
+        providers,
+        &cfg.models,
+        &cfg.role_ports,
+        bound.port(),
+        shared_with_hub,
+    );
+    let fantom = Sidecar::new(ctx, slots, containers, http_token, stop.clone());
+    tracing::info!(masters = cfg.fantom_masters.len(), agent_url = %fantom.ctx.agent_url, "relaying to Fantom masters");
+    // Role ports: the master sends each role's inference to its `config.port`.
+    let mut by_port: std::collections::BTreeMap<u16, Vec<Role>> = Default::default();
+    for (role, port) in &cfg.role_ports {
+        by_port.entry(*port).or_default().push(*role);
+    }
+    for (port, roles) in by_port {
+        if port == bound.port() {
+            continue;
+        }
+        let names: Vec<&str> = roles.iter().map(|r| r.as_str()).collect();
+        let listener = bind(
+            SocketAddr::new(bound.ip(), port),
+            &format!("role port {}", names.join(",")),
+        )?;
+        tokio::spawn(http::serve(
+            listener,
+            fantom::http::role_port_router(fantom.clone(), roles),
+            None,
+            signalled(stop.clone()),
+        ));
+    }
+    fantom.start_relays();
+    Ok(fantom)
 }
 
 /// The agent's `STATUS=` line: its hub session and its masters.
@@ -642,24 +674,9 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
         ));
     }
     let run = tokio::spawn(agent.clone().run(stop.clone()));
-    agent.first_dial(Duration::from_secs(15)).await;
-    notifier.ready(&hub_status_line(&hub));
-    let status_task = {
-        let hub = hub.clone();
-        notifier.spawn_status_updates(
-            STATUS_EVERY,
-            stop.clone(),
-            move || hub_status_line(&hub),
-            || "draining".to_string(),
-        )
-    };
-    let reload_task = tokio::spawn(reload_hub_on_hangup(
-        cmd.hub.clone(),
-        None,
-        hub_cfg,
-        hub.clone(),
-        notifier.clone(),
-    ));
+    agent.first_dial(FIRST_DIAL_WAIT).await;
+    let (status_task, reload_task) =
+        supervise_hub(&notifier, &hub, &stop, cmd.hub.clone(), None, hub_cfg);
     let _ = run.await;
     reload_task.abort();
     let _ = status_task.await;

@@ -3,7 +3,6 @@
 //! bearer token of the HTTP port. Everything else (models, hub, identity, role ports, cloud
 //! settings) needs a restart and is reported by name; the running config stays for it.
 
-use std::fmt::Debug;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -88,34 +87,31 @@ pub fn reload_agent(
         Err(e) => return ReloadReport::failed(e.to_string()),
     };
     let mut report = ReloadReport::default();
-    let differs = |a: &dyn Debug, b: &dyn Debug| format!("{a:?}") != format!("{b:?}");
     let fixed: [(&str, bool); 11] = [
-        ("hub_url", differs(&current.hub_url, &new.hub_url)),
-        ("agent_id", differs(&current.agent_id, &new.agent_id)),
-        ("agent_url", differs(&current.agent_url, &new.agent_url)),
-        ("hostname", differs(&current.hostname, &new.hostname)),
+        ("hub_url", current.hub_url != new.hub_url),
+        ("agent_id", current.agent_id != new.agent_id),
+        ("agent_url", current.agent_url != new.agent_url),
+        ("hostname", current.hostname != new.hostname),
         (
             "fleet token source",
-            differs(
-                &(&current.fleet_token_file, &current.fleet_token_env),
-                &(&new.fleet_token_file, &new.fleet_token_env),
-            ),
+            (&current.fleet_token_file, &current.fleet_token_env)
+                != (&new.fleet_token_file, &new.fleet_token_env),
         ),
-        ("ca_file", differs(&current.ca_file, &new.ca_file)),
+        ("ca_file", current.ca_file != new.ca_file),
         (
             "drain_timeout_s",
             current.drain_timeout_s != new.drain_timeout_s,
         ),
         (
             "openrouter_url",
-            differs(&current.openrouter_url, &new.openrouter_url),
+            current.openrouter_url != new.openrouter_url,
         ),
         (
             "cloud_pipeline_depth",
             current.cloud_pipeline_depth != new.cloud_pipeline_depth,
         ),
-        ("models", differs(&current.models, &new.models)),
-        ("role_ports", differs(&current.role_ports, &new.role_ports)),
+        ("models", current.models != new.models),
+        ("role_ports", current.role_ports != new.role_ports),
     ];
     report.needs_restart = fixed
         .iter()
@@ -168,16 +164,12 @@ fn apply_masters(
         }
     }
     for m in &new.fantom_masters {
-        let token = match m.auth_token_file.as_deref().map(tokens::read_token_file) {
-            Some(Ok(token)) => Some(token),
-            Some(Err(e)) => {
-                report
-                    .needs_restart
-                    .push(format!("master {} token ({e})", m.server_url));
-                None
-            }
-            None => None,
-        };
+        let token = m.auth_token().unwrap_or_else(|e| {
+            report
+                .needs_restart
+                .push(format!("master {} token ({e})", m.server_url));
+            None
+        });
         let before = current
             .fantom_masters
             .iter()

@@ -239,19 +239,18 @@ fn number(value: &Value) -> Option<f64> {
 /// `/key`'s `data` (or the body itself when there is no `data`).
 pub(super) fn parse_key(body: &Value) -> KeyInfo {
     let data = body.get("data").unwrap_or(body);
+    let rate_limit = data.get("rate_limit");
     KeyInfo {
-        rpm: data.get("rate_limit").and_then(rate_limit_rpm),
+        rpm: rate_limit.and_then(rate_limit_rpm),
         limit_usd: data.get("limit").and_then(number),
         limit_remaining_usd: data.get("limit_remaining").and_then(number),
         usage_usd: data.get("usage").and_then(number),
         is_free_tier: data.get("is_free_tier").and_then(Value::as_bool),
         credits_remaining_usd: None,
-        rate_limit_requests: data
-            .get("rate_limit")
+        rate_limit_requests: rate_limit
             .and_then(|r| r.get("requests"))
             .and_then(Value::as_i64),
-        rate_limit_interval: data
-            .get("rate_limit")
+        rate_limit_interval: rate_limit
             .and_then(|r| r.get("interval"))
             .and_then(Value::as_str)
             .map(str::to_string),
@@ -271,9 +270,8 @@ pub(super) fn credit_totals(body: &Value) -> (Option<f64>, Option<f64>) {
 
 /// `/credits`: `total_credits - total_usage`; 0/0 is unknown (ordinary keys get it).
 pub(super) fn parse_credits(body: &Value) -> Option<f64> {
-    let data = body.get("data").unwrap_or(body);
-    let total = data.get("total_credits").and_then(number)?;
-    let used = data.get("total_usage").and_then(number)?;
+    let (total, used) = credit_totals(body);
+    let (total, used) = (total?, used?);
     if total == 0.0 && used == 0.0 {
         return None;
     }

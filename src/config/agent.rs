@@ -41,9 +41,11 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 
 use super::model::ModelChoice;
+use super::tokens::TokenError;
 use crate::roles::Role;
+use crate::secret::Secret;
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentConfig {
     /// `ws://` or `wss://` URL of the hub's agent endpoint; no hub session without it.
@@ -92,7 +94,7 @@ pub struct AgentConfig {
 }
 
 /// One Fantom master: where its relay is (`ws://<host of server_url>:<ws_port>/sidecar`).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FantomMaster {
     /// The master's HTTP base (`http://10.0.0.2:3848`): the slot's key, byte for byte as the
@@ -102,14 +104,24 @@ pub struct FantomMaster {
     /// with `master-identity`. Fantom's is 3003.
     #[serde(default)]
     pub ws_port: Option<u16>,
-    /// The token this master presents on the agent's HTTP port (read when the HTTP routes
-    /// come; never logged).
+    /// The token this master presents on the agent's HTTP port (accepted as a bearer token;
+    /// never logged).
     #[serde(default)]
     pub auth_token_file: Option<PathBuf>,
 }
 
+impl FantomMaster {
+    /// The token of `auth_token_file`, read now; `None` without one.
+    pub fn auth_token(&self) -> Result<Option<Secret>, TokenError> {
+        self.auth_token_file
+            .as_deref()
+            .map(super::tokens::read_token_file)
+            .transpose()
+    }
+}
+
 /// One local model and the roles it serves.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServedModel {
     pub roles: Vec<Role>,

@@ -14,7 +14,7 @@ use crate::model_source::{self, HubOptions, ModelSelector, SourceOptions, SpecOv
 use crate::model_spec::{Pooling, Task};
 
 /// A local model and how to run it.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelChoice {
     /// A pinned model id (`fantom-sidecar models list`).

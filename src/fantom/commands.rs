@@ -11,7 +11,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::containers::ContainerVerb;
 use super::frames::{
     Action, Command, CommandResult, EmbedResult, Interval, KeyInfo, RateLimit, RerankHit,
     RerankResult, Source, VirtualEmbed, VirtualRerank,
@@ -31,38 +30,27 @@ pub async fn answer(sidecar: &Sidecar, master: &str, cmd: &Command) -> CommandRe
         Ok(action) => action,
         Err(e) => return CommandResult::err(id, format!("invalid {} payload: {e}", cmd.action)),
     };
-    let verb = match &action {
-        Action::Start(_) => Some(ContainerVerb::Start),
-        Action::Stop(_) => Some(ContainerVerb::Stop),
-        Action::Acquire(_) => Some(ContainerVerb::Acquire),
-        Action::Release(_) => Some(ContainerVerb::Release),
-        _ => None,
-    };
+    let slots = &sidecar.slots;
     match action {
-        Action::VirtualEmbed(args) => match virtual_embed(&sidecar.slots, master, args).await {
-            Ok(result) => CommandResult::ok(id, &result),
-            Err(message) => CommandResult::err(id, message),
-        },
-        Action::VirtualRerank(args) => match virtual_rerank(&sidecar.slots, master, args).await {
-            Ok(result) => CommandResult::ok(id, &result),
-            Err(message) => CommandResult::err(id, message),
-        },
-        Action::VirtualKeyInfo => match key_info(&sidecar.slots, master).await {
-            Ok(info) => CommandResult::ok(id, &info),
-            Err(message) => CommandResult::err(id, message),
-        },
-        Action::Start(a) | Action::Stop(a) | Action::Acquire(a) | Action::Release(a) => {
-            let verb = verb.unwrap_or(ContainerVerb::Start);
-            match sidecar
+        Action::VirtualEmbed(args) => reply(id, virtual_embed(slots, master, args).await),
+        Action::VirtualRerank(args) => reply(id, virtual_rerank(slots, master, args).await),
+        Action::VirtualKeyInfo => reply(id, key_info(slots, master).await),
+        Action::Container(verb, a) => {
+            let done = sidecar
                 .containers
                 .act(verb, &a.role, a.model.as_deref())
-                .await
-            {
-                Ok(report) => CommandResult::ok(id, &report),
-                Err(e) => CommandResult::err(id, e.to_string()),
-            }
+                .await;
+            reply(id, done.map_err(|e| e.to_string()))
         }
         Action::Unknown(name) => CommandResult::unknown_action(id, &name),
+    }
+}
+
+/// A `result` frame: the body, or the error's text.
+fn reply<T: serde::Serialize>(id: String, done: Result<T, String>) -> CommandResult {
+    match done {
+        Ok(body) => CommandResult::ok(id, &body),
+        Err(message) => CommandResult::err(id, message),
     }
 }
 

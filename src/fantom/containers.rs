@@ -12,32 +12,13 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use serde::Serialize;
 
+pub use super::frames::ContainerVerb;
 use super::status::{Container, ContainerConfig, ContainerKind, LoadedModel, RoleActivity};
 use crate::agent::provider::{LocalProvider, Provider};
 use crate::config::agent::ServedModel;
 use crate::hub::now_ms;
 use crate::model_spec::Task;
 use crate::roles::{Op, Role};
-
-/// A container action (§2.2), from the relay or from `POST /start` etc.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ContainerVerb {
-    Start,
-    Stop,
-    Acquire,
-    Release,
-}
-
-impl ContainerVerb {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ContainerVerb::Start => "start",
-            ContainerVerb::Stop => "stop",
-            ContainerVerb::Acquire => "acquire",
-            ContainerVerb::Release => "release",
-        }
-    }
-}
 
 /// Why a container action or call was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

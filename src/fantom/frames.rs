@@ -243,11 +243,9 @@ pub enum Action {
     VirtualRerank(VirtualRerank),
     /// No payload.
     VirtualKeyInfo,
-    /// Also the UI's `pull` and `pull-and-load` (600 s on the master's side).
-    Start(ContainerAction),
-    Stop(ContainerAction),
-    Acquire(ContainerAction),
-    Release(ContainerAction),
+    /// `start` (also the UI's `pull` and `pull-and-load`, 600 s on the master's side), `stop`,
+    /// `acquire`, `release`.
+    Container(ContainerVerb, ContainerAction),
     /// Answer with [`CommandResult::unknown_action`].
     Unknown(String),
 }
@@ -260,11 +258,10 @@ impl Command {
             "virtual-embed" => Action::VirtualEmbed(serde_json::from_value(args())?),
             "virtual-rerank" => Action::VirtualRerank(serde_json::from_value(args())?),
             "virtual-key-info" => Action::VirtualKeyInfo,
-            "start" => Action::Start(serde_json::from_value(args())?),
-            "stop" => Action::Stop(serde_json::from_value(args())?),
-            "acquire" => Action::Acquire(serde_json::from_value(args())?),
-            "release" => Action::Release(serde_json::from_value(args())?),
-            other => Action::Unknown(other.to_string()),
+            other => match ContainerVerb::from_name(other) {
+                Some(verb) => Action::Container(verb, serde_json::from_value(args())?),
+                None => Action::Unknown(other.to_string()),
+            },
         })
     }
 }
@@ -307,6 +304,38 @@ pub struct VirtualRerank {
     pub top_n: Option<usize>,
     #[serde(flatten)]
     pub common: VirtualCommon,
+}
+
+/// A container action (§2.2), from the relay or from `POST /start` etc.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ContainerVerb {
+    Start,
+    Stop,
+    Acquire,
+    Release,
+}
+
+impl ContainerVerb {
+    const ALL: [ContainerVerb; 4] = [
+        ContainerVerb::Start,
+        ContainerVerb::Stop,
+        ContainerVerb::Acquire,
+        ContainerVerb::Release,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ContainerVerb::Start => "start",
+            ContainerVerb::Stop => "stop",
+            ContainerVerb::Acquire => "acquire",
+            ContainerVerb::Release => "release",
+        }
+    }
+
+    /// The verb an action name spells, if any.
+    pub fn from_name(name: &str) -> Option<ContainerVerb> {
+        Self::ALL.into_iter().find(|v| v.as_str() == name)
+    }
 }
 
 /// `start`, `stop`, `acquire`, `release`: a local container role (`embedding`,

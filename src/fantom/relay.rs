@@ -26,8 +26,8 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 
 use super::commands;
 use super::frames::{
-    ConfigFrame, HEARTBEAT_INTERVAL_MS, Heartbeat, MasterFrame, Register, SidecarFrame,
-    decode_master, decode_master_bytes, encode_sidecar,
+    ConfigFrame, HEARTBEAT_INTERVAL_MS, MasterFrame, Register, SidecarFrame, decode_master,
+    decode_master_bytes, encode_sidecar,
 };
 use super::sidecar::Sidecar;
 use super::slots::{ConfigOutcome, Connection, Slots};
@@ -72,10 +72,6 @@ pub async fn run_slot(
     let master = server_url.as_str();
     let mut attempt = 0u32;
     let mut last_http_beat = None;
-    let fallback = reqwest::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .build()
-        .ok();
     loop {
         if *shutdown.borrow() {
             return;
@@ -92,6 +88,8 @@ pub async fn run_slot(
             _ = shutdown.changed() => return,
         };
         slots.note_dial();
+        // Heartbeats go over HTTP only while the relay cannot be dialled at all.
+        let mut unreachable = false;
         match dialled {
             Ok(ws) => {
                 tracing::info!(master, relay = %url, "relay socket open");
@@ -118,6 +116,7 @@ pub async fn run_slot(
                 tracing::warn!(master, relay = %url, error = %e, "cannot connect to the relay");
                 slots.set_error(master, e.to_string());
                 slots.set_connection(master, Connection::Http);
+                unreachable = true;
             }
         }
         let delay = backoff_delay(attempt, &mut rand::rng());
@@ -129,10 +128,8 @@ pub async fn run_slot(
             "relay: reconnecting after a backoff"
         );
         let http_beats = async {
-            if slots.with_slot(master, |s| s.connection) == Some(Connection::Http)
-                && let Some(client) = &fallback
-            {
-                http_heartbeats(&sidecar, master, client, &mut last_http_beat).await
+            if unreachable {
+                http_heartbeats(&sidecar, master, &mut last_http_beat).await
             } else {
                 std::future::pending::<()>().await
             }
@@ -147,12 +144,7 @@ pub async fn run_slot(
 
 /// Heartbeats over HTTP every 5 s (the first at once), until the caller stops waiting (§3.4).
 /// `last` spans the caller's backoff waits, so short early waits do not beat more often.
-async fn http_heartbeats(
-    sidecar: &Sidecar,
-    master: &str,
-    client: &reqwest::Client,
-    last: &mut Option<tokio::time::Instant>,
-) {
+async fn http_heartbeats(sidecar: &Sidecar, master: &str, last: &mut Option<tokio::time::Instant>) {
     let target = format!("{}{HTTP_HEARTBEAT_PATH}", master.trim_end_matches('/'));
     let every = Duration::from_millis(HEARTBEAT_INTERVAL_MS);
     loop {
@@ -160,8 +152,9 @@ async fn http_heartbeats(
             tokio::time::sleep_until(at + every).await;
         }
         *last = Some(tokio::time::Instant::now());
-        let frame = SidecarFrame::Heartbeat(heartbeat(sidecar, master, true));
-        let sent = client
+        let frame = SidecarFrame::Heartbeat(sidecar.heartbeat(master, true));
+        let sent = sidecar
+            .fallback_http
             .post(&target)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(encode_sidecar(&frame))
@@ -180,15 +173,6 @@ async fn http_heartbeats(
             }
             Err(e) => tracing::debug!(master, error = %e, "the HTTP fallback is unreachable too"),
         }
-    }
-}
-
-/// A heartbeat for `master`; over HTTP it names the agent at the top (§3.4).
-fn heartbeat(sidecar: &Sidecar, master: &str, over_http: bool) -> Heartbeat {
-    Heartbeat {
-        agent_url: over_http.then(|| sidecar.ctx.agent_url.clone()),
-        active_requests: Some(sidecar.containers.active_requests()),
-        status_data: Some(Box::new(sidecar.heartbeat_status(master))),
     }
 }
 
@@ -319,7 +303,7 @@ async fn session(
                 }
             }
             _ = tick(&mut heartbeat) => {
-                let beat = SidecarFrame::Heartbeat(heartbeat_frame(sidecar, master));
+                let beat = SidecarFrame::Heartbeat(sidecar.heartbeat(master, false));
                 if !send(&beat) {
                     break SessionEnd::Lost { why: "the socket's writer stopped".into(), registered };
                 }
@@ -344,10 +328,6 @@ async fn session(
         }
     }
     end
-}
-
-fn heartbeat_frame(sidecar: &Sidecar, master: &str) -> Heartbeat {
-    heartbeat(sidecar, master, false)
 }
 
 /// Merges a `config`/`config-push` into this slot (no `result` is sent, §2.1.10). Logs the

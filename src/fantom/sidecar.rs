@@ -9,6 +9,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use super::containers::Containers;
+use super::frames::Heartbeat;
 use super::relay::run_slot;
 use super::slots::Slots;
 use super::snapshot::{RelayContext, status_data};
@@ -23,6 +24,8 @@ pub struct Sidecar {
     http_token: Mutex<Option<Secret>>,
     shutdown: watch::Receiver<bool>,
     relays: Mutex<JoinSet<()>>,
+    /// The client of the masters' HTTP-fallback heartbeats.
+    pub fallback_http: reqwest::Client,
 }
 
 impl Sidecar {
@@ -40,6 +43,10 @@ impl Sidecar {
             http_token: Mutex::new(http_token),
             shutdown,
             relays: Mutex::new(JoinSet::new()),
+            fallback_http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(5))
+                .build()
+                .unwrap_or_default(),
         })
     }
 
@@ -102,15 +109,21 @@ impl Sidecar {
         changed
     }
 
-    /// The snapshot a heartbeat to `master` carries (small).
-    pub fn heartbeat_status(&self, master: &str) -> StatusData {
-        status_data(
+    /// A heartbeat for `master`, with the small snapshot; over HTTP it names the agent at the
+    /// top (§3.4).
+    pub fn heartbeat(&self, master: &str, over_http: bool) -> Heartbeat {
+        let status = status_data(
             &self.ctx,
             &self.containers,
             &self.slots,
             Some(master),
             false,
-        )
+        );
+        Heartbeat {
+            agent_url: over_http.then(|| self.ctx.agent_url.clone()),
+            active_requests: Some(self.containers.active_requests()),
+            status_data: Some(Box::new(status)),
+        }
     }
 
     /// The body of `GET /api/status`: every slot with its virtual containers.

@@ -72,9 +72,8 @@ pub struct VirtualUsage {
     pub in_flight: u64,
     pub last_served_at_ms: Option<u64>,
     pub last_duration_ms: Option<u64>,
+    /// Why the last call failed; `None` once one succeeds.
     pub last_error: Option<String>,
-    /// The last call failed.
-    pub failed: bool,
 }
 
 /// One master's slot.
@@ -146,8 +145,8 @@ impl Slot {
         let (virtual_inference, virtual_containers) = if detailed {
             let mode_by_role = self
                 .modes
-                .iter()
-                .map(|(role, mode)| (role.clone(), WireMode::from_wire(Some(mode))))
+                .keys()
+                .map(|role| (role.clone(), self.mode(role)))
                 .collect();
             let inference = VirtualInference {
                 openrouter: if self.key.is_some() {
@@ -189,7 +188,7 @@ impl Slot {
                 let usage = self.usage.get(key).cloned().unwrap_or_default();
                 let state = if usage.in_flight > 0 {
                     VirtualState::Serving
-                } else if usage.failed {
+                } else if usage.last_error.is_some() {
                     VirtualState::Failed
                 } else {
                     VirtualState::Idle
@@ -392,6 +391,15 @@ impl Slots {
             .any(|s| s.auth_token.as_ref().is_some_and(|t| t.matches(presented)))
     }
 
+    /// The server URLs of the slots holding a pushed key.
+    pub fn keyed(&self) -> Vec<String> {
+        self.lock()
+            .values()
+            .filter(|s| s.key.is_some())
+            .map(|s| s.server_url.clone())
+            .collect()
+    }
+
     /// Whether any slot has an auth token.
     pub fn any_token(&self) -> bool {
         self.lock().values().any(|s| s.auth_token.is_some())
@@ -498,7 +506,6 @@ impl Slots {
             let usage = slot.usage.entry(role.to_string()).or_default();
             usage.in_flight = usage.in_flight.saturating_sub(1);
             usage.last_duration_ms = Some(duration_ms);
-            usage.failed = error.is_some();
             match error {
                 Some(e) => {
                     usage.failures += 1;

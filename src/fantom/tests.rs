@@ -269,11 +269,11 @@ fn commands_keep_their_flat_payload_and_parse_per_action() {
         r#"{"type":"command","id":"c","action":"start","role":"embedding","model":"qwen3-embedding:0.6b"}"#,
     );
     assert!(
-        matches!(start, Ok(Action::Start(ContainerAction { ref role, model: Some(_) })) if role == "embedding")
+        matches!(start, Ok(Action::Container(ContainerVerb::Start, ContainerAction { ref role, model: Some(_) })) if role == "embedding")
     );
     assert!(matches!(
         parse(r#"{"type":"command","id":"c","action":"release","role":"rlm"}"#),
-        Ok(Action::Release(_))
+        Ok(Action::Container(ContainerVerb::Release, _))
     ));
     assert_eq!(
         parse(r#"{"type":"command","id":"c","action":"virtual-key-info"}"#).unwrap(),

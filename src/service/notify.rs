@@ -62,10 +62,9 @@ impl Notifier {
         self.notify(&format!("STOPPING=1\nSTATUS={}", one_line(status)));
     }
 
-    /// `RELOADING=1` with the monotonic time systemd ≥ 253 asks for (older ones ignore it).
+    /// `RELOADING=1`; a `READY=1` says the reload is over.
     pub fn reloading(&self) {
-        let usec = monotonic_usec();
-        self.notify(&format!("RELOADING=1\nMONOTONIC_USEC={usec}"));
+        self.notify("RELOADING=1");
     }
 
     /// Sends `line()` as `STATUS=` every `every` when it changed, until `stop` turns true; then
@@ -153,15 +152,6 @@ fn send(path: &str, state: &str) -> io::Result<()> {
     }
     socket.send_to(state.as_bytes(), path)?;
     Ok(())
-}
-
-fn monotonic_usec() -> u64 {
-    // CLOCK_MONOTONIC from /proc/uptime's first field is close enough for systemd's check of
-    // ordering; it is only compared with other monotonic stamps of this boot.
-    std::fs::read_to_string("/proc/uptime")
-        .ok()
-        .and_then(|t| t.split_whitespace().next()?.parse::<f64>().ok())
-        .map_or(0, |s| (s * 1e6) as u64)
 }
 
 #[cfg(test)]

@@ -258,13 +258,7 @@ async fn a_config_push_applies_and_the_key_never_shows() {
     for text in master.frames_text().iter().chain(&master.http_texts()) {
         assert!(!text.contains(&key), "a frame carries the key: {text:.200}");
     }
-    for path in [
-        "/api/status",
-        "/status",
-        "/api/health",
-        "/health",
-        "/api/masters",
-    ] {
+    for path in AGENT_GET_ROUTES {
         if let Ok(r) = http.get(agent.url(path)).send().await {
             let body = r.text().await.unwrap_or_default();
             assert!(!body.contains(&key), "{path} shows the key: {body:.200}");

@@ -776,13 +776,7 @@ async fn the_agent_http_surface_answers_as_the_master_expects() {
     }
 
     // The key shows nowhere on the agent's HTTP port; the removed master was not redialled.
-    for path in [
-        "/api/status",
-        "/status",
-        "/api/health",
-        "/health",
-        "/api/masters",
-    ] {
+    for path in AGENT_GET_ROUTES {
         let (_, body) = call(api.get(path)).await;
         assert!(!body.to_string().contains(&key), "{path} shows the key");
     }

@@ -58,6 +58,16 @@ impl NotifySocket {
             .await
     }
 
+    /// SIGTERM to `proc`: it exits cleanly, and `STOPPING=1` came.
+    async fn stop(&mut self, mut proc: Proc) {
+        let exit = tokio::task::spawn_blocking(move || proc.terminate())
+            .await
+            .unwrap();
+        assert!(exit.success(), "{exit:?}");
+        self.until("STOPPING=1", |m| m.starts_with("STOPPING=1"))
+            .await;
+    }
+
     /// The position of the first message containing `needle`.
     fn position(&self, needle: &str) -> Option<usize> {
         self.seen.iter().position(|m| m.contains(needle))
@@ -96,7 +106,7 @@ async fn the_agent_notifies_systemd_reloads_on_sighup_and_drains_on_sigterm() {
         ("CREDENTIALS_DIRECTORY", creds_env.as_str()),
         ("WATCHDOG_USEC", "1000000"),
     ];
-    let mut agent = Proc::start(&args, &envs, &dir.path().join("svc.log"), "agent");
+    let agent = Proc::start(&args, &envs, &dir.path().join("svc.log"), "agent");
 
     // Started: models first, READY after the first dial, then watchdog pings.
     let ready = notify.until("READY=1", |m| m.contains("READY=1")).await;
@@ -144,13 +154,7 @@ async fn the_agent_notifies_systemd_reloads_on_sighup_and_drains_on_sigterm() {
     assert_eq!(status(Some(&token)).await.unwrap().status(), 200);
 
     // SIGTERM: STOPPING, then a clean exit.
-    let exit = tokio::task::spawn_blocking(move || agent.terminate())
-        .await
-        .unwrap();
-    assert!(exit.success(), "{exit:?}");
-    notify
-        .until("STOPPING=1", |m| m.starts_with("STOPPING=1"))
-        .await;
+    notify.stop(agent).await;
     let log = std::fs::read_to_string(dir.path().join("svc.log")).unwrap();
     assert!(!log.contains(&token), "the token reached the log");
 }
@@ -179,7 +183,7 @@ async fn the_hub_notifies_ready_and_takes_its_tokens_from_credentials() {
         ("NOTIFY_SOCKET", notify_env.as_str()),
         ("CREDENTIALS_DIRECTORY", creds_env.as_str()),
     ];
-    let mut hub = Proc::start(&args, &envs, &dir.path().join("hub.log"), "hub");
+    let hub = Proc::start(&args, &envs, &dir.path().join("hub.log"), "hub");
     let ready = notify.until("READY=1", |m| m.contains("READY=1")).await;
     assert!(
         ready.contains("STATUS=serving: 0 agents, 0 items queued"),
@@ -187,12 +191,13 @@ async fn the_hub_notifies_ready_and_takes_its_tokens_from_credentials() {
     );
     assert!(notify.position("STATUS=starting").unwrap() < notify.position("READY=1").unwrap());
 
-    let r = reqwest::Client::new()
-        .get(hub.url("/admin/status"))
-        .bearer_auth(&admin)
-        .send()
-        .await
-        .unwrap();
+    let admin_status = || {
+        reqwest::Client::new()
+            .get(hub.url("/admin/status"))
+            .bearer_auth(&admin)
+            .send()
+    };
+    let r = admin_status().await.unwrap();
     assert_eq!(r.status(), 200, "the admin credential is the admin token");
     assert!(
         !state.join("admin.token").exists(),
@@ -209,20 +214,9 @@ async fn the_hub_notifies_ready_and_takes_its_tokens_from_credentials() {
     std::fs::write(&config, "lease_s = [").unwrap();
     let line = notify.reload(&hub).await;
     assert!(line.contains("the running config stays"), "{line}");
-    let r = reqwest::Client::new()
-        .get(hub.url("/admin/status"))
-        .bearer_auth(&admin)
-        .send()
-        .await
-        .unwrap();
+    let r = admin_status().await.unwrap();
     assert_eq!(r.status(), 200, "the hub still serves after a bad reload");
-    let exit = tokio::task::spawn_blocking(move || hub.terminate())
-        .await
-        .unwrap();
-    assert!(exit.success(), "{exit:?}");
-    notify
-        .until("STOPPING=1", |m| m.starts_with("STOPPING=1"))
-        .await;
+    notify.stop(hub).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -243,17 +237,11 @@ async fn serve_notifies_too_and_reloads_its_hub_settings() {
     ];
     let notify_env = notify.env();
     let envs = [("NOTIFY_SOCKET", notify_env.as_str())];
-    let mut serve = Proc::start(&args, &envs, &dir.path().join("serve.log"), "hub");
+    let serve = Proc::start(&args, &envs, &dir.path().join("serve.log"), "hub");
     let ready = notify.until("READY=1", |m| m.contains("READY=1")).await;
     assert!(ready.contains("STATUS=serving:"), "{ready}");
     std::fs::write(&config, "request_timeout_s = 60\n").unwrap();
     let line = notify.reload(&serve).await;
     assert!(line.contains("reloaded: request_timeout_s"), "{line}");
-    let exit = tokio::task::spawn_blocking(move || serve.terminate())
-        .await
-        .unwrap();
-    assert!(exit.success(), "{exit:?}");
-    notify
-        .until("STOPPING=1", |m| m.starts_with("STOPPING=1"))
-        .await;
+    notify.stop(serve).await;
 }

@@ -19,6 +19,15 @@ pub use crate::local_support::{cosine, minilm_dir};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_fantom-sidecar");
 
+/// The agent's GET routes a master (or the host) may read: none may show a key or token.
+pub const AGENT_GET_ROUTES: [&str; 5] = [
+    "/api/status",
+    "/status",
+    "/api/health",
+    "/health",
+    "/api/masters",
+];
+
 /// Every wait in these tests is bounded by this.
 pub const PATIENCE: Duration = Duration::from_secs(120);
 

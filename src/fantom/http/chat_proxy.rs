@@ -52,13 +52,7 @@ fn caller(sidecar: &Sidecar, headers: &HeaderMap) -> Result<String, Refusal> {
     if let Some(url) = named {
         return Ok(url.to_string());
     }
-    let keyed: Vec<String> = sidecar
-        .slots
-        .snapshot()
-        .into_iter()
-        .filter(|s| s.key_held)
-        .map(|s| s.server_url)
-        .collect();
+    let keyed = sidecar.slots.keyed();
     match keyed.as_slice() {
         [one] => Ok(one.clone()),
         [] => Err(failure(
