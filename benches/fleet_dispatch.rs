@@ -47,6 +47,7 @@ impl Provider for NullProvider {
             device: None,
             max_batch_items: 64,
             max_batch_tokens: 1 << 20,
+            score_activation: None,
         }
     }
 

@@ -11,7 +11,7 @@ use super::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
 use crate::cloud::error::CloudError;
 use crate::cloud::openrouter::OpenRouterClient;
 use crate::cloud::route::CloudRoute;
-use crate::protocol::{Backend, ProviderInfo, Score, WorkInput, WorkOutput};
+use crate::protocol::{Backend, ProviderInfo, Score, ScoreActivation, WorkInput, WorkOutput};
 use crate::roles::Op;
 
 /// Texts per embeddings call, documents per rerank call.
@@ -54,6 +54,9 @@ impl CloudProvider {
             device: None,
             max_batch_items: max_items,
             max_batch_tokens: MAX_TOKENS_PER_CALL,
+            // OpenRouter's rerank answers relevance probabilities (logits are derived from
+            // them below), so a cloud reranker's scale is the sigmoid one.
+            score_activation: (role.op() == Op::Rerank).then_some(ScoreActivation::Sigmoid),
         };
         Self {
             route: Arc::new(route),
@@ -69,6 +72,7 @@ fn failure(e: CloudError) -> ProviderFailure {
         class: e.failure_class(),
         retry_after_ms: e.retry_after_ms(),
         limit: e.limit(),
+        refusal: e.refusal(),
         message: e.to_string(),
     }
 }

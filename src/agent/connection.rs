@@ -343,6 +343,7 @@ async fn session(
                         class: f.class,
                         retry_after_ms: f.retry_after_ms,
                         limit: f.limit,
+                        refusal: f.refusal,
                         message: f.message,
                     })),
                     None => {} // cancelled: the hub already took the lease back
@@ -404,6 +405,7 @@ fn failed(lease: u64, class: FailureClass, message: &str) -> AgentFrame {
         class,
         retry_after_ms: None,
         limit: None,
+        refusal: None,
         message: message.to_string(),
     })
 }

@@ -7,7 +7,7 @@ use std::pin::Pin;
 
 use crate::inference::{EmbedOptions, Engine, InferenceError, RerankOptions};
 use crate::protocol::{
-    Backend, FailureClass, LimitKind, ProviderInfo, Score, WorkInput, WorkOutput,
+    Backend, FailureClass, LimitKind, ProviderInfo, Refusal, Score, WorkInput, WorkOutput,
 };
 use crate::roles::Role;
 
@@ -28,6 +28,8 @@ pub struct ProviderFailure {
     pub retry_after_ms: Option<u64>,
     /// The limit that refused a cloud call, when one did.
     pub limit: Option<LimitKind>,
+    /// A cloud route's standing refusal (the key was rejected, no endpoint for the pin).
+    pub refusal: Option<Refusal>,
 }
 
 impl ProviderFailure {
@@ -37,6 +39,7 @@ impl ProviderFailure {
             message: message.into(),
             retry_after_ms: None,
             limit: None,
+            refusal: None,
         }
     }
 }
@@ -61,10 +64,9 @@ pub struct LocalProvider {
 impl LocalProvider {
     pub fn new(role: Role, engine: Engine, depth: u32, max_items: usize) -> Self {
         let e = engine.info();
-        let revision = match &e.provenance {
-            crate::model_source::Provenance::Pinned { revision, .. } => Some(revision.to_string()),
-            _ => None,
-        };
+        // Pinned: the commit. Unpinned: the digest of the folder's files, so changed bytes are
+        // a new provider identity the gate checks again before it serves.
+        let revision = Some(e.provenance.revision());
         let model = match &e.provenance {
             crate::model_source::Provenance::Pinned { id, .. } => id.clone(),
             crate::model_source::Provenance::Unpinned { dir, .. }
@@ -84,6 +86,7 @@ impl LocalProvider {
             device: Some(e.device.clone()),
             max_batch_items: max_items,
             max_batch_tokens: e.max_batch_tokens,
+            score_activation: (role.op() == crate::roles::Op::Rerank).then_some(e.score_activation),
         };
         Self {
             info,

@@ -11,7 +11,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use reqwest::header::{HeaderMap, RETRY_AFTER};
 use serde_json::Value;
 
-use crate::protocol::{FailureClass, LimitKind};
+use crate::protocol::{FailureClass, LimitKind, Refusal};
 
 /// The longest message a [`CloudError`] carries.
 pub const MAX_MESSAGE_CHARS: usize = 300;
@@ -271,6 +271,16 @@ impl CloudError {
             | CloudError::Rejected { .. }
             | CloudError::Transport { .. }
             | CloudError::BadResponse { .. } => None,
+        }
+    }
+
+    /// A standing refusal no retry can lift (a rejected key, no endpoint for the pin); the hub
+    /// fails what only this route could serve instead of requeueing it.
+    pub fn refusal(&self) -> Option<Refusal> {
+        match self {
+            CloudError::Unauthorized { .. } => Some(Refusal::KeyRejected),
+            CloudError::NoEndpoints { .. } => Some(Refusal::NoEndpoint),
+            _ => None,
         }
     }
 
@@ -544,6 +554,7 @@ mod tests {
         assert!(matches!(e, CloudError::NoEndpoints { .. }));
         assert_eq!(e.failure_class(), FailureClass::Refused);
         assert_eq!(e.limit(), None);
+        assert_eq!(e.refusal(), Some(Refusal::NoEndpoint));
 
         let body = r#"{"error":{"code":503,"message":"provider_overloaded","metadata":{"retry_after":4}}}"#;
         let e = CloudError::from_response(503, &HeaderMap::new(), body);
@@ -579,6 +590,7 @@ mod tests {
         let e = CloudError::from_response(401, &HeaderMap::new(), body);
         assert!(matches!(e, CloudError::Unauthorized { status: 401, .. }));
         assert_eq!(e.failure_class(), FailureClass::Refused);
+        assert_eq!(e.refusal(), Some(Refusal::KeyRejected));
 
         let e = CloudError::from_response(529, &HeaderMap::new(), "");
         assert!(matches!(e, CloudError::Unavailable { status: 529, .. }));

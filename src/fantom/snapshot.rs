@@ -121,6 +121,7 @@ mod tests {
             device: Some(device.into()),
             max_batch_items: 16,
             max_batch_tokens: 1024,
+            score_activation: None,
         }))
     }
 

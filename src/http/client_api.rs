@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::auth;
 use super::error::ApiError;
 use crate::hub::Hub;
-use crate::hub::core::{ItemOutput, SpaceRef};
+use crate::hub::core::{ItemOutput, ScorerRef, SpaceRef};
 use crate::hub::queue::Shape;
 use crate::hub::registry::ProviderRef;
 use crate::roles::{Op, Role};
@@ -97,6 +97,9 @@ pub struct RerankRequest {
 #[derive(Serialize)]
 pub struct RerankResponse {
     pub model: String,
+    /// The one scorer every score came from (a request is never scored on two scales).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scorer: Option<ScorerRef>,
     pub results: Vec<RerankResult>,
     pub usage: Usage,
 }
@@ -104,7 +107,8 @@ pub struct RerankResponse {
 #[derive(Serialize)]
 pub struct RerankResult {
     pub index: usize,
-    /// The probability where the model defines one (cross-encoders, Qwen3), else the logit.
+    /// The scorer's probability where it defines one (cross-encoders with a sigmoid, Qwen3,
+    /// cloud rerankers), else its raw logit; one scale per response.
     pub relevance_score: f32,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub document: Option<RerankDocument>,
@@ -280,6 +284,7 @@ pub async fn rerank(
     }
     Ok(Json(RerankResponse {
         model: role.to_string(),
+        scorer: done.scorer.as_deref().cloned(),
         results,
         usage: Usage {
             prompt_tokens: done.tokens,

@@ -7,7 +7,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
 use crate::hub::HubError;
-use crate::hub::core::{RequestFailure, SubmitError};
+use crate::hub::core::{RequestFailure, SubmitError, Unservable, UnservableCode};
 
 #[derive(Debug)]
 pub struct ApiError {
@@ -59,13 +59,10 @@ impl From<HubError> for ApiError {
     fn from(e: HubError) -> Self {
         let message = e.to_string();
         match e {
-            HubError::Submit(SubmitError::NoProvider { .. }) => {
-                let mut err = Self::new(StatusCode::SERVICE_UNAVAILABLE, "no_provider", message);
-                err.retry_after_s = Some(5);
-                err
-            }
-            HubError::Submit(SubmitError::CloudStopped { .. }) => {
-                Self::new(StatusCode::SERVICE_UNAVAILABLE, "cloud_stopped", message)
+            HubError::Submit(SubmitError::Unservable(u) | SubmitError::NotYet(u))
+            | HubError::Failed(RequestFailure::Unservable(u)) => Self::unservable(u),
+            HubError::Submit(SubmitError::DimensionsTooLarge { .. }) => {
+                Self::new(StatusCode::BAD_REQUEST, "dimensions_too_large", message)
             }
             HubError::Submit(SubmitError::QueueFull { retry_after_s, .. }) => {
                 let mut err = Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", message);
@@ -86,5 +83,19 @@ impl From<HubError> for ApiError {
             }
             HubError::Timeout(_) => Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout", message),
         }
+    }
+}
+
+impl ApiError {
+    /// Nothing can serve the request: 409 when its vector space changed under it (sending it
+    /// again serves it in the new one), else 503; `Retry-After` when waiting can help.
+    fn unservable(u: Unservable) -> Self {
+        let status = match u.code {
+            UnservableCode::SpaceChanged => StatusCode::CONFLICT,
+            _ => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        let mut err = Self::new(status, u.code.as_str(), u.to_string());
+        err.retry_after_s = u.retry_after_s;
+        err
     }
 }

@@ -231,6 +231,8 @@ pub struct Budget {
     /// Starts within the RPM window (only kept while an RPM is trusted).
     starts: VecDeque<Instant>,
     stopped: Option<String>,
+    /// OpenRouter refused the key itself (401/403): no cloud work until a new key.
+    key_rejected: Option<String>,
     last_discovery: Option<Instant>,
     discover_sent: Option<Instant>,
     granted: u64,
@@ -248,6 +250,7 @@ impl Budget {
             routes: BTreeMap::new(),
             starts: VecDeque::new(),
             stopped: None,
+            key_rejected: None,
             last_discovery: None,
             discover_sent: None,
             granted: 0,
@@ -329,7 +332,7 @@ impl Budget {
     /// Why a lease on `route` may not start now, or `None`: it may.
     pub fn check(&mut self, route: &str, now: Instant) -> Option<Hold> {
         self.tick(now);
-        if let Some(why) = &self.stopped {
+        if let Some(why) = self.stopped.as_ref().or(self.key_rejected.as_ref()) {
             return Some(Hold::Stopped(why.clone()));
         }
         if let Some(remaining) = self.global.cooling(now) {
@@ -471,9 +474,27 @@ impl Budget {
         self.stopped.as_deref()
     }
 
+    /// OpenRouter refused the key (HTTP 401/403): every cloud route shares it, so cloud work
+    /// stops until a push brings a new key.
+    pub fn reject_key(&mut self, why: &str) {
+        if self.key_rejected.is_none() {
+            tracing::error!(
+                reason = why,
+                "OpenRouter refused the key: cloud work stopped until a push with a new apiKey"
+            );
+        }
+        self.key_rejected = Some(format!("OpenRouter refused the key: {why}"));
+    }
+
+    /// Why cloud work is refused, when the key was rejected.
+    pub fn key_rejected(&self) -> Option<&str> {
+        self.key_rejected.as_deref()
+    }
+
     /// A new key arrived: forget a hard stop and what the old key's account allowed.
     pub fn key_changed(&mut self, now: Instant) {
         self.stopped = None;
+        self.key_rejected = None;
         self.account = AccountLimits::default();
         self.last_discovery = None;
         self.discover_sent = None;
@@ -526,6 +547,7 @@ impl Budget {
                 .last_discovery
                 .map(|t| now.saturating_duration_since(t).as_secs()),
             stopped: self.stopped.clone(),
+            key_rejected: self.key_rejected.clone(),
             granted: self.granted,
             routes: self
                 .routes
@@ -575,6 +597,8 @@ pub struct BudgetView {
     pub discovery_error: Option<String>,
     pub last_discovery_s_ago: Option<u64>,
     pub stopped: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_rejected: Option<String>,
     pub granted: u64,
     pub routes: Vec<RouteView>,
 }

@@ -162,18 +162,43 @@ impl Hub {
         self.inner.started.elapsed()
     }
 
-    /// Queues `texts` for `role` and waits for every item's result.
+    /// Queues `texts` for `role` and waits for every item's result. When the only hope is a
+    /// gate probe under way (or a provider that just left), admission waits a little
+    /// ([`HubSettings::admission_wait`]) for the fleet to settle, then answers why not.
     pub async fn run(
         &self,
         role: Role,
         shape: Shape,
         texts: Vec<String>,
     ) -> Result<Completed, HubError> {
-        let (id, rx, timeout) = {
-            let mut core = self.core();
-            let timeout = core.settings.request_timeout;
-            let (id, rx) = core.submit(role, shape, texts)?;
-            (id, rx, timeout)
+        let (wait, mut changes) = {
+            let core = self.core();
+            (core.settings.admission_wait, core.watch_changes())
+        };
+        let give_up = tokio::time::Instant::now() + wait;
+        let (id, rx, timeout) = loop {
+            let attempt = {
+                let mut core = self.core();
+                match core.admit(role, &shape) {
+                    Ok(binding) => {
+                        let timeout = core.settings.request_timeout;
+                        let (id, rx) = core.enqueue(role, binding, shape, texts)?;
+                        break (id, rx, timeout);
+                    }
+                    Err(e) => e,
+                }
+            };
+            match attempt {
+                SubmitError::NotYet(why) if tokio::time::Instant::now() < give_up => {
+                    tracing::debug!(role = %role, reason = %why, "admission waits for the fleet to settle");
+                    tokio::select! {
+                        _ = changes.changed() => {}
+                        _ = tokio::time::sleep_until(give_up) => {}
+                    }
+                }
+                SubmitError::NotYet(why) => return Err(SubmitError::Unservable(why).into()),
+                other => return Err(other.into()),
+            }
         };
         let mut guard = CancelOnDrop {
             hub: self.clone(),
@@ -210,6 +235,8 @@ impl Hub {
         next.save(&self.inner.state_dir)?;
         let mut core = self.core();
         core.cloud = next.cloud.clone();
+        // A push may fix what a route was refused for (its pin): it is asked again.
+        core.push_applied();
         if report.key_included {
             // A new key: forget a hard stop and the old account's limits; ask again.
             core.budget.key_changed(Instant::now());

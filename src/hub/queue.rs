@@ -152,37 +152,43 @@ impl RoleQueue {
         self.items.front().is_some_and(|i| i.failed_locally)
     }
 
-    /// Takes a batch from the head: items of the head's shape, while they fit the limits (the
-    /// first item always goes, however long). Items of gone requests are skipped on the way;
-    /// a solo item goes alone, and items that failed locally go only with each other.
+    /// Takes a batch for one puller: the first live item that `fits` it (looking at most
+    /// [`SCAN_LIMIT`] items from the head), then the live items right behind that one, of its
+    /// shape, that `fits` also accepts, while they fit the limits (the first item always goes,
+    /// however long). `fits` is asked in queue order. Items of gone requests at the head are
+    /// dropped; a solo item and a chat go alone; items that failed locally go only with each
+    /// other.
     pub fn take_batch(
         &mut self,
         limits: BatchLimits,
         alive: impl Fn(RequestId) -> bool,
+        mut fits: impl FnMut(&Item) -> bool,
     ) -> Vec<Item> {
         self.drop_dead_head(&alive);
-        let Some(first) = self.items.pop_front() else {
+        let scan = self.items.len().min(SCAN_LIMIT);
+        let Some(start) = (0..scan).find(|&i| alive(self.items[i].request) && fits(&self.items[i]))
+        else {
             return Vec::new();
         };
-        if first.solo {
-            return vec![first];
+        let first = &self.items[start];
+        // A chat is one completion: two equal bodies from two clients are two answers.
+        if first.solo || matches!(*first.shape, Shape::Chat { .. }) {
+            return self.items.remove(start).into_iter().collect();
         }
         let shape = first.shape.clone();
         let retry = first.failed_locally;
         let mut tokens = shape.shared_tokens() + estimate_tokens(&first.text);
-        let mut batch = vec![first];
-        while batch.len() < limits.max_items {
-            let Some(next) = self.items.front() else {
-                break;
-            };
+        let (mut count, mut end) = (1, start + 1);
+        while count < limits.max_items && end < self.items.len() {
+            let next = &self.items[end];
             if !alive(next.request) {
-                self.items.pop_front();
+                end += 1; // swept out with the batch
                 continue;
             }
             if next.solo || next.failed_locally != retry {
                 break;
             }
-            if !(Arc::ptr_eq(&next.shape, &shape) || *next.shape == *shape) {
+            if !(Arc::ptr_eq(&next.shape, &shape) || *next.shape == *shape) || !fits(next) {
                 break;
             }
             let cost = estimate_tokens(&next.text);
@@ -190,11 +196,19 @@ impl RoleQueue {
                 break;
             }
             tokens += cost;
-            batch.extend(self.items.pop_front());
+            count += 1;
+            end += 1;
         }
-        batch
+        self.items
+            .drain(start..end)
+            .filter(|i| alive(i.request))
+            .collect()
     }
 }
+
+/// How far past the head a puller's first item is looked for (items bound to another space
+/// or scorer wait there for their own providers).
+pub const SCAN_LIMIT: usize = 4096;
 
 #[cfg(test)]
 mod tests {
@@ -238,12 +252,12 @@ mod tests {
             max_items: 4,
             max_tokens: 1 << 20,
         };
-        let first = q.take_batch(limits, |_| true);
+        let first = q.take_batch(limits, |_| true, |_| true);
         assert_eq!(
             first.iter().map(|i| i.index).collect::<Vec<_>>(),
             [0, 1, 2, 3]
         );
-        let second = q.take_batch(WIDE, |_| true);
+        let second = q.take_batch(WIDE, |_| true, |_| true);
         assert_eq!(
             second
                 .iter()
@@ -251,8 +265,8 @@ mod tests {
                 .collect::<Vec<_>>(),
             [(1, 4), (2, 0), (2, 1)]
         );
-        assert_eq!(q.take_batch(WIDE, |_| true).len(), 3);
-        assert!(q.take_batch(WIDE, |_| true).is_empty());
+        assert_eq!(q.take_batch(WIDE, |_| true, |_| true).len(), 3);
+        assert!(q.take_batch(WIDE, |_| true, |_| true).is_empty());
     }
 
     #[test]
@@ -266,10 +280,11 @@ mod tests {
                 max_tokens: 1 << 20,
             },
             |_| true,
+            |_| true,
         );
         q.requeue_front(taken);
         let order: Vec<u32> = q
-            .take_batch(WIDE, |_| true)
+            .take_batch(WIDE, |_| true, |_| true)
             .iter()
             .map(|i| i.index)
             .collect();
@@ -277,7 +292,7 @@ mod tests {
 
         q.push_back(items(7, &s, 2));
         q.push_back(items(8, &s, 2));
-        let alive = q.take_batch(WIDE, |r| r != 7);
+        let alive = q.take_batch(WIDE, |r| r != 7, |_| true);
         assert!(alive.iter().all(|i| i.request == 8) && alive.len() == 2);
         assert!(!q.has_room(11) && q.has_room(10));
     }
@@ -294,11 +309,40 @@ mod tests {
         let mut sizes = Vec::new();
         while !q.is_empty() {
             let head_retry = q.head_failed_locally();
-            let b = q.take_batch(WIDE, |_| true);
+            let b = q.take_batch(WIDE, |_| true, |_| true);
             assert!(b.iter().all(|i| i.failed_locally == head_retry));
             sizes.push(b.iter().map(|i| i.index).collect::<Vec<_>>());
         }
         assert_eq!(sizes, [vec![0], vec![1], vec![2], vec![3, 4], vec![5]]);
+    }
+
+    #[test]
+    fn a_puller_takes_the_first_items_that_fit_it_and_chats_go_alone() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(20);
+        q.push_back(items(1, &s, 3)); // bound elsewhere: not for this puller
+        q.push_back(items(2, &s, 3));
+        q.push_back(items(3, &s, 2));
+        let mine = |i: &Item| i.request != 1;
+        let b = q.take_batch(WIDE, |_| true, mine);
+        assert_eq!(
+            b.iter().map(|i| (i.request, i.index)).collect::<Vec<_>>(),
+            [(2, 0), (2, 1), (2, 2), (3, 0), (3, 1)],
+            "request 1 waits at the head for its own providers"
+        );
+        assert_eq!(q.len(), 3);
+        // The run behind the first item stops at an item that does not fit.
+        q.push_back(items(4, &s, 2));
+        let b = q.take_batch(WIDE, |_| true, |i| i.request == 1);
+        assert_eq!(b.len(), 3);
+        let chat = Arc::new(Shape::Chat {
+            body: serde_json::json!({"messages": [{"role": "user", "content": "hi"}]}),
+        });
+        let mut q = RoleQueue::new(10);
+        q.push_back(items(5, &chat, 1));
+        q.push_back(items(6, &chat, 1));
+        assert_eq!(q.take_batch(WIDE, |_| true, |_| true).len(), 1);
+        assert_eq!(q.take_batch(WIDE, |_| true, |_| true).len(), 1);
     }
 
     #[test]
@@ -312,7 +356,7 @@ mod tests {
             max_items: 64,
             max_tokens: 100,
         };
-        assert_eq!(q.take_batch(limits, |_| true).len(), 1);
-        assert_eq!(q.take_batch(limits, |_| true).len(), 2);
+        assert_eq!(q.take_batch(limits, |_| true, |_| true).len(), 1);
+        assert_eq!(q.take_batch(limits, |_| true, |_| true).len(), 2);
     }
 }

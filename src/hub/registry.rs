@@ -8,7 +8,10 @@ use std::time::Instant;
 use serde::Serialize;
 use tokio::sync::mpsc;
 
-use crate::protocol::{Backend, ConfigAck, DeviceInfo, ProviderInfo, ProviderStats};
+use crate::protocol::{
+    Backend, ConfigAck, DeviceInfo, ProviderInfo, ProviderStats, ScoreActivation,
+};
+use crate::roles::Op;
 use crate::roles::Role;
 
 /// What the hub writes to one agent socket.
@@ -35,6 +38,52 @@ pub struct ProviderRef {
     pub upstream: Option<String>,
 }
 
+/// A reranker's scorer identity: providers of one identity produce scores on one scale.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ScorerRef {
+    /// `backend model@revision-or-upstream activation`.
+    pub id: String,
+    pub backend: Backend,
+    pub model: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<String>,
+    /// How its probability comes from its logit (`none`: it reports logits only).
+    pub activation: ScoreActivation,
+}
+
+impl ScorerRef {
+    /// The identity of a reranker provider (`None` for other roles).
+    pub fn of(info: &ProviderInfo) -> Option<ScorerRef> {
+        if info.role.op() != Op::Rerank {
+            return None;
+        }
+        let activation = info.score_activation.unwrap_or_default();
+        let at = match info.backend {
+            Backend::Local => info.revision.as_deref().unwrap_or("-"),
+            // An unpinned cloud route may be answered by any upstream of the model.
+            Backend::Cloud => info.upstream.as_deref().unwrap_or("any upstream"),
+        };
+        let backend = match info.backend {
+            Backend::Local => "local",
+            Backend::Cloud => "cloud",
+        };
+        let activation_name = match activation {
+            ScoreActivation::None => "logit",
+            ScoreActivation::Sigmoid => "sigmoid",
+        };
+        Some(ScorerRef {
+            id: format!("{backend} {}@{at} {activation_name}", info.model),
+            backend: info.backend,
+            model: info.model.clone(),
+            revision: info.revision.clone(),
+            upstream: info.upstream.clone(),
+            activation,
+        })
+    }
+}
+
 /// One provider of a connected agent.
 #[derive(Debug)]
 pub struct ProviderEntry {
@@ -44,6 +93,10 @@ pub struct ProviderEntry {
     pub route: Option<String>,
     /// How the compatibility gate sees an embedding provider; `None` for other roles.
     pub gate_candidate: Option<crate::hub::gate::Candidate>,
+    /// A reranker's scorer identity; `None` for other roles.
+    pub scorer: Option<Arc<ScorerRef>>,
+    /// A cloud route that refuses every call until a push (no endpoint for its pin): why.
+    pub refused: Option<String>,
     /// Work frames the provider still asked for.
     pub credits: u32,
     pub in_flight: u32,
@@ -94,11 +147,14 @@ impl ProviderEntry {
                 dims: info.dims,
                 healthy: true,
             });
+        let scorer = ScorerRef::of(&info).map(Arc::new);
         Self {
             info,
             reference,
             route,
             gate_candidate,
+            scorer,
+            refused: None,
             credits: 0,
             in_flight: 0,
             served_items: 0,
@@ -159,4 +215,42 @@ pub struct SocketCount {
     pub open: u32,
     pub max_concurrent: u32,
     pub total: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(backend: Backend, revision: Option<&str>, upstream: Option<&str>) -> ProviderInfo {
+        ProviderInfo {
+            id: "reranker".into(),
+            role: Role::Reranker,
+            backend,
+            model: "m".into(),
+            revision: revision.map(str::to_string),
+            upstream: upstream.map(str::to_string),
+            dims: None,
+            dtype: None,
+            device: None,
+            max_batch_items: 8,
+            max_batch_tokens: 1024,
+            score_activation: Some(ScoreActivation::Sigmoid),
+        }
+    }
+
+    #[test]
+    fn a_scorer_is_model_revision_or_upstream_and_activation() {
+        let a = ScorerRef::of(&info(Backend::Local, Some("r1"), None)).unwrap();
+        let b = ScorerRef::of(&info(Backend::Local, Some("r2"), None)).unwrap();
+        let c = ScorerRef::of(&info(Backend::Cloud, None, Some("deepinfra"))).unwrap();
+        assert_eq!(a.id, "local m@r1 sigmoid");
+        assert_ne!(a.id, b.id, "a new revision is a new scorer");
+        assert_eq!(c.id, "cloud m@deepinfra sigmoid");
+        let mut logits = info(Backend::Local, Some("r1"), None);
+        logits.score_activation = Some(ScoreActivation::None);
+        assert_ne!(ScorerRef::of(&logits).unwrap().id, a.id);
+        let mut embedder = info(Backend::Local, Some("r1"), None);
+        embedder.role = Role::Embedding;
+        assert!(ScorerRef::of(&embedder).is_none());
+    }
 }

@@ -153,6 +153,8 @@ pub struct EngineInfo {
     pub max_tokens: usize,
     /// Output width: vector dims for embedders, 1 for rerankers.
     pub dims: usize,
+    /// How a reranker's probability comes from its logit (part of its scorer identity).
+    pub score_activation: ScoreActivation,
     pub device: String,
     pub dtype: String,
     pub max_batch_tokens: usize,
@@ -320,6 +322,7 @@ impl Engine {
             normalize: spec.normalize,
             max_tokens: spec.max_tokens,
             dims,
+            score_activation: spec.score,
             device: device::describe(&dev),
             dtype: format!("{dtype:?}").to_lowercase(),
             max_batch_tokens: cfg.max_batch_tokens,

@@ -147,6 +147,27 @@ impl Provenance {
             | Provenance::RandomWeights { files, .. } => files,
         }
     }
+    /// What identifies these bytes: the pinned commit, or for an unpinned folder the digest
+    /// of its files (`sha256:` + 24 hex of a hash over every file's name and sha256), so
+    /// weights swapped in the same folder are another model to the gate and the scorer.
+    pub fn revision(&self) -> String {
+        match self {
+            Provenance::Pinned { revision, .. } => revision.to_string(),
+            Provenance::Unpinned { files, .. } | Provenance::RandomWeights { files, .. } => {
+                let mut named: Vec<&FileDigest> = files.iter().collect();
+                named.sort_by(|a, b| a.name.cmp(&b.name));
+                let mut listing = String::new();
+                for f in named {
+                    listing.push_str(&f.name);
+                    listing.push('\0');
+                    listing.push_str(&f.sha256.to_string());
+                    listing.push('\n');
+                }
+                let digest = Sha256::of_bytes(listing.as_bytes()).to_string();
+                format!("sha256:{}", &digest[..24])
+            }
+        }
+    }
 }
 
 impl fmt::Display for Provenance {

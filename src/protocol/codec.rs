@@ -46,7 +46,7 @@ struct TypeOnly<'a> {
     kind: Option<Cow<'a, str>>,
 }
 
-const AGENT_TYPES: [&str; 8] = [
+const AGENT_TYPES: [&str; 9] = [
     "hello",
     "providers",
     "heartbeat",
@@ -55,8 +55,11 @@ const AGENT_TYPES: [&str; 8] = [
     "failed",
     "config_ack",
     "probe_result",
+    "limits",
 ];
-const HUB_TYPES: [&str; 6] = ["welcome", "error", "config", "work", "probe", "cancel"];
+const HUB_TYPES: [&str; 7] = [
+    "welcome", "error", "config", "work", "probe", "cancel", "discover",
+];
 
 /// Decodes an agent's frame; `max_bytes` bounds frames with vectors.
 pub fn decode_agent(text: &str, max_bytes: usize) -> Result<AgentFrame, FrameError> {
@@ -190,6 +193,7 @@ mod tests {
             device: Some("cpu".into()),
             max_batch_items: 64,
             max_batch_tokens: 16384,
+            score_activation: None,
         }
     }
 
@@ -246,7 +250,16 @@ mod tests {
             class: FailureClass::RateLimited,
             retry_after_ms: Some(2000),
             limit: Some(LimitKind::Upstream),
+            refusal: None,
             message: "429".into(),
+        }));
+        round_trip_agent(AgentFrame::Failed(Failed {
+            lease: 8,
+            class: FailureClass::Refused,
+            retry_after_ms: None,
+            limit: None,
+            refusal: Some(Refusal::KeyRejected),
+            message: "401".into(),
         }));
         round_trip_agent(AgentFrame::ConfigAck(ConfigAck {
             id: "cfg-1".into(),
@@ -365,6 +378,19 @@ mod tests {
             matches!(&err, FrameError::Invalid { kind, message } if kind == "pull" && message.contains("provider")),
             "{err}"
         );
+        // Every frame type is known to the error path: a bad `limits` (or `discover`) is an
+        // invalid frame of that type, not an unknown one.
+        let err = decode_agent("{\"type\":\"limits\",\"rpm\":\"many\"}", max).unwrap_err();
+        assert!(
+            matches!(&err, FrameError::Invalid { kind, .. } if kind == "limits"),
+            "{err}"
+        );
+        let err = decode_hub("{\"type\":\"cancel\",\"lease\":\"x\"}", max).unwrap_err();
+        assert!(matches!(&err, FrameError::Invalid { kind, .. } if kind == "cancel"));
+        assert!(matches!(
+            decode_hub("{\"type\":\"discover\"}", max),
+            Ok(HubFrame::Discover)
+        ));
         let big = format!(
             "{{\"type\":\"pull\",\"provider\":\"{}\",\"credits\":1}}",
             "x".repeat(MAX_CONTROL_FRAME_BYTES)

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::config::push::{OpenRouterPush, RoleOutcome};
+pub use crate::model_spec::ScoreActivation;
 use crate::roles::Role;
 
 pub use codec::{FrameError, decode_agent, decode_hub, encode};
@@ -109,7 +110,8 @@ pub struct ProviderInfo {
     pub role: Role,
     pub backend: Backend,
     pub model: String,
-    /// Local: the resolved revision of the pinned model (absent when unpinned).
+    /// Local: the resolved revision of the pinned model, or `sha256:…` of an unpinned folder's
+    /// files (changed bytes are a new provider identity).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub revision: Option<String>,
     /// Cloud: the pinned upstream provider.
@@ -126,6 +128,11 @@ pub struct ProviderInfo {
     pub max_batch_items: usize,
     /// The most tokens (estimated by the hub) one work frame may carry.
     pub max_batch_tokens: usize,
+    /// A reranker's score scale: how its probability comes from its raw logit (`sigmoid`),
+    /// or that it has none (`none`). Part of its scorer identity: one rerank request is
+    /// scored on one scale only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score_activation: Option<ScoreActivation>,
 }
 
 /// A compute device and its memory (absent where the backend cannot tell).
@@ -202,7 +209,21 @@ pub struct Failed {
     /// Which limit refused the call, when a limit did: the budget's scope.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit: Option<LimitKind>,
+    /// Why a cloud route refuses every call until the operator acts, when it does: the hub
+    /// fails the work only that route could serve instead of requeueing it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refusal: Option<Refusal>,
     pub message: String,
+}
+
+/// A cloud route's standing refusal: no retry can help until a new push (a new key, a new pin).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Refusal {
+    /// OpenRouter refused the key (HTTP 401/403): every cloud route shares it.
+    KeyRejected,
+    /// No endpoint matches the route's pinned upstream (HTTP 404 `no_endpoints`).
+    NoEndpoint,
 }
 
 /// Which limit a cloud call ran into (the budget reacts per kind, DESIGN §5).

@@ -426,7 +426,8 @@ async fn an_upstream_429_shrinks_its_route_and_a_hard_402_stops_cloud_work_until
     assert_eq!(body["data"].as_array().unwrap().len(), 320);
     assert_eq!(up.state.served_by_slug(EMBED_SLUG), 320);
 
-    // Out of credits: cloud work stops and status says why.
+    // Out of credits: cloud work stops and status says why; the request waiting for the
+    // cloud fails at once with the reason instead of waiting out its timeout.
     up.state.set_hard_402(true);
     let waiting = spawn_embed(&hub, 4, "broke");
     let stopped = eventually("the budget stopped", || async {
@@ -436,6 +437,12 @@ async fn an_upstream_429_shrinks_its_route_and_a_hard_402_stops_cloud_work_until
     .await;
     assert!(stopped.contains("credits"), "{stopped}");
     assert_eq!(hub.metric("fantom_hub_budget_stopped").await, 1.0);
+    let (code, body) = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("the waiting request is answered within seconds")
+        .unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert_eq!(body["error"]["code"], "cloud_stopped", "{body}");
     let refused = up.state.refused_402();
     assert_eq!(refused, 1, "one 402, then no more calls");
     // New work that only the cloud could serve is refused at once, with the reason.
@@ -449,11 +456,11 @@ async fn an_upstream_429_shrinks_its_route_and_a_hard_402_stops_cloud_work_until
             .contains("credits"),
         "{body}"
     );
-    // A new key (the account was topped up) lets the waiting request finish.
+    // A new key (the account was topped up) serves again.
     up.state.set_hard_402(false);
     let (code, result) = hub.push(json!({"openrouter": {"apiKey": KEY}})).await;
     assert_eq!(code, 200, "{result}");
-    let (code, body) = waiting.await.unwrap();
+    let (code, body) = spawn_embed(&hub, 4, "topped up").await.unwrap();
     assert_eq!(code, 200, "{body}");
     assert_eq!(body["data"].as_array().unwrap().len(), 4);
     assert_eq!(hub.status().await["budget"]["stopped"], Value::Null);

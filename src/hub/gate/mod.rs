@@ -112,6 +112,34 @@ impl Candidate {
     }
 }
 
+/// A refusal that needs no probe: a cloud embedding route without a pin, or a provider that
+/// says its vectors are not as wide as the table.
+fn refused_unprobed(c: &Candidate, width: usize) -> Option<String> {
+    if c.backend == Backend::Cloud && c.upstream.is_none() {
+        return Some("a cloud embedding route needs a pinned upstream".into());
+    }
+    match c.dims {
+        Some(d) if d != width => Some(format!("dims {d} where the table is {width} wide")),
+        _ => None,
+    }
+}
+
+/// Where one candidate stands for one space.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Standing {
+    Pass,
+    /// A probe is out (or about to be sent).
+    Probing,
+    /// No verdict for this space.
+    Unjudged,
+    ProbeFailed {
+        error: String,
+        retry_in: Duration,
+    },
+    Refused(String),
+    Suspended(String),
+}
+
 /// A verdict key: provider, model (with its revision: a new revision is checked again),
 /// upstream, regime, and the space it is for.
 pub fn verdict_key(c: &Candidate, space: &str) -> String {
@@ -308,17 +336,8 @@ impl Gate {
                     Some((Verdict::ProbeFailed { .. }, Some(at), _)) if at > now => continue,
                     _ => {}
                 }
-                if r.backend == Backend::Cloud && r.upstream.is_none() {
-                    self.record(
-                        r,
-                        &sid,
-                        Verdict::Refused {
-                            reason: "a cloud embedding route needs a pinned upstream".into(),
-                        },
-                        None,
-                        "-".into(),
-                        None,
-                    );
+                if let Some(reason) = refused_unprobed(r, w) {
+                    self.record(r, &sid, Verdict::Refused { reason }, None, "-".into(), None);
                     continue;
                 }
                 out.push(self.send(now, r, &sid, Purpose::Fingerprint, Some(w), "-".into()));
@@ -328,10 +347,22 @@ impl Gate {
             // No reference can answer now (the GPUs are down under `backup`, say): candidates
             // are still judged against the role's space, whose fingerprint is stored.
             let space = match space {
-                None if !fingerprinting => self.fallback_space(role),
+                None if !fingerprinting => self.fallback_space(role, configured),
                 found => found,
             };
-            let Some(sid) = space else { continue };
+            // A space of another width than the table's never serves new requests.
+            if let (Some(w), Some(cur)) = (configured, self.current.get(&role))
+                && self.spaces.get(cur).is_none_or(|s| s.dims != w)
+            {
+                tracing::warn!(role = %role, space = %cur, width = w, "the role's space is not as wide as its table: it serves no new request");
+                self.current.remove(&role);
+            }
+            let Some(sid) = space else {
+                if !fingerprinting && self.current.remove(&role).is_some() {
+                    tracing::warn!(role = %role, "no reference can found the role's space: it has none");
+                }
+                continue;
+            };
             if self.current.get(&role) != Some(&sid) {
                 tracing::info!(role = %role, space = %sid, "the role's vector space");
                 self.current.insert(role, sid.clone());
@@ -357,6 +388,20 @@ impl Gate {
                         _ => None,
                     },
                 };
+                if due == Some(Purpose::Verify)
+                    && let Some(reason) = refused_unprobed(c, w)
+                {
+                    tracing::warn!(provider = %c.provider, space = %sid, reason = %reason, "gate: refused");
+                    self.record(
+                        c,
+                        &sid,
+                        Verdict::Refused { reason },
+                        None,
+                        encoder.clone(),
+                        None,
+                    );
+                    continue;
+                }
                 if let Some(purpose) = due {
                     out.push(self.send(now, c, &sid, purpose, Some(w), encoder.clone()));
                 }
@@ -365,14 +410,18 @@ impl Gate {
         out
     }
 
-    /// The role's current space, else its newest stored one.
-    fn fallback_space(&self, role: Role) -> Option<String> {
-        if let Some(sid) = self.current.get(&role) {
+    /// The role's current space, else its newest stored one; either only as wide as the
+    /// table (`width`) when one is configured.
+    fn fallback_space(&self, role: Role, width: Option<usize>) -> Option<String> {
+        let fits = |s: &Space| width.is_none_or(|w| s.dims == w);
+        if let Some(sid) = self.current.get(&role)
+            && self.spaces.get(sid).is_some_and(fits)
+        {
             return Some(sid.clone());
         }
         self.spaces
             .values()
-            .filter(|s| s.role == role)
+            .filter(|s| s.role == role && fits(s))
             .max_by_key(|s| s.created_ms)
             .map(Space::id)
     }
@@ -609,6 +658,70 @@ impl Gate {
                 }
             }
         }
+    }
+
+    /// Where a candidate stands for `space` (any space, current or not).
+    pub fn standing(&self, c: &Candidate, space: &str) -> Standing {
+        let Some(e) = self.verdicts.get(&verdict_key(c, space)) else {
+            return Standing::Unjudged;
+        };
+        match &e.verdict {
+            Verdict::Pass => Standing::Pass,
+            _ if e.probe.is_some() => Standing::Probing,
+            Verdict::Probing => Standing::Probing,
+            Verdict::Refused { reason } => Standing::Refused(reason.clone()),
+            Verdict::Suspended { reason } => Standing::Suspended(reason.clone()),
+            Verdict::ProbeFailed { error, .. } => Standing::ProbeFailed {
+                error: error.clone(),
+                retry_in: e.next_check.map_or(Duration::ZERO, |t| {
+                    t.saturating_duration_since(Instant::now())
+                }),
+            },
+        }
+    }
+
+    /// The id of the role's current space (the one new requests are admitted under).
+    pub fn current_id(&self, role: Role) -> Option<&str> {
+        self.current.get(&role).map(String::as_str)
+    }
+
+    /// Whether the role's space is being founded now (a reference's fingerprint probe is out).
+    pub fn founding(&self, role: Role) -> bool {
+        self.pending
+            .values()
+            .any(|p| p.purpose == Purpose::Fingerprint && p.candidate.role == role)
+    }
+
+    /// The latest non-passing verdicts of the role's providers, briefly (why it has no space).
+    pub fn refusals(&self, role: Role, providers: &[&str]) -> Vec<String> {
+        let mut latest: BTreeMap<&str, &VerdictEntry> = BTreeMap::new();
+        for e in self.verdicts.values() {
+            if e.role != role || !providers.contains(&e.provider.as_str()) {
+                continue;
+            }
+            let newer = latest
+                .get(e.provider.as_str())
+                .is_none_or(|old| e.checked_at_ms >= old.checked_at_ms);
+            if newer {
+                latest.insert(e.provider.as_str(), e);
+            }
+        }
+        latest
+            .values()
+            .filter_map(|e| {
+                let why = match &e.verdict {
+                    Verdict::Refused { reason } => format!("refused for {} ({reason})", e.space),
+                    Verdict::Suspended { reason } => {
+                        format!("suspended for {} ({reason})", e.space)
+                    }
+                    Verdict::ProbeFailed { error, .. } => {
+                        format!("its probe for {} failed ({error})", e.space)
+                    }
+                    Verdict::Pass | Verdict::Probing => return None,
+                };
+                Some(format!("{}: {why}", e.provider))
+            })
+            .collect()
     }
 
     /// The space a provider may serve now (its verdict for its role's space passed).

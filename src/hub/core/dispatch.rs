@@ -1,0 +1,301 @@
+//! The dispatcher: forms work frames for providers that asked for work (credits), while their
+//! role's queue has items they may serve.
+//!
+//! Who may take an item: a provider of its role with credits, not benched or paused, not
+//! refused; allowed by the role's policy (`backup` sends the cloud only what no healthy local
+//! provider of the item's binding can take, or what failed locally); of the item's binding
+//! (passing its request's space, or of its request's scorer); and, for the cloud, holding a
+//! permit of the global budget. Providers are tried most credits first, ties round the fleet
+//! in turn; each takes the first items that fit it, so a request waiting for its own scorer
+//! never holds up the others.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::binding::{Binding, policy_allows};
+use super::{Core, Lease};
+use crate::hub::budget;
+use crate::hub::gate;
+use crate::hub::queue::{BatchLimits, Item};
+use crate::hub::registry::ProviderEntry;
+use crate::protocol::{self, Backend, HubFrame, Work};
+use crate::roles::{Policy, Role};
+
+/// What one provider was offered.
+enum Offer {
+    Granted,
+    /// No item in reach fits it.
+    Nothing,
+}
+
+impl Core {
+    /// Settles the fleet after a change: fails or re-binds what nothing can serve any more,
+    /// then dispatches every role; waiting admissions are woken.
+    pub fn dispatch_all(&mut self) {
+        self.reconcile(Instant::now());
+        for role in Role::ALL {
+            self.dispatch(role);
+        }
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// Forms work for providers of `role` that have credits, while the queue has items.
+    pub(super) fn dispatch(&mut self, role: Role) {
+        let policy = self.cloud.policy(role);
+        loop {
+            let now = Instant::now();
+            let requests = &self.requests;
+            let Some(queue) = self.queues.get_mut(&role) else {
+                return;
+            };
+            queue.drop_dead_head(|r| requests.contains_key(&r));
+            if queue.is_empty() {
+                return;
+            }
+            let picks = self.picks(role, policy, now);
+            let mut granted = false;
+            for (agent, pid) in picks {
+                if let Offer::Granted = self.offer(role, policy, &agent, &pid, now) {
+                    granted = true;
+                    break;
+                }
+            }
+            if !granted {
+                return;
+            }
+        }
+    }
+
+    /// The providers of `role` that could take work now, best first: most credits, ties in
+    /// turn round the fleet.
+    fn picks(&mut self, role: Role, policy: Policy, now: Instant) -> Vec<(String, String)> {
+        let mut ranked: Vec<(u32, usize, &str, &str)> = Vec::new();
+        let mut k = 0usize;
+        for (agent_id, agent) in &self.agents {
+            for (pid, p) in &agent.providers {
+                k += 1;
+                if p.role() != role || p.credits == 0 || !p.is_available(now) {
+                    continue;
+                }
+                if !policy_allows(policy, p.info.backend) || p.refused.is_some() {
+                    continue;
+                }
+                let rank = k.wrapping_sub(self.turn) % 1024;
+                ranked.push((p.credits, rank, agent_id, pid));
+            }
+        }
+        ranked.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut out = Vec::with_capacity(ranked.len());
+        for (_, _, agent, pid) in ranked {
+            // Cloud providers also need a permit of the global budget.
+            let route = self.agents[agent].providers[pid].route.clone();
+            if let Some(route) = route
+                && self.budget.check(&route, now).is_some()
+            {
+                continue;
+            }
+            out.push((agent.to_string(), pid.to_string()));
+        }
+        out
+    }
+
+    /// Offers `agent/pid` the first items that fit it; grants a lease when some do.
+    fn offer(
+        &mut self,
+        role: Role,
+        policy: Policy,
+        agent_id: &str,
+        pid: &str,
+        now: Instant,
+    ) -> Offer {
+        let closed = match self.agents.get(agent_id) {
+            Some(a) => a.tx.is_closed(),
+            None => return Offer::Nothing,
+        };
+        if closed {
+            // The socket is going away; its disconnect will clean up the session.
+            if let Some(p) = self
+                .agents
+                .get_mut(agent_id)
+                .and_then(|a| a.providers.get_mut(pid))
+            {
+                p.credits = 0;
+            }
+            return Offer::Nothing;
+        }
+        let Core {
+            agents,
+            queues,
+            requests,
+            gate,
+            ..
+        } = self;
+        let (agents, requests, gate) = (&*agents, &*requests, &*gate);
+        let Some(entry) = agents.get(agent_id).and_then(|a| a.providers.get(pid)) else {
+            return Offer::Nothing;
+        };
+        let Some(queue) = queues.get_mut(&role) else {
+            return Offer::Nothing;
+        };
+        let limits = BatchLimits {
+            max_items: entry.info.max_batch_items.max(1),
+            max_tokens: entry.info.max_batch_tokens.max(1),
+        };
+        let mut local_serves: HashMap<String, bool> = HashMap::new();
+        let mut batch_space: Option<String> = None;
+        let fits = |item: &Item| {
+            let Some(req) = requests.get(&item.request) else {
+                return false;
+            };
+            // One work frame, one space.
+            if let (Binding::Space(s), Some(first)) = (&req.binding, &batch_space)
+                && s.id != *first
+            {
+                return false;
+            }
+            if !req.binding.admits(entry, gate) {
+                return false;
+            }
+            let admitted = match (policy, entry.info.backend) {
+                (Policy::Backup, Backend::Cloud) => {
+                    item.failed_locally
+                        || matches!(&req.binding, Binding::Scorer(Some(x)) if x.backend == Backend::Cloud)
+                        || !*local_serves
+                            .entry(req.binding.key())
+                            .or_insert_with(|| healthy_local(agents, role, &req.binding, gate, now))
+                }
+                _ => true,
+            };
+            if admitted
+                && batch_space.is_none()
+                && let Binding::Space(s) = &req.binding
+            {
+                batch_space = Some(s.id.clone());
+            }
+            admitted
+        };
+        let items = queue.take_batch(limits, |r| requests.contains_key(&r), fits);
+        if items.is_empty() {
+            return Offer::Nothing;
+        }
+        self.grant(role, agent_id, pid, items, now);
+        Offer::Granted
+    }
+
+    /// Sends `items` to `agent_id/pid` as one lease (the first lease of a rerank request binds
+    /// it to this provider's scorer).
+    fn grant(&mut self, role: Role, agent_id: &str, pid: &str, items: Vec<Item>, now: Instant) {
+        let Some(entry) = self.agents.get(agent_id).and_then(|a| a.providers.get(pid)) else {
+            self.requeue(role, items, false, "the provider left");
+            return;
+        };
+        let (reference, permit, scorer) = (
+            entry.reference.clone(),
+            entry.route.clone(),
+            entry.scorer.clone(),
+        );
+        let gate = self.lease_space(entry, &items);
+        let Some(shape) = items.first().map(|i| i.shape.clone()) else {
+            return;
+        };
+        // The permit last, once there is work to hold it (the check in `picks` passed).
+        if let Some(route) = &permit
+            && !self.budget.try_acquire(route, now)
+        {
+            self.requeue(role, items, false, "no budget permit");
+            return;
+        }
+        let lease_id = self.next_lease;
+        self.next_lease += 1;
+        let frame = HubFrame::Work(Work {
+            lease: lease_id,
+            provider: pid.to_string(),
+            role,
+            input: shape.work_input(items.iter().map(|i| i.text.clone()).collect()),
+            deadline_ms: crate::hub::now_ms()
+                .saturating_add(u64::try_from(self.settings.lease.as_millis()).unwrap_or(u64::MAX)),
+        });
+        let (session, sent) = match self.agents.get(agent_id) {
+            Some(a) => (a.session, a.send(protocol::encode(&frame))),
+            None => (0, false),
+        };
+        let provider = self
+            .agents
+            .get_mut(agent_id)
+            .and_then(|a| a.providers.get_mut(pid));
+        if !sent {
+            // The socket is going away; its disconnect will clean up the session.
+            if let Some(p) = provider {
+                p.credits = 0;
+            }
+            if let Some(route) = &permit {
+                self.budget.release(route, budget::Outcome::Other, now);
+            }
+            self.requeue(role, items, false, "the socket is closing");
+            return;
+        }
+        if let Some(p) = provider {
+            p.credits = p.credits.saturating_sub(1);
+            p.in_flight = p.in_flight.saturating_add(1);
+        }
+        self.turn = self.turn.wrapping_add(1);
+        self.counters.leases_granted += 1;
+        if let Some(scorer) = &scorer {
+            for item in &items {
+                if let Some(req) = self.requests.get_mut(&item.request)
+                    && let Binding::Scorer(bound @ None) = &mut req.binding
+                {
+                    *bound = Some(scorer.clone());
+                }
+            }
+        }
+        self.leases.insert(
+            lease_id,
+            Lease {
+                agent: agent_id.to_string(),
+                session,
+                provider: pid.to_string(),
+                reference,
+                permit,
+                gate,
+                scorer,
+                role,
+                items,
+                deadline: now + self.settings.lease,
+            },
+        );
+    }
+
+    /// The verdict and space an embedding lease is granted under: its requests' space.
+    fn lease_space(
+        &self,
+        entry: &ProviderEntry,
+        items: &[Item],
+    ) -> Option<(String, Arc<super::SpaceRef>)> {
+        let c = entry.gate_candidate.as_ref()?;
+        let req = self.requests.get(&items.first()?.request)?;
+        match &req.binding {
+            Binding::Space(s) => Some((gate::verdict_key(c, &s.id), s.clone())),
+            _ => None,
+        }
+    }
+}
+
+/// Whether a healthy local provider of `role` could take items of `binding` (under `backup`
+/// the cloud waits for it).
+fn healthy_local(
+    agents: &std::collections::BTreeMap<String, crate::hub::registry::AgentEntry>,
+    role: Role,
+    binding: &Binding,
+    gate: &gate::Gate,
+    now: Instant,
+) -> bool {
+    agents.values().flat_map(|a| a.providers.values()).any(|p| {
+        p.role() == role
+            && p.info.backend == Backend::Local
+            && p.is_healthy(now)
+            && p.refused.is_none()
+            && binding.admits(p, gate)
+    })
+}

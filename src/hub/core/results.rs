@@ -1,0 +1,518 @@
+//! What comes back from leases: `done` (checked, then delivered to the items' requests),
+//! `failed` (requeued, failed, or a standing refusal that takes a provider out), expiry,
+//! requeueing, and the completion of a request.
+//!
+//! A result counts only for an item that has none yet, and only when its lease was granted
+//! under the request's binding: the same space (and a verdict that still passes when the
+//! request completes), or the same scorer.
+
+use std::time::{Duration, Instant};
+
+use super::{Binding, Completed, Core, ItemOutput, Lease, RequestFailure, Served, Slot};
+use crate::hub::budget;
+use crate::hub::queue::{Item, RequestId, Shape};
+use crate::hub::registry::ProviderEntry;
+use crate::protocol::{self, Backend, Done, Failed, FailureClass, HubFrame, Refusal, WorkOutput};
+use crate::roles::Role;
+
+pub(super) fn failure_name(class: FailureClass) -> &'static str {
+    match class {
+        FailureClass::RateLimited => "rate_limited",
+        FailureClass::Transient => "transient",
+        FailureClass::Fatal => "fatal",
+        FailureClass::Refused => "refused",
+    }
+}
+
+/// The longest pause an agent's `retry_after_ms` may cause (a number off the wire).
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(300);
+
+impl Core {
+    /// Takes the lease `id` if it is live and belongs to this session; `None`: a late result.
+    fn take_lease(&mut self, agent: &str, session: u64, id: u64) -> Option<Lease> {
+        match self.leases.get(&id) {
+            Some(l) if l.agent == agent && l.session == session => self.leases.remove(&id),
+            _ => {
+                self.counters.late_results += 1;
+                None
+            }
+        }
+    }
+
+    fn provider_mut(&mut self, lease: &Lease) -> Option<&mut ProviderEntry> {
+        self.agents
+            .get_mut(&lease.agent)
+            .filter(|a| a.session == lease.session)
+            .and_then(|a| a.providers.get_mut(&lease.provider))
+    }
+
+    pub fn done(&mut self, agent: &str, session: u64, done: Done) -> Result<(), String> {
+        let Some(lease) = self.take_lease(agent, session, done.lease) else {
+            tracing::debug!(agent, lease = done.lease, "late result dropped");
+            return Ok(());
+        };
+        // A number off the wire: only a finite, non-negative latency is a measurement.
+        let latency_ms = Some(done.latency_ms).filter(|l| l.is_finite() && *l >= 0.0);
+        let outputs = match check_outputs(&lease, done.output) {
+            Ok(outputs) => outputs,
+            Err(message) => {
+                let role = lease.role;
+                self.release_permit(&lease, budget::Outcome::Other);
+                self.count_failure(&lease, FailureClass::Transient);
+                self.requeue(role, lease.items, true, &message);
+                self.dispatch(role);
+                return Err(message);
+            }
+        };
+        self.release_permit(
+            &lease,
+            match latency_ms {
+                Some(latency_ms) => budget::Outcome::Success { latency_ms },
+                None => budget::Outcome::Other,
+            },
+        );
+        if let Some((key, _)) = &lease.gate
+            && !self.gate.passes(key)
+        {
+            // Suspended (drift) or re-checked since: none of its vectors is returned.
+            tracing::warn!(
+                agent,
+                lease = done.lease,
+                "results of a provider that no longer passes the gate are dropped; the items go back"
+            );
+            if let Some(p) = self.provider_mut(&lease) {
+                p.in_flight = p.in_flight.saturating_sub(1);
+            }
+            let role = lease.role;
+            self.requeue(
+                role,
+                lease.items,
+                false,
+                "the provider no longer passes the gate",
+            );
+            self.dispatch_all();
+            return Ok(());
+        }
+        // The provider may have left the set while this lease ran; its results still count.
+        if let Some(p) = self.provider_mut(&lease) {
+            p.in_flight = p.in_flight.saturating_sub(1);
+            p.consecutive_failures = 0;
+            p.served_items = p.served_items.saturating_add(lease.items.len() as u64);
+            if let Some(ms) = latency_ms {
+                p.record_latency(ms);
+            }
+        }
+        self.deliver(lease, outputs, done.tokens);
+        Ok(())
+    }
+
+    /// Returns a cloud lease's budget permit (each lease ends exactly once).
+    pub(super) fn release_permit(&mut self, lease: &Lease, outcome: budget::Outcome) {
+        if let Some(route) = &lease.permit {
+            self.budget.release(route, outcome, Instant::now());
+            // A freed permit goes to the other roles first: one role's backlog (and its
+            // agents' instant re-pulls) must not starve another role of the shared budget.
+            for role in Role::ALL {
+                if role != lease.role {
+                    self.dispatch(role);
+                }
+            }
+        }
+    }
+
+    fn deliver(&mut self, lease: Lease, outputs: Vec<ItemOutput>, tokens: u64) {
+        let reference = lease.reference.clone();
+        let n = lease.items.len() as u64;
+        let space = lease.gate.as_ref().map(|(_, s)| s.clone());
+        if let Some(s) = &space {
+            self.gate.count_rows(&s.id, &reference.provider, n);
+        }
+        let served_counter = self.counters.items_served.entry(lease.role).or_default();
+        *served_counter = served_counter.saturating_add(n);
+        let verdict = lease.gate.as_ref().map(|(key, _)| key.clone());
+        let role = lease.role;
+        let per_item = tokens / n.max(1);
+        let mut unbound = Vec::new();
+        for (item, output) in lease.items.into_iter().zip(outputs) {
+            let request = item.request;
+            let Some(pending) = self.requests.get_mut(&request) else {
+                continue;
+            };
+            // A rerank request re-bound while this lease ran takes no score from it.
+            if let Binding::Scorer(bound) = &pending.binding
+                && bound.as_ref().map(|b| &b.id) != lease.scorer.as_ref().map(|s| &s.id)
+            {
+                unbound.push(item);
+                continue;
+            }
+            let index = item.index as usize;
+            let Some(slot) = pending.slots.get_mut(index) else {
+                continue;
+            };
+            if matches!(slot, Slot::Served { .. }) {
+                self.counters.late_results += 1;
+                continue;
+            }
+            *slot = Slot::Served {
+                served: Served {
+                    output,
+                    provider: reference.clone(),
+                    space: space.clone(),
+                },
+                item,
+                verdict: verdict.clone(),
+            };
+            pending.remaining = pending.remaining.saturating_sub(1);
+            pending.tokens = pending.tokens.saturating_add(per_item);
+            if pending.remaining == 0 {
+                self.complete(request);
+            }
+        }
+        if !unbound.is_empty() {
+            self.requeue(
+                role,
+                unbound,
+                false,
+                "its request is scored by another scorer",
+            );
+            self.dispatch(role);
+        }
+    }
+
+    /// Answers a request whose every item has a result, unless a result's verdict stopped
+    /// passing meanwhile (drift, a re-check): those items go round again first.
+    fn complete(&mut self, request: RequestId) {
+        let gate = &self.gate;
+        let Some(pending) = self.requests.get_mut(&request) else {
+            return;
+        };
+        let mut again = Vec::new();
+        for slot in &mut pending.slots {
+            let stale =
+                matches!(slot, Slot::Served { verdict: Some(key), .. } if !gate.passes(key));
+            if stale && let Slot::Served { item, .. } = std::mem::replace(slot, Slot::Waiting) {
+                again.push(item);
+            }
+        }
+        if !again.is_empty() {
+            pending.remaining += again.len();
+            let role = pending.role;
+            tracing::warn!(
+                request,
+                items = again.len(),
+                "results of a provider that no longer passes the gate go round again"
+            );
+            self.requeue(role, again, false, "the provider no longer passes the gate");
+            self.dispatch(role);
+            return;
+        }
+        if let Some(done) = self.requests.remove(&request) {
+            let scorer = match done.binding {
+                Binding::Scorer(s) => s,
+                _ => None,
+            };
+            let items = done
+                .slots
+                .into_iter()
+                .filter_map(|s| match s {
+                    Slot::Served { served, .. } => Some(served),
+                    Slot::Waiting => None,
+                })
+                .collect();
+            let _ = done.reply.send(Ok(Completed {
+                items,
+                tokens: done.tokens,
+                scorer,
+            }));
+        }
+    }
+
+    pub fn failed(&mut self, agent: &str, session: u64, failed: Failed) -> Result<(), String> {
+        let Some(lease) = self.take_lease(agent, session, failed.lease) else {
+            return Ok(());
+        };
+        let role = lease.role;
+        tracing::debug!(agent, lease = failed.lease, class = failure_name(failed.class), message = %failed.message, "lease failed");
+        let retry_after = failed
+            .retry_after_ms
+            .map(|ms| Duration::from_millis(ms).min(MAX_RETRY_AFTER));
+        let outcome = match failed.limit {
+            Some(kind) => budget::Outcome::Limited { kind, retry_after },
+            None => budget::Outcome::Other,
+        };
+        self.release_permit(&lease, outcome);
+        if failed.limit.is_some() {
+            // A limit is the account's or the upstream's, not this provider's fault. A hard 402
+            // stopped cloud work: what only the cloud could serve fails now (reconcile).
+            self.count_failure(&lease, FailureClass::RateLimited);
+            self.requeue(role, lease.items, false, &failed.message);
+            self.dispatch_all();
+            return Ok(());
+        }
+        if let Some(refusal) = failed.refusal
+            && lease.reference.backend == Backend::Cloud
+        {
+            // A standing refusal: no retry helps until the operator acts. The provider (or, for
+            // a rejected key, every cloud route) is out; its items go to whoever else can serve
+            // them, and what nobody else can fails now with the reason.
+            self.count_failure(&lease, FailureClass::RateLimited);
+            match refusal {
+                Refusal::KeyRejected => self.budget.reject_key(&failed.message),
+                Refusal::NoEndpoint => {
+                    tracing::error!(provider = %lease.reference.provider, reason = %failed.message, "no endpoint for the route's pinned upstream: it serves nothing until a push");
+                    if let Some(p) = self.provider_mut(&lease) {
+                        p.refused = Some(format!(
+                            "no endpoint for the pinned upstream ({})",
+                            failed.message
+                        ));
+                    }
+                }
+            }
+            self.requeue(role, lease.items, false, &failed.message);
+            self.dispatch_all();
+            return Ok(());
+        }
+        let benched = self.count_failure(&lease, failed.class);
+        let local = lease.reference.backend == Backend::Local;
+        match failed.class {
+            FailureClass::Fatal if lease.items.len() > 1 => {
+                // One item may be at fault: each goes again on its own, so only its request fails.
+                let items = lease
+                    .items
+                    .into_iter()
+                    .map(|mut i| {
+                        i.solo = true;
+                        i
+                    })
+                    .collect();
+                self.requeue(role, items, false, &failed.message);
+            }
+            FailureClass::Fatal => {
+                let provider = lease.reference.provider.clone();
+                for item in &lease.items {
+                    self.fail_request(
+                        item.request,
+                        RequestFailure::Fatal {
+                            provider: provider.clone(),
+                            message: failed.message.clone(),
+                        },
+                    );
+                }
+            }
+            FailureClass::RateLimited => {
+                // Clamped: an agent's number must not overflow the clock or park a provider for long.
+                let wait = retry_after.unwrap_or(Duration::from_secs(1));
+                if let Some(p) = self.provider_mut(&lease) {
+                    p.paused_until = Some(Instant::now() + wait);
+                }
+                // (Cloud limits name their kind and went to the budget above.)
+                self.requeue(role, lease.items, false, &failed.message);
+            }
+            FailureClass::Transient | FailureClass::Refused => {
+                // A cloud route that refuses (a bad answer) says nothing about the items: they
+                // keep their attempts; the provider is benched after two in a row.
+                let count_attempt = local || failed.class == FailureClass::Transient;
+                let items = mark_failed_locally(lease.items, local);
+                self.requeue(role, items, count_attempt, &failed.message);
+            }
+        }
+        if benched {
+            // The last provider that could serve some request may be the one benched.
+            self.dispatch_all();
+        } else {
+            self.dispatch(role);
+        }
+        Ok(())
+    }
+
+    /// Provider bookkeeping of a failed lease (only `transient` and `refused` count against
+    /// it); whether it was benched now.
+    pub(super) fn count_failure(&mut self, lease: &Lease, class: FailureClass) -> bool {
+        let counter = self
+            .counters
+            .failures
+            .entry(failure_name(class))
+            .or_default();
+        *counter = counter.saturating_add(1);
+        let bench = self.settings.bench;
+        let Some(p) = self.provider_mut(lease) else {
+            return false;
+        };
+        p.in_flight = p.in_flight.saturating_sub(1);
+        // Throttling is not the provider's fault, and a fatal input would fail anywhere.
+        if matches!(class, FailureClass::RateLimited | FailureClass::Fatal) {
+            return false;
+        }
+        p.failures = p.failures.saturating_add(1);
+        p.consecutive_failures = p.consecutive_failures.saturating_add(1);
+        if p.consecutive_failures >= 2 {
+            p.benched_until = Some(Instant::now() + bench);
+            p.consecutive_failures = 0;
+            tracing::warn!(provider = %p.reference.provider, bench_s = bench.as_secs(), "two failures in a row: provider benched");
+            return true;
+        }
+        false
+    }
+
+    pub(super) fn fail_request(&mut self, id: RequestId, failure: RequestFailure) {
+        if let Some(pending) = self.requests.remove(&id) {
+            self.counters.requests_failed += 1;
+            tracing::info!(request = id, role = %pending.role, reason = %failure, "request failed");
+            let _ = pending.reply.send(Err(failure));
+            self.cancel_orphaned_leases("the request failed");
+        }
+    }
+
+    /// Takes back every lease whose items all belong to requests that are gone: the agent is
+    /// told to stop (an upstream call is dropped, a batch not yet started is skipped), and a
+    /// cloud permit comes back at once.
+    pub(super) fn cancel_orphaned_leases(&mut self, reason: &str) {
+        let requests = &self.requests;
+        let orphaned: Vec<u64> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.items.iter().all(|i| !requests.contains_key(&i.request)))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in orphaned {
+            let Some(lease) = self.leases.remove(&id) else {
+                continue;
+            };
+            self.counters.leases_cancelled += 1;
+            if let Some(a) = self
+                .agents
+                .get(&lease.agent)
+                .filter(|a| a.session == lease.session)
+            {
+                a.send(protocol::encode(&HubFrame::Cancel {
+                    lease: id,
+                    reason: reason.to_string(),
+                }));
+            }
+            if let Some(p) = self.provider_mut(&lease) {
+                p.in_flight = p.in_flight.saturating_sub(1);
+            }
+            self.release_permit(&lease, budget::Outcome::Other);
+        }
+    }
+
+    /// Items back to the front of their queue; an item out of attempts fails its request.
+    pub(super) fn requeue(&mut self, role: Role, items: Vec<Item>, count_attempt: bool, why: &str) {
+        let max = self.settings.max_attempts;
+        let mut kept = Vec::with_capacity(items.len());
+        for mut item in items {
+            if !self.requests.contains_key(&item.request) {
+                continue;
+            }
+            if count_attempt {
+                item.attempts = item.attempts.saturating_add(1);
+            }
+            if item.attempts >= max {
+                self.fail_request(
+                    item.request,
+                    RequestFailure::TooManyAttempts {
+                        attempts: item.attempts,
+                        last: why.to_string(),
+                    },
+                );
+            } else {
+                kept.push(item);
+            }
+        }
+        if let Some(q) = self.queues.get_mut(&role) {
+            q.requeue_front(kept);
+        }
+    }
+
+    /// Leases past their deadline go back to the front; their agents are told to stop.
+    pub fn expire(&mut self, now: Instant) {
+        let expired: Vec<u64> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| l.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            let Some(lease) = self.leases.remove(&id) else {
+                continue;
+            };
+            self.counters.leases_expired += 1;
+            tracing::warn!(lease = id, agent = %lease.agent, provider = %lease.provider, "lease expired; its items go back to the front");
+            if let Some(a) = self
+                .agents
+                .get(&lease.agent)
+                .filter(|a| a.session == lease.session)
+            {
+                a.send(protocol::encode(&HubFrame::Cancel {
+                    lease: id,
+                    reason: "the lease expired".into(),
+                }));
+            }
+            self.release_permit(&lease, budget::Outcome::Other);
+            self.count_failure(&lease, FailureClass::Transient);
+            let role = lease.role;
+            let local = lease.reference.backend == Backend::Local;
+            let items = mark_failed_locally(lease.items, local);
+            self.requeue(role, items, true, "the lease expired");
+            self.dispatch(role);
+        }
+    }
+}
+
+/// Items of a lease that failed on a local provider are marked so (`backup` lets the cloud
+/// take them).
+pub(super) fn mark_failed_locally(items: Vec<Item>, local: bool) -> Vec<Item> {
+    if !local {
+        return items;
+    }
+    items
+        .into_iter()
+        .map(|mut i| {
+            i.failed_locally = true;
+            i
+        })
+        .collect()
+}
+
+/// The lease's outputs, one per item and of the kind its op makes.
+fn check_outputs(lease: &Lease, output: WorkOutput) -> Result<Vec<ItemOutput>, String> {
+    let n = lease.items.len();
+    if output.len() != n {
+        return Err(format!(
+            "done has {} outputs for {n} items; the items were requeued",
+            output.len()
+        ));
+    }
+    let shape = lease.items.first().map(|i| &*i.shape);
+    match (output, shape) {
+        (WorkOutput::Embeddings(v), Some(Shape::Embed { dimensions, .. })) => {
+            if v.iter().flatten().any(|x| !x.is_finite()) {
+                return Err("done carries a non-finite number; the items were requeued".into());
+            }
+            // A gated lease's vectors have the space's width (or the width the client asked).
+            if let Some((_, space)) = &lease.gate {
+                let want = dimensions.map_or(space.dims, |d| d.min(space.dims));
+                if let Some(bad) = v.iter().find(|x| x.len() != want) {
+                    return Err(format!(
+                        "done carries a vector of {} dims where the space {} wants {want}; the items were requeued",
+                        bad.len(),
+                        space.id
+                    ));
+                }
+            }
+            Ok(v.into_iter().map(ItemOutput::Vector).collect())
+        }
+        (WorkOutput::Scores(s), Some(Shape::Rerank { .. })) => {
+            if s.iter()
+                .any(|x| !x.score.is_finite() || x.probability.is_some_and(|p| !p.is_finite()))
+            {
+                return Err("done carries a non-finite score; the items were requeued".into());
+            }
+            Ok(s.into_iter().map(ItemOutput::Score).collect())
+        }
+        (WorkOutput::Chat(c), Some(Shape::Chat { .. })) => Ok(vec![ItemOutput::Chat(c)]),
+        _ => {
+            Err("done carries the wrong kind of output for its op; the items were requeued".into())
+        }
+    }
+}
