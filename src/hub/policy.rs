@@ -13,8 +13,17 @@ pub enum Admission {
     Hold(&'static str),
 }
 
-/// Admission of a provider of `backend` under `policy`; `healthy_local`: the role has at least
-/// one local provider that is connected and not benched.
+/// Whether `policy` lets providers of `backend` serve the role at all (`backup`'s preference
+/// for local providers is [`admit`]'s business, not a reason to refuse).
+pub fn allows(policy: Policy, backend: Backend) -> bool {
+    !matches!(
+        (policy, backend),
+        (Policy::Local, Backend::Cloud) | (Policy::Cloud, Backend::Local)
+    )
+}
+
+/// Admission of a provider of `backend` under `policy`; `healthy_local`: a local provider that
+/// is connected and not benched could take the work.
 pub fn admit(policy: Policy, backend: Backend, healthy_local: bool) -> Admission {
     match (policy, backend) {
         (Policy::Local, Backend::Cloud) => Admission::Hold("policy local: no cloud"),
@@ -42,5 +51,7 @@ mod tests {
             serve(Policy::Backup, C, false),
             "backup: cloud when no local is healthy"
         );
+        assert!(!allows(Policy::Local, C) && !allows(Policy::Cloud, L));
+        assert!(allows(Policy::Backup, C) && allows(Policy::Aggregate, L));
     }
 }

@@ -74,6 +74,16 @@ pub struct RoleView {
     pub queue_depth: usize,
     pub leases: usize,
     pub items_in_flight: usize,
+    /// Why a new request of the role would not be served now (absent: it would be).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unservable: Option<UnservableView>,
+}
+
+/// What a client would be told.
+#[derive(Debug, Serialize)]
+pub struct UnservableView {
+    pub code: &'static str,
+    pub message: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -140,6 +150,10 @@ impl Hub {
                     queue_depth: core.queue_depth(role),
                     leases: n,
                     items_in_flight: items,
+                    unservable: core.role_outlook(role).map(|u| UnservableView {
+                        code: u.code.as_str(),
+                        message: u.message,
+                    }),
                 };
                 (role, view)
             })
@@ -242,7 +256,29 @@ impl Hub {
                 ("{outcome=\"granted\"}".into(), c.leases_granted as f64),
                 ("{outcome=\"expired\"}".into(), c.leases_expired as f64),
                 ("{outcome=\"lost\"}".into(), c.leases_lost as f64),
+                ("{outcome=\"cancelled\"}".into(), c.leases_cancelled as f64),
             ],
+        );
+        family(
+            "fantom_hub_rejected_unservable_total",
+            "counter",
+            "Requests refused at admission because nothing could serve them, by reason.",
+            c.rejected_unservable
+                .iter()
+                .map(|(k, v)| (format!("{{reason=\"{k}\"}}"), *v as f64))
+                .collect(),
+        );
+        family(
+            "fantom_hub_requests_failed_total",
+            "counter",
+            "Accepted requests that failed (fatal input, attempts, nothing left to serve them).",
+            vec![(String::new(), c.requests_failed as f64)],
+        );
+        family(
+            "fantom_hub_rescored_total",
+            "counter",
+            "Rerank requests scored again whole because every provider of their scorer left.",
+            vec![(String::new(), c.rescored as f64)],
         );
         family(
             "fantom_hub_failures_total",

@@ -9,13 +9,13 @@ use serde_json::{Value, json};
 use crate::support::{HubProc, Proc, RawAgent, eventually, fake_provider, start_agent_toml};
 use crate::upstream::{Endpoint, EndpointKind, Upstream, UpstreamConfig};
 
-const KEY: &str = "sk-or-v1-cloud-test-0123456789abcdef0123456789abcdef";
+pub const KEY: &str = "sk-or-v1-cloud-test-0123456789abcdef0123456789abcdef";
 const EMBED_MODEL: &str = "sentence-transformers/all-minilm-l6-v2";
 const EMBED_SLUG: &str = "deepinfra/fp32";
-const RERANK_MODEL: &str = "cohere/rerank-v3.5";
-const CHAT_MODEL: &str = "poolside/laguna-s-2.1";
+pub const RERANK_MODEL: &str = "cohere/rerank-v3.5";
+pub const CHAT_MODEL: &str = "poolside/laguna-s-2.1";
 
-fn endpoints() -> Vec<Endpoint> {
+pub fn endpoints() -> Vec<Endpoint> {
     let e = |model: &str, slug: &str, q: &str, kind| Endpoint {
         model: model.into(),
         slug: slug.into(),
@@ -40,7 +40,7 @@ fn endpoints() -> Vec<Endpoint> {
     ]
 }
 
-async fn upstream(configure: impl FnOnce(&mut UpstreamConfig)) -> Upstream {
+pub async fn upstream(configure: impl FnOnce(&mut UpstreamConfig)) -> Upstream {
     let mut cfg = UpstreamConfig {
         key: KEY.into(),
         endpoints: endpoints(),
@@ -51,7 +51,7 @@ async fn upstream(configure: impl FnOnce(&mut UpstreamConfig)) -> Upstream {
 }
 
 /// An agent with no local model, whose cloud routes call `upstream`.
-fn cloud_agent(dir: &std::path::Path, hub: &HubProc, id: &str, upstream: &Upstream) -> Proc {
+pub fn cloud_agent(dir: &std::path::Path, hub: &HubProc, id: &str, upstream: &Upstream) -> Proc {
     let body = format!(
         "openrouter_url = \"{}\"\ncloud_pipeline_depth = 8",
         upstream.base_url
@@ -73,7 +73,7 @@ fn push_body(modes: Value) -> Value {
 }
 
 /// Waits until `agent` announces `n` cloud providers.
-async fn wait_for_cloud(hub: &HubProc, agent: &str, n: usize) -> Value {
+pub async fn wait_for_cloud(hub: &HubProc, agent: &str, n: usize) -> Value {
     eventually(&format!("{agent} has {n} cloud providers"), || async {
         let a = hub.wait_for_agent(agent).await;
         let cloud = a["providers"]

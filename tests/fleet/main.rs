@@ -10,6 +10,7 @@ mod bad_input;
 mod cloud;
 mod fantom_master;
 mod gate;
+mod integrity;
 mod kill;
 mod leases;
 mod reconnect;

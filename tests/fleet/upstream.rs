@@ -159,6 +159,7 @@ pub struct UpstreamState {
     served: AtomicU64,
     throttled: AtomicU64,
     refused: AtomicU64,
+    aborted: AtomicU64,
     next_id: AtomicU64,
     by_slug: Mutex<HashMap<String, u64>>,
     probes: AtomicU64,
@@ -210,6 +211,7 @@ impl UpstreamState {
             served: AtomicU64::new(0),
             throttled: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            aborted: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
             by_slug: Mutex::new(HashMap::new()),
             probes: AtomicU64::new(0),
@@ -245,6 +247,11 @@ impl UpstreamState {
     }
     pub fn refused_402(&self) -> u64 {
         self.refused.load(Ordering::SeqCst)
+    }
+    /// Admitted requests whose caller went away before the answer was written (the handler
+    /// was dropped: the connection closed).
+    pub fn aborted(&self) -> u64 {
+        self.aborted.load(Ordering::SeqCst)
     }
     /// Highest concurrency seen by an arriving request (admitted ones in flight + itself).
     pub fn max_in_flight(&self) -> usize {
@@ -566,6 +573,10 @@ async fn inference(
         Ok(a) => a,
         Err(resp) => return resp,
     };
+    let mut unanswered = Unanswered {
+        state: &s,
+        answered: false,
+    };
     let (lo, hi) = s.latency_ms;
     let ms = if hi > lo {
         lock(&s.rng).random_range(lo..=hi)
@@ -588,6 +599,7 @@ async fn inference(
         Route::Rerank => rerank_answer(&adm, id),
         Route::Chat => chat_answer(&adm, id),
     };
+    unanswered.answered = true;
     match result {
         Ok((resp, _)) if probe => resp,
         Ok((resp, items)) => {
@@ -598,6 +610,20 @@ async fn inference(
             resp
         }
         Err(resp) => resp,
+    }
+}
+
+/// Counts an admitted request whose handler is dropped before it answers.
+struct Unanswered<'a> {
+    state: &'a UpstreamState,
+    answered: bool,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.state.aborted.fetch_add(1, Ordering::SeqCst);
+        }
     }
 }
 

@@ -18,10 +18,11 @@ use std::time::{Duration, Instant};
 
 use super::{Core, RequestFailure, SpaceRef};
 use crate::hub::gate::Standing;
+use crate::hub::policy;
 use crate::hub::queue::RequestId;
 use crate::hub::registry::{ProviderEntry, ScorerRef};
 use crate::protocol::Backend;
-use crate::roles::{Policy, Role};
+use crate::roles::Role;
 
 /// What a request's items may be served by.
 #[derive(Clone, Debug)]
@@ -179,15 +180,6 @@ impl Reasons {
     }
 }
 
-/// Whether a policy lets a backend serve the role at all (backup's preference for local
-/// providers is the dispatcher's business, not a reason to refuse).
-pub(super) fn policy_allows(policy: Policy, backend: Backend) -> bool {
-    !matches!(
-        (policy, backend),
-        (Policy::Local, Backend::Cloud) | (Policy::Cloud, Backend::Local)
-    )
-}
-
 impl Core {
     /// Whether `binding` of `role` can be served, and if not, why.
     pub(super) fn outlook(&self, role: Role, binding: &Binding, now: Instant) -> Outlook {
@@ -201,7 +193,7 @@ impl Core {
         };
         let mut connected = false;
         for p in self.providers().filter(|p| p.role() == role) {
-            if !policy_allows(policy, p.info.backend) {
+            if !policy::allows(policy, p.info.backend) {
                 continue;
             }
             if let Binding::Scorer(Some(x)) = binding
@@ -366,26 +358,29 @@ impl Core {
                     o
                 }
             };
+            if let (Binding::Scorer(Some(gone)), Outlook::Soon(_) | Outlook::Never(_)) =
+                (&binding, &outlook)
+            {
+                // No provider of its scorer can serve it now: another identity scores it
+                // whole at once, if one can; else it waits (soon) or fails (never) below.
+                let any = (role, Binding::Scorer(None).key());
+                let again = match memo.get(&any) {
+                    Some(o) => o.clone(),
+                    None => {
+                        let o = self.outlook(role, &Binding::Scorer(None), now);
+                        memo.insert(any, o.clone());
+                        o
+                    }
+                };
+                if matches!(again, Outlook::Serve) {
+                    self.rescore_whole(id, &gone.id);
+                    continue;
+                }
+            }
             let Outlook::Never(reason) = outlook else {
                 continue;
             };
             match &binding {
-                Binding::Scorer(Some(gone)) => {
-                    let any = (role, Binding::Scorer(None).key());
-                    let again = match memo.get(&any) {
-                        Some(o) => o.clone(),
-                        None => {
-                            let o = self.outlook(role, &Binding::Scorer(None), now);
-                            memo.insert(any, o.clone());
-                            o
-                        }
-                    };
-                    if matches!(again, Outlook::Never(_)) {
-                        self.fail_request(id, RequestFailure::Unservable(reason));
-                    } else {
-                        self.rescore_whole(id, &gone.id);
-                    }
-                }
                 Binding::Space(space) if self.gate.current_id(role) != Some(space.id.as_str()) => {
                     let now_current = self.gate.current_id(role).unwrap_or("none yet");
                     let message = format!(
@@ -414,6 +409,7 @@ impl Core {
         };
         pending.binding = Binding::Scorer(None);
         let role = pending.role;
+        self.counters.rescored += 1;
         let again = pending.take_results();
         tracing::warn!(
             request = id,

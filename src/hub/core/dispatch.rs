@@ -13,10 +13,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::binding::{Binding, policy_allows};
+use super::binding::Binding;
 use super::{Core, Lease};
 use crate::hub::budget;
 use crate::hub::gate;
+use crate::hub::policy::{self, Admission};
 use crate::hub::queue::{BatchLimits, Item};
 use crate::hub::registry::ProviderEntry;
 use crate::protocol::{self, Backend, HubFrame, Work};
@@ -78,7 +79,7 @@ impl Core {
                 if p.role() != role || p.credits == 0 || !p.is_available(now) {
                     continue;
                 }
-                if !policy_allows(policy, p.info.backend) || p.refused.is_some() {
+                if !policy::allows(policy, p.info.backend) || p.refused.is_some() {
                     continue;
                 }
                 let rank = k.wrapping_sub(self.turn) % 1024;
@@ -161,9 +162,13 @@ impl Core {
                 (Policy::Backup, Backend::Cloud) => {
                     item.failed_locally
                         || matches!(&req.binding, Binding::Scorer(Some(x)) if x.backend == Backend::Cloud)
-                        || !*local_serves
-                            .entry(req.binding.key())
-                            .or_insert_with(|| healthy_local(agents, role, &req.binding, gate, now))
+                        || {
+                            let healthy_local =
+                                *local_serves.entry(req.binding.key()).or_insert_with(|| {
+                                    healthy_local(agents, role, &req.binding, gate, now)
+                                });
+                            policy::admit(policy, Backend::Cloud, healthy_local) == Admission::Serve
+                        }
                 }
                 _ => true,
             };

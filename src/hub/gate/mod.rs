@@ -235,6 +235,8 @@ pub struct Gate {
     next_probe: u64,
     dirty: bool,
     rows: BTreeMap<(String, String), u64>,
+    /// Each role's configured table width, as of the last tick.
+    widths: BTreeMap<Role, usize>,
 }
 
 impl Gate {
@@ -257,6 +259,7 @@ impl Gate {
             next_probe: 1,
             dirty: false,
             rows: BTreeMap::new(),
+            widths: BTreeMap::new(),
         }
     }
 
@@ -300,6 +303,10 @@ impl Gate {
                 continue;
             }
             let configured = width(role);
+            match configured {
+                Some(w) => self.widths.insert(role, w),
+                None => self.widths.remove(&role),
+            };
             let references = self.references(policy(role), &cands);
             // The space: the first usable reference's model and width.
             let mut space = None;
@@ -615,7 +622,11 @@ impl Gate {
                 entry.reference = "itself: the anchor of the space (dims and pin)".into();
                 entry.checked_at_ms = Some(now_ms());
                 entry.next_check = Some(now + self.settings.sentinel);
-                self.current.insert(s.role, s.id());
+                // The table's width may have changed while the probe was out: a space of
+                // another width is stored, but never the role's current one.
+                if self.widths.get(&s.role).is_none_or(|w| *w == s.dims) {
+                    self.current.insert(s.role, s.id());
+                }
                 self.spaces.insert(s.id(), s);
                 self.dirty = true;
             }
@@ -692,11 +703,20 @@ impl Gate {
             .any(|p| p.purpose == Purpose::Fingerprint && p.candidate.role == role)
     }
 
-    /// The latest non-passing verdicts of the role's providers, briefly (why it has no space).
+    /// Why the role has no space, briefly: each provider's newest verdict that did not pass,
+    /// among spaces as wide as the table (when its width is configured).
     pub fn refusals(&self, role: Role, providers: &[&str]) -> Vec<String> {
+        let width = self.widths.get(&role).map(|w| format!(":{w}"));
         let mut latest: BTreeMap<&str, &VerdictEntry> = BTreeMap::new();
         for e in self.verdicts.values() {
-            if e.role != role || !providers.contains(&e.provider.as_str()) {
+            if e.role != role
+                || !providers.contains(&e.provider.as_str())
+                || e.verdict == Verdict::Pass
+                || e.verdict == Verdict::Probing
+                || width
+                    .as_ref()
+                    .is_some_and(|w| !e.space.ends_with(w.as_str()))
+            {
                 continue;
             }
             let newer = latest
