@@ -10,7 +10,9 @@
 //! * [`secret`]: the type that holds the OpenRouter key and tokens without leaking them.
 //! * [`protocol`]: the fleet protocol's frames (hub ⇄ agent) and their codec.
 //! * [`config`]: config pushes and their merge, the agent's file, model choices, tokens.
-//! * [`hub`]: shared role queues, leases, dispatch, policy, persisted state.
+//! * [`cloud`]: OpenRouter routes, their client, wire format and failure classes.
+//! * [`hub`]: shared role queues, requests bound to one space or scorer, leases, dispatch,
+//!   policy, the cloud budget, the compatibility gate, persisted state.
 //! * [`http`]: the hub's client, admin and ops APIs, and the agents' WebSocket endpoint.
 //! * [`agent`]: providers, the pull loop and the one socket to the hub.
 //! * [`fantom`]: the drop-in for Fantom's existing sidecar relay and its HTTP routes.

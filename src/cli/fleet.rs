@@ -24,6 +24,7 @@ use crate::fantom::sidecar::Sidecar;
 use crate::fantom::slots::Slots;
 use crate::http::{self, TlsFiles};
 use crate::hub::core::HubSettings;
+use crate::hub::gate::GateSettings;
 use crate::hub::{Hub, HubOptions};
 use crate::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
 use crate::roles::Role;
@@ -263,7 +264,7 @@ fn open_hub(args: &HubConfig) -> anyhow::Result<Hub> {
             "the gate's minimum cosine is never under 0.99; using 0.99"
         );
     }
-    let gate = args.gate();
+    let gate = GateSettings::from_config(args);
     Ok(Hub::open(HubOptions {
         settings,
         state_dir,
@@ -363,7 +364,7 @@ async fn reload_hub_on_hangup(
                 core.settings.request_timeout = new.request_timeout();
                 applied.push("request_timeout_s");
             }
-            let (gate, wanted) = (&mut core.gate.settings, new.gate());
+            let (gate, wanted) = (&mut core.gate.settings, GateSettings::from_config(&new));
             if new.gate_min_cosine != running.gate_min_cosine {
                 gate.min_cosine = wanted.min_cosine;
                 applied.push("gate_min_cosine");

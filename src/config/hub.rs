@@ -9,9 +9,6 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::hub::gate::GateSettings;
-use crate::hub::gate::measure::MIN_COSINE_FLOOR;
-
 /// Every hub setting, each optional: one layer (the flags, or the file).
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -110,16 +107,6 @@ impl HubConfig {
     /// How long a client request may wait (at least 1 s).
     pub fn request_timeout(&self) -> Duration {
         Duration::from_secs(self.request_timeout_s.max(1))
-    }
-
-    /// The gate's settings: the minimum cosine never under the floor, the sentinel at least 1 s.
-    pub fn gate(&self) -> GateSettings {
-        GateSettings {
-            min_cosine: self.gate_min_cosine.max(MIN_COSINE_FLOOR),
-            sentinel: Duration::from_secs(self.gate_sentinel_s.max(1)),
-            reference: self.gate_reference.clone(),
-            ..Default::default()
-        }
     }
 
     /// The keys that differ from `other` and cannot change under a running hub.

@@ -1,7 +1,8 @@
-//! The hub: the controller of the fleet. It owns the shared role queues and the leases
-//! ([`core`]), the agents' sockets ([`socket`]), the routing policy ([`policy`]), the safe
-//! persisted config ([`state`]) and the views of it all ([`status`]). HTTP front doors live in
-//! [`crate::http`]; they call the [`Hub`] handle.
+//! The hub: the controller of the fleet. It owns the shared role queues, the requests (each
+//! bound to one space or scorer) and the leases ([`core`]), the agents' sockets ([`socket`]),
+//! the routing policy ([`policy`]), the global cloud budget ([`budget`]), the compatibility
+//! gate ([`gate`]), the safe persisted config ([`state`]) and the views of it all
+//! ([`status`]). HTTP front doors live in [`crate::http`]; they call the [`Hub`] handle.
 
 pub mod budget;
 pub mod core;

@@ -579,3 +579,49 @@ fn resolve_folder(
         provenance,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(name: &str, bytes: &[u8]) -> FileDigest {
+        FileDigest {
+            name: name.into(),
+            sha256: Sha256::of_bytes(bytes),
+            check: None,
+        }
+    }
+
+    #[test]
+    fn an_unpinned_folder_is_known_by_its_bytes() {
+        let dir = PathBuf::from("/models/mine");
+        let load = |weights: &[u8]| Provenance::Unpinned {
+            dir: dir.clone(),
+            files: vec![
+                file("model.safetensors", weights),
+                file("config.json", b"{}"),
+            ],
+        };
+        let (a, b) = (load(b"weights"), load(b"other weights"));
+        assert!(a.revision().starts_with("sha256:"));
+        assert_eq!(a.revision().len(), "sha256:".len() + 24);
+        assert_eq!(
+            a.revision(),
+            load(b"weights").revision(),
+            "same bytes, same id"
+        );
+        assert_ne!(a.revision(), b.revision(), "changed bytes, another model");
+        let reordered = Provenance::Unpinned {
+            dir,
+            files: vec![
+                file("config.json", b"{}"),
+                file("model.safetensors", b"weights"),
+            ],
+        };
+        assert_eq!(
+            reordered.revision(),
+            a.revision(),
+            "file order does not matter"
+        );
+    }
+}

@@ -578,6 +578,29 @@ async fn a_hard_402_and_a_rejected_key_fail_waiting_cloud_work_at_once() {
         .post("/v1/chat/completions", &chat("the right key", false))
         .await;
     assert_eq!(code, 200, "{body}");
+
+    // A pin no endpoint matches (404 `no_endpoints`): the same, for that route.
+    let (code, body) = hub
+        .push(json!({"openrouter": {"allowedModels":
+            {"code-assistant": {"model": CHAT_MODEL, "provider": "nowhere"}}}}))
+        .await;
+    assert_eq!(code, 200, "{body}");
+    eventually("the pinned route is in place", || async {
+        let a = hub.wait_for_agent("cloud").await;
+        a["providers"]
+            .as_array()?
+            .iter()
+            .find(|p| p["upstream"] == "nowhere")
+            .map(|_| ())
+    })
+    .await;
+    five_chats_fail(
+        &hub,
+        &up,
+        "no_endpoint",
+        "no endpoint for the pinned upstream",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

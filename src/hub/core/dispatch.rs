@@ -44,6 +44,9 @@ impl Core {
     /// Forms work for providers of `role` that have credits, while the queue has items.
     pub(super) fn dispatch(&mut self, role: Role) {
         let policy = self.cloud.policy(role);
+        // Offered this round with nothing that fits them: not asked again (the queue only
+        // shrinks, and a binding only narrows who may take an item).
+        let mut passed: Vec<(String, String)> = Vec::new();
         loop {
             let now = Instant::now();
             let requests = &self.requests;
@@ -54,24 +57,26 @@ impl Core {
             if queue.is_empty() {
                 return;
             }
-            let picks = self.picks(role, policy, now);
-            let mut granted = false;
-            for (agent, pid) in picks {
-                if let Offer::Granted = self.offer(role, policy, &agent, &pid, now) {
-                    granted = true;
-                    break;
-                }
-            }
-            if !granted {
+            let Some((agent, pid)) = self.best_pick(role, policy, now, &passed) else {
                 return;
+            };
+            if let Offer::Nothing = self.offer(role, policy, &agent, &pid, now) {
+                passed.push((agent, pid));
             }
         }
     }
 
-    /// The providers of `role` that could take work now, best first: most credits, ties in
-    /// turn round the fleet.
-    fn picks(&mut self, role: Role, policy: Policy, now: Instant) -> Vec<(String, String)> {
-        let mut ranked: Vec<(u32, usize, &str, &str)> = Vec::new();
+    /// The provider of `role` that should take work next: most credits, ties in turn round the
+    /// fleet; one that could take work now (credits, not benched or paused, not refused, its
+    /// policy, a budget permit for the cloud), and not in `passed`.
+    fn best_pick(
+        &mut self,
+        role: Role,
+        policy: Policy,
+        now: Instant,
+        passed: &[(String, String)],
+    ) -> Option<(String, String)> {
+        let mut best: Option<(u32, usize, &str, &str)> = None;
         let mut k = 0usize;
         for (agent_id, agent) in &self.agents {
             for (pid, p) in &agent.providers {
@@ -83,22 +88,21 @@ impl Core {
                     continue;
                 }
                 let rank = k.wrapping_sub(self.turn) % 1024;
-                ranked.push((p.credits, rank, agent_id, pid));
+                let better =
+                    best.is_none_or(|(c, r, _, _)| p.credits > c || (p.credits == c && rank < r));
+                if !better || passed.iter().any(|(a, q)| a == agent_id && q == pid) {
+                    continue;
+                }
+                // Cloud providers also need a permit of the global budget.
+                if let Some(route) = &p.route
+                    && self.budget.check(route, now).is_some()
+                {
+                    continue;
+                }
+                best = Some((p.credits, rank, agent_id, pid));
             }
         }
-        ranked.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-        let mut out = Vec::with_capacity(ranked.len());
-        for (_, _, agent, pid) in ranked {
-            // Cloud providers also need a permit of the global budget.
-            let route = self.agents[agent].providers[pid].route.clone();
-            if let Some(route) = route
-                && self.budget.check(&route, now).is_some()
-            {
-                continue;
-            }
-            out.push((agent.to_string(), pid.to_string()));
-        }
-        out
+        best.map(|(_, _, a, p)| (a.to_string(), p.to_string()))
     }
 
     /// Offers `agent/pid` the first items that fit it; grants a lease when some do.
@@ -145,6 +149,7 @@ impl Core {
         };
         let mut local_serves: HashMap<String, bool> = HashMap::new();
         let mut batch_space: Option<String> = None;
+        let mut last_space: Option<(*const super::SpaceRef, bool)> = None;
         let fits = |item: &Item| {
             let Some(req) = requests.get(&item.request) else {
                 return false;
@@ -155,7 +160,19 @@ impl Core {
             {
                 return false;
             }
-            if !req.binding.admits(entry, gate) {
+            // Items of one request share its space: its verdict is looked up once.
+            let admits = match &req.binding {
+                Binding::Space(space) => match last_space {
+                    Some((at, ok)) if std::ptr::eq(at, Arc::as_ptr(space)) => ok,
+                    _ => {
+                        let ok = req.binding.admits(entry, gate);
+                        last_space = Some((Arc::as_ptr(space), ok));
+                        ok
+                    }
+                },
+                other => other.admits(entry, gate),
+            };
+            if !admits {
                 return false;
             }
             let admitted = match (policy, entry.info.backend) {

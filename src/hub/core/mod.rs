@@ -14,6 +14,7 @@
 //! lease that comes back (expiry, disconnect, transient failure) returns its items to the
 //! front of their queue; a request nothing can serve any more fails at once with the reason.
 
+mod agents;
 pub mod binding;
 mod dispatch;
 mod results;
@@ -26,16 +27,13 @@ use tokio::sync::{oneshot, watch};
 
 use self::binding::Outlook;
 pub use self::binding::{Binding, Unservable, UnservableCode};
-use super::budget::{self, Budget, BudgetSettings};
-use super::gate::{Candidate, Gate, GateSettings, Space};
+use super::budget::{Budget, BudgetSettings};
+use super::gate::{Gate, GateSettings, Space};
 use super::queue::{Item, RequestId, RoleQueue, Shape};
 pub use super::registry::ScorerRef;
-use super::registry::{AgentEntry, AgentTx, Outgoing, ProviderEntry, ProviderRef, SocketCount};
+use super::registry::{AgentEntry, ProviderEntry, ProviderRef, SocketCount};
 use crate::config::push::CloudSettings;
-use crate::protocol::{
-    self, AccountLimits, Backend, ConfigAck, Heartbeat, Hello, HubFrame, PROTOCOL_VERSION,
-    ProviderInfo, Score, Welcome,
-};
+use crate::protocol::{self, Score};
 use crate::roles::{Op, Role};
 
 /// Hub behaviour settings.
@@ -160,6 +158,12 @@ pub enum SubmitError {
 }
 
 type Reply = oneshot::Sender<Result<Completed, RequestFailure>>;
+
+/// An accepted request: its id, and where its outcome arrives.
+pub type Accepted = (
+    RequestId,
+    oneshot::Receiver<Result<Completed, RequestFailure>>,
+);
 
 /// One item's place in its request.
 enum Slot {
@@ -302,13 +306,7 @@ impl Core {
         role: Role,
         shape: Shape,
         texts: Vec<String>,
-    ) -> Result<
-        (
-            RequestId,
-            oneshot::Receiver<Result<Completed, RequestFailure>>,
-        ),
-        SubmitError,
-    > {
+    ) -> Result<Accepted, SubmitError> {
         let binding = self.admit(role, &shape)?;
         self.enqueue(role, binding, shape, texts)
     }
@@ -357,13 +355,7 @@ impl Core {
         binding: Binding,
         shape: Shape,
         texts: Vec<String>,
-    ) -> Result<
-        (
-            RequestId,
-            oneshot::Receiver<Result<Completed, RequestFailure>>,
-        ),
-        SubmitError,
-    > {
+    ) -> Result<Accepted, SubmitError> {
         let n = texts.len();
         let queue = &self.queues[&role];
         if n > queue.capacity() {
@@ -526,274 +518,6 @@ impl Core {
         }
     }
 
-    // ---- agents ---------------------------------------------------------------------------
-
-    /// Registers an agent's session (superseding an older one of the same id) and sends
-    /// `welcome` before anything else can reach the socket.
-    pub fn hello(&mut self, hello: Hello, tx: AgentTx) -> Result<u64, String> {
-        if hello.protocol_version != PROTOCOL_VERSION {
-            return Err(format!(
-                "protocol version {} is not spoken here (this hub speaks {PROTOCOL_VERSION})",
-                hello.protocol_version
-            ));
-        }
-        if hello.agent_id.trim().is_empty() {
-            return Err("hello needs a non-empty agent_id".into());
-        }
-        if hello.agent_id.contains(['/', '|']) {
-            return Err(
-                "an agent_id may not contain '/' or '|' (they separate provider names)".into(),
-            );
-        }
-        let providers = build_providers(&hello.agent_id, hello.providers)?;
-        if let Some(old) = self.agents.remove(&hello.agent_id) {
-            tracing::info!(agent = %hello.agent_id, old_session = old.session, "superseding the older session of this agent");
-            let _ = old
-                .tx
-                .send(Outgoing::Close("superseded by a newer session".into()));
-            self.requeue_session_leases(&hello.agent_id, old.session);
-        }
-        self.gate.agent_reconnected(&hello.agent_id);
-        let session = self.next_session;
-        self.next_session += 1;
-        let welcome = HubFrame::Welcome(Welcome {
-            session,
-            protocol_version: PROTOCOL_VERSION,
-            heartbeat_interval_ms: self.settings.heartbeat_interval.as_millis() as u64,
-            lease_ms: self.settings.lease.as_millis() as u64,
-        });
-        let _ = tx.send(Outgoing::Frame(protocol::encode(&welcome)));
-        let count = self.sockets.entry(hello.agent_id.clone()).or_default();
-        count.open += 1;
-        count.total += 1;
-        count.max_concurrent = count.max_concurrent.max(count.open);
-        self.agents.insert(
-            hello.agent_id.clone(),
-            AgentEntry {
-                session,
-                hostname: hello.hostname,
-                version: hello.version,
-                connected_at: Instant::now(),
-                tx,
-                providers,
-                devices: hello.devices,
-                last_config_ack: None,
-            },
-        );
-        self.gate_tick(Instant::now());
-        self.dispatch_all();
-        Ok(session)
-    }
-
-    /// A socket that said hello has ended. Only its own session is removed: a close on an
-    /// old socket never tears down a newer one.
-    pub fn disconnect(&mut self, agent: &str, session: u64) {
-        if let Some(count) = self.sockets.get_mut(agent) {
-            count.open = count.open.saturating_sub(1);
-        }
-        if self.agents.get(agent).is_some_and(|a| a.session == session)
-            && let Some(gone) = self.agents.remove(agent)
-        {
-            tracing::info!(agent, session, "agent disconnected");
-            self.note_vanished(gone.providers.values());
-        }
-        self.requeue_session_leases(agent, session);
-        self.dispatch_all();
-    }
-
-    /// Providers left the fleet: work they could serve waits a grace for them to come back.
-    fn note_vanished<'a>(&mut self, gone: impl Iterator<Item = &'a ProviderEntry>) {
-        let now = Instant::now();
-        for p in gone {
-            self.vanished.insert(p.role(), now);
-        }
-    }
-
-    fn requeue_session_leases(&mut self, agent: &str, session: u64) {
-        let lost: Vec<u64> = self
-            .leases
-            .iter()
-            .filter(|(_, l)| l.agent == agent && l.session == session)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in lost {
-            if let Some(lease) = self.leases.remove(&id) {
-                self.counters.leases_lost += 1;
-                self.release_permit(&lease, budget::Outcome::Other);
-                let role = lease.role;
-                let local = lease.reference.backend == Backend::Local;
-                let items = results::mark_failed_locally(lease.items, local);
-                self.requeue(role, items, true, "the agent disconnected");
-            }
-        }
-    }
-
-    fn session_agent(&mut self, agent: &str, session: u64) -> Result<&mut AgentEntry, String> {
-        match self.agents.get_mut(agent) {
-            Some(a) if a.session == session => Ok(a),
-            _ => Err("this session was superseded or closed".into()),
-        }
-    }
-
-    pub fn set_providers(
-        &mut self,
-        agent: &str,
-        session: u64,
-        infos: Vec<ProviderInfo>,
-    ) -> Result<(), String> {
-        let mut next = build_providers(agent, infos)?;
-        let entry = self.session_agent(agent, session)?;
-        for (id, p) in next.iter_mut() {
-            if let Some(old) = entry.providers.remove(id)
-                && old.info == p.info
-            {
-                *p = old;
-            }
-        }
-        // What is left of the old set was removed or changed.
-        let gone = std::mem::replace(&mut entry.providers, next);
-        self.note_vanished(gone.values());
-        self.gate_tick(Instant::now());
-        self.dispatch_all();
-        Ok(())
-    }
-
-    pub fn pull(
-        &mut self,
-        agent: &str,
-        session: u64,
-        provider: &str,
-        credits: u32,
-    ) -> Result<(), String> {
-        let entry = self.session_agent(agent, session)?;
-        let Some(p) = entry.providers.get_mut(provider) else {
-            return Err(format!("pull for unknown provider '{provider}'"));
-        };
-        p.credits = p.credits.saturating_add(credits).min(1024);
-        let role = p.role();
-        self.dispatch(role);
-        Ok(())
-    }
-
-    pub fn heartbeat(&mut self, agent: &str, session: u64, hb: Heartbeat) -> Result<(), String> {
-        let entry = self.session_agent(agent, session)?;
-        entry.devices = hb.devices;
-        for stats in hb.providers {
-            if let Some(p) = entry.providers.get_mut(&stats.provider) {
-                p.heartbeat = Some(stats);
-            }
-        }
-        Ok(())
-    }
-
-    pub fn config_ack(&mut self, agent: &str, session: u64, ack: ConfigAck) -> Result<(), String> {
-        self.session_agent(agent, session)?.last_config_ack = Some(ack);
-        Ok(())
-    }
-
-    /// An agent's answer to `discover`.
-    pub fn account_limits(
-        &mut self,
-        agent: &str,
-        session: u64,
-        limits: AccountLimits,
-    ) -> Result<(), String> {
-        self.session_agent(agent, session)?;
-        tracing::info!(agent, rpm = ?limits.rpm, funded = ?limits.funded, error = ?limits.error, "account limits discovered");
-        self.budget.set_account(limits, Instant::now());
-        self.dispatch_all();
-        Ok(())
-    }
-
-    /// Asks one agent that holds cloud routes for the account's limits, when due (every 10
-    /// minutes; at once after a new key).
-    pub fn discover_if_due(&mut self, now: Instant) {
-        let Some(agent) = self
-            .agents
-            .values()
-            .find(|a| a.providers.values().any(|p| p.route.is_some()))
-        else {
-            return;
-        };
-        if self.budget.take_discovery_due(now) {
-            agent.send(protocol::encode(&HubFrame::Discover));
-        }
-    }
-
-    /// The gate's round: probes to send (new providers, retries, the sentinel), sent now.
-    pub fn gate_tick(&mut self, now: Instant) {
-        let candidates: Vec<Candidate> = self
-            .agents
-            .values()
-            .flat_map(|a| a.providers.values())
-            .filter_map(|p| {
-                let mut c = p.gate_candidate.clone()?;
-                c.healthy = p.is_healthy(now);
-                Some(c)
-            })
-            .collect();
-        let cloud = &self.cloud;
-        let requests = self.gate.tick(
-            now,
-            &candidates,
-            |r| cloud.policy(r),
-            |r| cloud.allowed_models.get(&r).and_then(|m| m.dims),
-        );
-        for r in requests {
-            let sent = r.provider.split_once('/').and_then(|(agent, pid)| {
-                let a = self.agents.get(agent)?;
-                a.send(protocol::encode(&HubFrame::Probe(protocol::Probe {
-                    probe: r.probe.clone(),
-                    provider: pid.to_string(),
-                    texts: r.texts,
-                })))
-                .then_some(())
-            });
-            if sent.is_none() {
-                self.gate
-                    .on_result(&r.probe, Err("the agent is gone".into()), now);
-            }
-        }
-    }
-
-    /// An agent's answer to a `probe`.
-    pub fn probe_result(
-        &mut self,
-        agent: &str,
-        session: u64,
-        result: protocol::ProbeResult,
-    ) -> Result<(), String> {
-        self.session_agent(agent, session)?;
-        let answer = match (result.vectors, result.error) {
-            (Some(v), None) => Ok(v),
-            (_, Some(e)) => Err(e),
-            (None, None) => Err("probe_result has neither vectors nor error".into()),
-        };
-        let from = format!("{agent}/{}", result.provider);
-        if !self
-            .gate
-            .on_answer(&result.probe, &from, answer, Instant::now())
-        {
-            return Err(format!(
-                "probe '{}' was not asked of '{}'",
-                result.probe, result.provider
-            ));
-        }
-        // A new space or verdict: the gate's round decides the role's space now.
-        self.gate_tick(Instant::now());
-        self.dispatch_all();
-        Ok(())
-    }
-
-    /// Sends a frame to every connected agent; returns their ids.
-    pub fn broadcast(&self, frame: &str) -> Vec<String> {
-        self.agents
-            .iter()
-            .filter(|(_, a)| a.send(frame.to_string()))
-            .map(|(id, _)| id.clone())
-            .collect()
-    }
-
     /// A push arrived: routes refused for their pin may be fixed by it, so they are asked again.
     pub fn push_applied(&mut self) {
         for p in self
@@ -847,166 +571,5 @@ impl Core {
     }
 }
 
-fn build_providers(
-    agent: &str,
-    infos: Vec<ProviderInfo>,
-) -> Result<BTreeMap<String, ProviderEntry>, String> {
-    let mut out = BTreeMap::new();
-    for info in infos {
-        if info.id.is_empty() {
-            return Err("a provider needs a non-empty id".into());
-        }
-        let id = info.id.clone();
-        if out
-            .insert(id.clone(), ProviderEntry::new(agent, info))
-            .is_some()
-        {
-            return Err(format!("provider id '{id}' appears twice"));
-        }
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
-mod tests {
-    use tokio::sync::mpsc;
-
-    use super::*;
-    use crate::protocol::{Done, Pull, WorkOutput};
-
-    fn provider(id: &str, role: Role, model: &str, max_items: usize) -> ProviderInfo {
-        ProviderInfo {
-            id: id.into(),
-            role,
-            backend: Backend::Local,
-            model: model.into(),
-            revision: Some("r1".into()),
-            upstream: None,
-            dims: role.is_embedding().then_some(2),
-            dtype: None,
-            device: None,
-            max_batch_items: max_items,
-            max_batch_tokens: 1 << 20,
-            score_activation: (role.op() == Op::Rerank)
-                .then_some(crate::protocol::ScoreActivation::Sigmoid),
-        }
-    }
-
-    /// An agent with one provider and credits; its frames arrive on the receiver.
-    fn connect(
-        core: &mut Core,
-        agent: &str,
-        info: ProviderInfo,
-        credits: u32,
-    ) -> (u64, mpsc::UnboundedReceiver<Outgoing>) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let pid = info.id.clone();
-        let session = core
-            .hello(
-                Hello {
-                    agent_id: agent.into(),
-                    hostname: "h".into(),
-                    version: "0".into(),
-                    protocol_version: PROTOCOL_VERSION,
-                    providers: vec![info],
-                    devices: Vec::new(),
-                },
-                tx,
-            )
-            .unwrap();
-        let pull = Pull {
-            provider: pid,
-            credits,
-        };
-        core.pull(agent, session, &pull.provider, pull.credits)
-            .unwrap();
-        (session, rx)
-    }
-
-    /// The next work frame on `rx`, as JSON.
-    fn next_work(rx: &mut mpsc::UnboundedReceiver<Outgoing>) -> serde_json::Value {
-        while let Ok(out) = rx.try_recv() {
-            if let Outgoing::Frame(text) = out {
-                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-                if v["type"] == "work" {
-                    return v;
-                }
-            }
-        }
-        panic!("no work frame")
-    }
-
-    fn scores(work: &serde_json::Value, p: f32) -> WorkOutput {
-        let n = work["input"]["documents"].as_array().unwrap().len();
-        WorkOutput::Scores(vec![
-            Score {
-                score: (p / (1.0 - p)).ln(),
-                probability: Some(p),
-            };
-            n
-        ])
-    }
-
-    #[test]
-    fn a_rerank_request_is_scored_by_the_scorer_of_its_first_lease_only() {
-        let mut core = Core::new(HubSettings::default(), CloudSettings::default());
-        let (sa, mut a) = connect(&mut core, "a", provider("r", Role::Reranker, "ma", 2), 1);
-        let shape = Shape::Rerank {
-            query: "q".into(),
-            instruction: None,
-        };
-        let docs: Vec<String> = (0..4).map(|i| format!("d{i}")).collect();
-        let (_, mut reply) = core.submit(Role::Reranker, shape, docs).unwrap();
-        let first = next_work(&mut a);
-        // b has more credits, but the request is a's now.
-        let (_, mut b) = connect(&mut core, "b", provider("r", Role::Reranker, "mb", 8), 4);
-        assert!(matches!(b.try_recv(), Ok(Outgoing::Frame(f)) if f.contains("welcome")));
-        assert!(b.try_recv().is_err(), "b got nothing of a's request");
-        let lease = first["lease"].as_u64().unwrap();
-        core.done(
-            "a",
-            sa,
-            Done {
-                lease,
-                output: scores(&first, 0.7),
-                latency_ms: f64::NAN,
-                tokens: u64::MAX,
-            },
-        )
-        .unwrap();
-        core.pull("a", sa, "r", 1).unwrap();
-        let second = next_work(&mut a);
-        core.done(
-            "a",
-            sa,
-            Done {
-                lease: second["lease"].as_u64().unwrap(),
-                output: scores(&second, 0.6),
-                latency_ms: 1.0,
-                tokens: u64::MAX,
-            },
-        )
-        .unwrap();
-        let done = reply.try_recv().unwrap().unwrap();
-        let scorer = done.scorer.expect("the response names its scorer");
-        assert_eq!(scorer.id, "local ma@r1 sigmoid");
-        assert!(done.items.iter().all(|s| s.provider.agent == "a"));
-        assert_eq!(done.tokens, u64::MAX, "token counts saturate, never wrap");
-    }
-
-    #[test]
-    fn two_equal_chats_are_two_leases() {
-        let mut core = Core::new(HubSettings::default(), CloudSettings::default());
-        let mut info = provider("chat", Role::RlmSandbox, "m", 8);
-        info.dims = None;
-        let (_, mut rx) = connect(&mut core, "a", info, 4);
-        let body = serde_json::json!({"messages": [{"role": "user", "content": "hi"}]});
-        for _ in 0..2 {
-            let shape = Shape::Chat { body: body.clone() };
-            core.submit(Role::RlmSandbox, shape, vec![String::new()])
-                .unwrap();
-        }
-        let (one, two) = (next_work(&mut rx), next_work(&mut rx));
-        assert_ne!(one["lease"], two["lease"]);
-    }
-}
+mod tests;

@@ -374,11 +374,22 @@ impl Core {
             .filter(|(_, l)| l.items.iter().all(|i| !requests.contains_key(&i.request)))
             .map(|(id, _)| *id)
             .collect();
-        for id in orphaned {
+        for (_, lease) in self.take_back(orphaned, reason) {
+            self.counters.leases_cancelled += 1;
+            if let Some(p) = self.provider_mut(&lease) {
+                p.in_flight = p.in_flight.saturating_sub(1);
+            }
+            self.release_permit(&lease, budget::Outcome::Other);
+        }
+    }
+
+    /// Takes the leases `ids` out and tells their agents to stop them (`cancel`).
+    fn take_back(&mut self, ids: Vec<u64>, reason: &str) -> Vec<(u64, Lease)> {
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
             let Some(lease) = self.leases.remove(&id) else {
                 continue;
             };
-            self.counters.leases_cancelled += 1;
             if let Some(a) = self
                 .agents
                 .get(&lease.agent)
@@ -389,11 +400,9 @@ impl Core {
                     reason: reason.to_string(),
                 }));
             }
-            if let Some(p) = self.provider_mut(&lease) {
-                p.in_flight = p.in_flight.saturating_sub(1);
-            }
-            self.release_permit(&lease, budget::Outcome::Other);
+            out.push((id, lease));
         }
+        out
     }
 
     /// Items back to the front of their queue; an item out of attempts fails its request.
@@ -432,22 +441,9 @@ impl Core {
             .filter(|(_, l)| l.deadline <= now)
             .map(|(id, _)| *id)
             .collect();
-        for id in expired {
-            let Some(lease) = self.leases.remove(&id) else {
-                continue;
-            };
+        for (id, lease) in self.take_back(expired, "the lease expired") {
             self.counters.leases_expired += 1;
             tracing::warn!(lease = id, agent = %lease.agent, provider = %lease.provider, "lease expired; its items go back to the front");
-            if let Some(a) = self
-                .agents
-                .get(&lease.agent)
-                .filter(|a| a.session == lease.session)
-            {
-                a.send(protocol::encode(&HubFrame::Cancel {
-                    lease: id,
-                    reason: "the lease expired".into(),
-                }));
-            }
             self.release_permit(&lease, budget::Outcome::Other);
             self.count_failure(&lease, FailureClass::Transient);
             let role = lease.role;

@@ -18,6 +18,9 @@
 //! every embedding lease.
 
 pub mod measure;
+mod view;
+
+pub use self::view::{GateView, SpaceView};
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -52,6 +55,19 @@ impl Default for GateSettings {
             probe_timeout: Duration::from_secs(60),
             retry_initial: Duration::from_secs(30),
             retry_max: Duration::from_secs(900),
+        }
+    }
+}
+
+impl GateSettings {
+    /// The gate's settings from the hub's: the minimum cosine never under the floor, the
+    /// sentinel at least 1 s.
+    pub fn from_config(c: &crate::config::hub::HubConfig) -> Self {
+        Self {
+            min_cosine: c.gate_min_cosine.max(measure::MIN_COSINE_FLOOR),
+            sentinel: Duration::from_secs(c.gate_sentinel_s.max(1)),
+            reference: c.gate_reference.clone(),
+            ..Default::default()
         }
     }
 }
@@ -811,336 +827,7 @@ impl Gate {
     pub fn take_dirty(&mut self) -> Option<BTreeMap<String, Space>> {
         std::mem::take(&mut self.dirty).then(|| self.spaces.clone())
     }
-
-    /// What `/admin/status` shows.
-    pub fn view(&self, serving: &BTreeMap<Role, Vec<String>>) -> GateView {
-        let spaces = self
-            .spaces
-            .values()
-            .map(|s| {
-                let id = s.id();
-                let current = self.current.get(&s.role) == Some(&id);
-                let passing: Vec<&VerdictEntry> = self
-                    .verdicts
-                    .values()
-                    .filter(|e| e.space == id && e.verdict == Verdict::Pass)
-                    .collect();
-                let connected = serving.get(&s.role).map_or(0, Vec::len);
-                SpaceView {
-                    id: id.clone(),
-                    role: s.role,
-                    model: s.model.clone(),
-                    dims: s.dims,
-                    encoder: s.encoder.clone(),
-                    current,
-                    created_ms: s.created_ms,
-                    coverage: if s.cloud_reference && passing.len() <= 1 && connected <= 1 {
-                        "reduced: a sole cloud provider, checked on dims and pin only".into()
-                    } else if s.cloud_reference {
-                        "cloud peers checked against the anchor (the anchor on dims and pin)".into()
-                    } else {
-                        "full: checked against a local reference".into()
-                    },
-                    rows: self
-                        .rows
-                        .iter()
-                        .filter(|((sid, _), _)| *sid == id)
-                        .map(|((_, p), n)| (p.clone(), *n))
-                        .collect(),
-                }
-            })
-            .collect();
-        GateView {
-            min_cosine: self.settings.min_cosine,
-            sentinel_s: self.settings.sentinel.as_secs(),
-            reference: self.settings.reference.clone(),
-            spaces,
-            verdicts: self.verdicts.values().cloned().collect(),
-        }
-    }
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct GateView {
-    pub min_cosine: f64,
-    pub sentinel_s: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reference: Option<String>,
-    pub spaces: Vec<SpaceView>,
-    pub verdicts: Vec<VerdictEntry>,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct SpaceView {
-    pub id: String,
-    pub role: Role,
-    pub model: String,
-    pub dims: usize,
-    pub encoder: String,
-    /// The role's space now.
-    pub current: bool,
-    pub created_ms: u64,
-    pub coverage: String,
-    /// Rows (vectors) returned from this space, per provider.
-    pub rows: BTreeMap<String, u64>,
 }
 
 #[cfg(test)]
-mod tests_support {
-    pub use super::tests::{cand, vectors};
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    pub fn cand(provider: &str, backend: Backend, model: &str) -> Candidate {
-        Candidate {
-            provider: provider.into(),
-            role: Role::Embedding,
-            backend,
-            model: model.into(),
-            revision: None,
-            upstream: (backend == Backend::Cloud).then(|| "deepinfra/bf16".to_string()),
-            regime: "f32/cpu".into(),
-            dims: Some(3),
-            healthy: true,
-        }
-    }
-
-    /// Unit vectors, one per probe text, all `c` away from the first axis.
-    pub fn vectors(c: f32) -> Vec<Vec<f32>> {
-        vec![vec![c, (1.0 - c * c).sqrt(), 0.0]; probe_texts().len()]
-    }
-
-    fn gate() -> Gate {
-        Gate::new(GateSettings::default(), BTreeMap::new())
-    }
-
-    fn tick(g: &mut Gate, now: Instant, cands: &[Candidate], policy: Policy) -> Vec<ProbeRequest> {
-        g.tick(now, cands, |_| policy, |_| Some(3))
-    }
-
-    #[test]
-    fn the_reference_fingerprints_the_space_and_a_peer_is_judged_against_it() {
-        let (mut g, t) = (gate(), Instant::now());
-        let cands = [
-            cand("a/embedding", Backend::Local, "m"),
-            cand("b/cloud:embedding:1", Backend::Cloud, "cloud-m"),
-        ];
-        let first = tick(&mut g, t, &cands, Policy::Aggregate);
-        assert_eq!(first.len(), 1, "only the reference, until the space exists");
-        assert_eq!(first[0].provider, "a/embedding");
-        assert!(
-            g.serving_space(&cands[0]).is_none(),
-            "never verified: refused"
-        );
-        g.on_result(&first[0].probe, Ok(vectors(1.0)), t);
-        assert_eq!(g.serving_space(&cands[0]), Some("embedding:m:3"));
-        let second = tick(&mut g, t, &cands, Policy::Aggregate);
-        assert_eq!(second.len(), 1);
-        assert_eq!(second[0].provider, "b/cloud:embedding:1");
-        // A second tick while the probe is out shares it.
-        assert!(tick(&mut g, t, &cands, Policy::Aggregate).is_empty());
-        g.on_result(&second[0].probe, Ok(vectors(0.976)), t);
-        assert!(g.serving_space(&cands[1]).is_none());
-        assert!(g.take_dirty().is_some(), "the new space is persisted");
-        // Refusals do not expire: no more probes.
-        assert!(
-            tick(
-                &mut g,
-                t + Duration::from_secs(3600),
-                &cands[1..],
-                Policy::Aggregate
-            )
-            .iter()
-            .all(|p| p.provider != "b/cloud:embedding:1")
-        );
-    }
-
-    #[test]
-    fn probe_failures_back_off_and_a_reconnect_clears_them() {
-        let (mut g, t) = (gate(), Instant::now());
-        let cands = [cand("a/embedding", Backend::Local, "m")];
-        let p = tick(&mut g, t, &cands, Policy::Local);
-        g.on_result(&p[0].probe, Err("engine stopped".into()), t);
-        assert!(tick(&mut g, t + Duration::from_secs(29), &cands, Policy::Local).is_empty());
-        let p = tick(&mut g, t + Duration::from_secs(30), &cands, Policy::Local);
-        assert_eq!(p.len(), 1);
-        g.on_result(
-            &p[0].probe,
-            Err("engine stopped".into()),
-            t + Duration::from_secs(30),
-        );
-        assert!(
-            tick(&mut g, t + Duration::from_secs(89), &cands, Policy::Local).is_empty(),
-            "60 s now"
-        );
-        g.agent_reconnected("a");
-        assert_eq!(
-            tick(&mut g, t + Duration::from_secs(31), &cands, Policy::Local).len(),
-            1
-        );
-    }
-
-    #[test]
-    fn the_sentinel_suspends_a_provider_that_drifted() {
-        let (mut g, t) = (gate(), Instant::now());
-        let cands = [cand("a/cloud:embedding:1", Backend::Cloud, "m")];
-        let p = tick(&mut g, t, &cands, Policy::Cloud);
-        g.on_result(&p[0].probe, Ok(vectors(1.0)), t);
-        assert!(
-            g.serving_space(&cands[0]).is_some(),
-            "the sole anchor: dims and pin"
-        );
-        assert!(tick(&mut g, t + Duration::from_secs(599), &cands, Policy::Cloud).is_empty());
-        let later = t + Duration::from_secs(600);
-        let p = tick(&mut g, later, &cands, Policy::Cloud);
-        assert_eq!(p.len(), 1, "re-probed after the period");
-        g.on_result(&p[0].probe, Ok(vectors(0.97)), later);
-        assert!(g.serving_space(&cands[0]).is_none(), "suspended at once");
-        let v = g.view(&BTreeMap::new());
-        assert!(matches!(v.verdicts[0].verdict, Verdict::Suspended { .. }));
-    }
-
-    #[test]
-    fn without_a_reference_candidates_are_judged_against_the_stored_space() {
-        let (mut g, t) = (gate(), Instant::now());
-        let local = cand("a/embedding", Backend::Local, "m");
-        let cloud = cand("b/cloud:embedding:1", Backend::Cloud, "cloud-m");
-        let p = tick(&mut g, t, std::slice::from_ref(&local), Policy::Backup);
-        g.on_result(&p[0].probe, Ok(vectors(1.0)), t);
-        let spaces = g.take_dirty().unwrap();
-        // A restarted hub with the GPU down: the cloud is still checked, against the fingerprint.
-        let mut g = Gate::new(GateSettings::default(), spaces);
-        let p = tick(&mut g, t, std::slice::from_ref(&cloud), Policy::Backup);
-        assert_eq!(p.len(), 1);
-        g.on_result(&p[0].probe, Ok(vectors(0.999)), t);
-        assert_eq!(g.serving_space(&cloud), Some("embedding:m:3"));
-        // A wrong width is refused whatever the cosine.
-        let mut narrow = cloud.clone();
-        narrow.provider = "c/cloud:embedding:1".into();
-        let p = tick(&mut g, t, std::slice::from_ref(&narrow), Policy::Backup);
-        g.on_result(
-            &p[0].probe,
-            Ok(vec![vec![1.0, 0.0]; probe_texts().len()]),
-            t,
-        );
-        assert!(g.serving_space(&narrow).is_none());
-    }
-}
-
-#[cfg(test)]
-mod answer_tests {
-    use super::tests_support::*;
-    use super::*;
-
-    #[test]
-    fn only_the_provider_asked_may_answer_and_a_second_fingerprint_is_judged() {
-        let (mut g, t) = (
-            Gate::new(GateSettings::default(), BTreeMap::new()),
-            Instant::now(),
-        );
-        let a = cand("a/embedding", Backend::Local, "m");
-        let p = g.tick(t, std::slice::from_ref(&a), |_| Policy::Local, |_| Some(3));
-        assert!(
-            p[0].probe.len() > 10,
-            "a probe id is not guessable: {}",
-            p[0].probe
-        );
-        assert!(!g.on_answer(&p[0].probe, "b/embedding", Ok(vectors(1.0)), t));
-        assert!(
-            g.serving_space(&a).is_none(),
-            "a stranger's answer is ignored"
-        );
-        // All-zero vectors cannot found a space.
-        assert!(g.on_answer(
-            &p[0].probe,
-            "a/embedding",
-            Ok(vec![vec![0.0; 3]; probe_texts().len()]),
-            t
-        ));
-        assert!(g.serving_space(&a).is_none());
-        // Two references asked for one space: the second answer is judged, not stored.
-        let b = cand("b/embedding", Backend::Local, "m");
-        let mut g = Gate::new(GateSettings::default(), BTreeMap::new());
-        let pa = g.tick(t, std::slice::from_ref(&a), |_| Policy::Local, |_| Some(3));
-        let pb = g.tick(t, std::slice::from_ref(&b), |_| Policy::Local, |_| Some(3));
-        assert!(pb.is_empty(), "no second fingerprint while one is out");
-        g.on_answer(&pa[0].probe, "a/embedding", Ok(vectors(1.0)), t);
-        let pb = g.tick(t, &[a.clone(), b.clone()], |_| Policy::Local, |_| Some(3));
-        assert_eq!(pb.len(), 1);
-        g.on_answer(&pb[0].probe, "b/embedding", Ok(vectors(0.9)), t);
-        assert!(
-            g.serving_space(&b).is_none(),
-            "judged against a's fingerprint"
-        );
-        assert_eq!(g.space("embedding:m:3").unwrap().fingerprint, vectors(1.0));
-    }
-}
-
-#[cfg(test)]
-mod space_tests {
-    use super::tests_support::*;
-    use super::*;
-
-    #[test]
-    fn a_retired_space_is_fingerprinted_again_and_old_probe_sets_are_dropped() {
-        let (mut g, t) = (
-            Gate::new(GateSettings::default(), BTreeMap::new()),
-            Instant::now(),
-        );
-        let a = cand("a/embedding", Backend::Local, "m");
-        let p = g.tick(t, std::slice::from_ref(&a), |_| Policy::Local, |_| Some(3));
-        g.on_answer(&p[0].probe, "a/embedding", Ok(vectors(0.8)), t);
-        assert!(g.retire("embedding:m:3"));
-        assert!(!g.retire("embedding:m:3"), "already gone");
-        assert!(g.serving_space(&a).is_none());
-        let p = g.tick(t, std::slice::from_ref(&a), |_| Policy::Local, |_| Some(3));
-        assert_eq!(p.len(), 1, "the reference is asked again");
-        g.on_answer(&p[0].probe, "a/embedding", Ok(vectors(1.0)), t);
-        assert_eq!(g.space("embedding:m:3").unwrap().fingerprint, vectors(1.0));
-        // A stored fingerprint of another probe set is not used.
-        let mut spaces = g.take_dirty().unwrap();
-        spaces.get_mut("embedding:m:3").unwrap().probe_set = "an older set".into();
-        let g = Gate::new(GateSettings::default(), spaces);
-        assert!(g.space("embedding:m:3").is_none());
-    }
-}
-
-#[cfg(test)]
-mod policy_switch_tests {
-    use super::tests_support::*;
-    use super::*;
-
-    #[test]
-    fn the_current_space_follows_the_policys_reference() {
-        let (mut g, t) = (
-            Gate::new(GateSettings::default(), BTreeMap::new()),
-            Instant::now(),
-        );
-        let cands = [
-            cand("cloud-a/cloud:embedding:1", Backend::Cloud, "cloud-m"),
-            cand("gpu/embedding", Backend::Local, "m"),
-        ];
-        let p = g.tick(t, &cands, |_| Policy::Local, |_| Some(3));
-        assert_eq!(p.len(), 1);
-        g.on_result(&p[0].probe, Ok(vectors(1.0)), t);
-        let _ = g.tick(t, &cands, |_| Policy::Local, |_| Some(3));
-        let p = g.tick(t, &cands, |_| Policy::Cloud, |_| Some(3));
-        let fp = p
-            .iter()
-            .find(|r| r.provider.starts_with("cloud-a"))
-            .unwrap()
-            .probe
-            .clone();
-        g.on_result(&fp, Ok(vectors(0.5)), t);
-        assert_eq!(g.serving_space(&cands[0]), Some("embedding:cloud-m:3"));
-        let _ = g.tick(t, &cands, |_| Policy::Aggregate, |_| Some(3));
-        assert_eq!(
-            g.serving_space(&cands[1]),
-            Some("embedding:m:3"),
-            "back to the local space"
-        );
-    }
-}
+mod tests;

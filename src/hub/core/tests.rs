@@ -1,0 +1,228 @@
+//! The core's state machine driven frame by frame: bindings, dispatch and results.
+
+use tokio::sync::mpsc;
+
+use super::*;
+use crate::hub::registry::Outgoing;
+use crate::protocol::{Backend, Hello, PROTOCOL_VERSION, ProviderInfo};
+use crate::protocol::{Done, Pull, WorkOutput};
+
+fn provider(id: &str, role: Role, model: &str, max_items: usize) -> ProviderInfo {
+    ProviderInfo {
+        id: id.into(),
+        role,
+        backend: Backend::Local,
+        model: model.into(),
+        revision: Some("r1".into()),
+        upstream: None,
+        dims: role.is_embedding().then_some(2),
+        dtype: None,
+        device: None,
+        max_batch_items: max_items,
+        max_batch_tokens: 1 << 20,
+        score_activation: (role.op() == Op::Rerank)
+            .then_some(crate::protocol::ScoreActivation::Sigmoid),
+    }
+}
+
+/// An agent with one provider and credits; its frames arrive on the receiver.
+fn connect(
+    core: &mut Core,
+    agent: &str,
+    info: ProviderInfo,
+    credits: u32,
+) -> (u64, mpsc::UnboundedReceiver<Outgoing>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let pid = info.id.clone();
+    let session = core
+        .hello(
+            Hello {
+                agent_id: agent.into(),
+                hostname: "h".into(),
+                version: "0".into(),
+                protocol_version: PROTOCOL_VERSION,
+                providers: vec![info],
+                devices: Vec::new(),
+            },
+            tx,
+        )
+        .unwrap();
+    let pull = Pull {
+        provider: pid,
+        credits,
+    };
+    core.pull(agent, session, &pull.provider, pull.credits)
+        .unwrap();
+    (session, rx)
+}
+
+/// The next work frame on `rx`, as JSON.
+fn next_work(rx: &mut mpsc::UnboundedReceiver<Outgoing>) -> serde_json::Value {
+    while let Ok(out) = rx.try_recv() {
+        if let Outgoing::Frame(text) = out {
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            if v["type"] == "work" {
+                return v;
+            }
+        }
+    }
+    panic!("no work frame")
+}
+
+fn scores(work: &serde_json::Value, p: f32) -> WorkOutput {
+    let n = work["input"]["documents"].as_array().unwrap().len();
+    WorkOutput::Scores(vec![
+        Score {
+            score: (p / (1.0 - p)).ln(),
+            probability: Some(p),
+        };
+        n
+    ])
+}
+
+#[test]
+fn a_rerank_request_is_scored_by_the_scorer_of_its_first_lease_only() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (sa, mut a) = connect(&mut core, "a", provider("r", Role::Reranker, "ma", 2), 1);
+    let shape = Shape::Rerank {
+        query: "q".into(),
+        instruction: None,
+    };
+    let docs: Vec<String> = (0..4).map(|i| format!("d{i}")).collect();
+    let (_, mut reply) = core.submit(Role::Reranker, shape, docs).unwrap();
+    let first = next_work(&mut a);
+    // b has more credits, but the request is a's now.
+    let (_, mut b) = connect(&mut core, "b", provider("r", Role::Reranker, "mb", 8), 4);
+    assert!(matches!(b.try_recv(), Ok(Outgoing::Frame(f)) if f.contains("welcome")));
+    assert!(b.try_recv().is_err(), "b got nothing of a's request");
+    let lease = first["lease"].as_u64().unwrap();
+    core.done(
+        "a",
+        sa,
+        Done {
+            lease,
+            output: scores(&first, 0.7),
+            latency_ms: f64::NAN,
+            tokens: u64::MAX,
+        },
+    )
+    .unwrap();
+    core.pull("a", sa, "r", 1).unwrap();
+    let second = next_work(&mut a);
+    core.done(
+        "a",
+        sa,
+        Done {
+            lease: second["lease"].as_u64().unwrap(),
+            output: scores(&second, 0.6),
+            latency_ms: 1.0,
+            tokens: u64::MAX,
+        },
+    )
+    .unwrap();
+    let done = reply.try_recv().unwrap().unwrap();
+    let scorer = done.scorer.expect("the response names its scorer");
+    assert_eq!(scorer.id, "local ma@r1 sigmoid");
+    assert!(done.items.iter().all(|s| s.provider.agent == "a"));
+    assert_eq!(done.tokens, u64::MAX, "token counts saturate, never wrap");
+}
+
+/// Answers every probe waiting on `rx` with unit vectors along `axis` (of width 2).
+fn answer_probes(
+    core: &mut Core,
+    agent: &str,
+    session: u64,
+    rx: &mut mpsc::UnboundedReceiver<Outgoing>,
+    axis: usize,
+) -> Vec<serde_json::Value> {
+    let mut others = Vec::new();
+    while let Ok(out) = rx.try_recv() {
+        let Outgoing::Frame(text) = out else { continue };
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        if v["type"] != "probe" {
+            others.push(v);
+            continue;
+        }
+        let n = v["texts"].as_array().unwrap().len();
+        let mut unit = vec![0.0f32; 2];
+        unit[axis] = 1.0;
+        let result = crate::protocol::ProbeResult {
+            probe: v["probe"].as_str().unwrap().into(),
+            provider: v["provider"].as_str().unwrap().into(),
+            vectors: Some(vec![unit; n]),
+            error: None,
+        };
+        core.probe_result(agent, session, result).unwrap();
+    }
+    others
+}
+
+#[test]
+fn a_request_whose_space_is_replaced_and_unserved_fails_with_space_changed() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (sa, mut a) = connect(&mut core, "a", provider("e", Role::Embedding, "ma", 8), 1);
+    answer_probes(&mut core, "a", sa, &mut a, 0);
+    assert_eq!(
+        core.gate.current_id(Role::Embedding),
+        Some("embedding:ma:2")
+    );
+    let shape = Shape::Embed {
+        dimensions: None,
+        is_query: false,
+        instruction: None,
+    };
+    let wide = Shape::Embed {
+        dimensions: Some(3),
+        is_query: false,
+        instruction: None,
+    };
+    assert!(matches!(
+        core.submit(Role::Embedding, wide, vec!["x".into()]),
+        Err(SubmitError::DimensionsTooLarge { width: 2, .. })
+    ));
+    let (_, mut reply) = core
+        .submit(Role::Embedding, shape, vec!["x".into(), "y".into()])
+        .unwrap();
+    // The reference leaves with the lease; another model founds the role's new space.
+    core.disconnect("a", sa);
+    let (sb, mut b) = connect(&mut core, "b", provider("e", Role::Embedding, "mb", 8), 1);
+    let frames = answer_probes(&mut core, "b", sb, &mut b, 1);
+    assert_eq!(
+        core.gate.current_id(Role::Embedding),
+        Some("embedding:mb:2")
+    );
+    assert!(
+        frames.iter().all(|f| f["type"] != "work"),
+        "b never serves the old space"
+    );
+    assert!(
+        reply.try_recv().is_err(),
+        "a may come back within the grace"
+    );
+    core.reconcile(Instant::now() + core.settings.vanish_grace);
+    let Err(RequestFailure::Unservable(u)) = reply.try_recv().unwrap() else {
+        panic!("the request fails");
+    };
+    assert_eq!(u.code, UnservableCode::SpaceChanged);
+    assert!(
+        u.message.contains("from embedding:ma:2 to embedding:mb:2"),
+        "{}",
+        u.message
+    );
+}
+
+#[test]
+fn two_equal_chats_are_two_leases() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let mut info = provider("chat", Role::RlmSandbox, "m", 8);
+    info.dims = None;
+    let (_, mut rx) = connect(&mut core, "a", info, 4);
+    let body = serde_json::json!({"messages": [{"role": "user", "content": "hi"}]});
+    for _ in 0..2 {
+        let shape = Shape::Chat { body: body.clone() };
+        core.submit(Role::RlmSandbox, shape, vec![String::new()])
+            .unwrap();
+    }
+    let (one, two) = (next_work(&mut rx), next_work(&mut rx));
+    assert_ne!(one["lease"], two["lease"]);
+}

@@ -1,0 +1,83 @@
+//! What `/admin/status` shows of the gate: its settings, every space with its coverage and
+//! rows per provider, and every verdict with its evidence.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::{Gate, Verdict, VerdictEntry};
+use crate::roles::Role;
+
+impl Gate {
+    /// What `/admin/status` shows.
+    pub fn view(&self, serving: &BTreeMap<Role, Vec<String>>) -> GateView {
+        let spaces = self
+            .spaces
+            .values()
+            .map(|s| {
+                let id = s.id();
+                let current = self.current.get(&s.role) == Some(&id);
+                let passing: Vec<&VerdictEntry> = self
+                    .verdicts
+                    .values()
+                    .filter(|e| e.space == id && e.verdict == Verdict::Pass)
+                    .collect();
+                let connected = serving.get(&s.role).map_or(0, Vec::len);
+                SpaceView {
+                    id: id.clone(),
+                    role: s.role,
+                    model: s.model.clone(),
+                    dims: s.dims,
+                    encoder: s.encoder.clone(),
+                    current,
+                    created_ms: s.created_ms,
+                    coverage: if s.cloud_reference && passing.len() <= 1 && connected <= 1 {
+                        "reduced: a sole cloud provider, checked on dims and pin only".into()
+                    } else if s.cloud_reference {
+                        "cloud peers checked against the anchor (the anchor on dims and pin)".into()
+                    } else {
+                        "full: checked against a local reference".into()
+                    },
+                    rows: self
+                        .rows
+                        .iter()
+                        .filter(|((sid, _), _)| *sid == id)
+                        .map(|((_, p), n)| (p.clone(), *n))
+                        .collect(),
+                }
+            })
+            .collect();
+        GateView {
+            min_cosine: self.settings.min_cosine,
+            sentinel_s: self.settings.sentinel.as_secs(),
+            reference: self.settings.reference.clone(),
+            spaces,
+            verdicts: self.verdicts.values().cloned().collect(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct GateView {
+    pub min_cosine: f64,
+    pub sentinel_s: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
+    pub spaces: Vec<SpaceView>,
+    pub verdicts: Vec<VerdictEntry>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SpaceView {
+    pub id: String,
+    pub role: Role,
+    pub model: String,
+    pub dims: usize,
+    pub encoder: String,
+    /// The role's space now.
+    pub current: bool,
+    pub created_ms: u64,
+    pub coverage: String,
+    /// Rows (vectors) returned from this space, per provider.
+    pub rows: BTreeMap<String, u64>,
+}
