@@ -68,9 +68,13 @@ pub enum CloudError {
     #[error("OpenRouter refused the key (HTTP {status}): {message}")]
     Unauthorized { status: u16, message: String },
     /// 404 `no_endpoints` and other routing or configuration problems (the pin matches
-    /// nothing, a route used for the wrong operation, a bad base URL).
+    /// nothing, a route used for the wrong operation, a bad base URL). `pin_unmatched`: the
+    /// answer says no endpoint matches the provider preferences (a standing refusal).
     #[error("OpenRouter routing/config problem: {message}")]
-    NoEndpoints { message: String },
+    NoEndpoints {
+        message: String,
+        pin_unmatched: bool,
+    },
     /// Other 4xx (400, 413, 422, a moderation 403...): this input cannot be served.
     #[error("OpenRouter rejected the input (HTTP {status}): {message}")]
     Rejected { status: u16, message: String },
@@ -192,7 +196,14 @@ impl CloudError {
                 CloudError::Rejected { status, message }
             }
             401 | 403 => CloudError::Unauthorized { status, message },
-            404 => CloudError::NoEndpoints { message },
+            404 => {
+                let pin_unmatched = field_str(availability, "code") == Some("no_endpoints")
+                    || message.to_lowercase().contains("no endpoints found");
+                CloudError::NoEndpoints {
+                    message,
+                    pin_unmatched,
+                }
+            }
             408 | 500..=599 => CloudError::Unavailable {
                 status,
                 retry_after_ms,
@@ -278,8 +289,12 @@ impl CloudError {
     /// fails what only this route could serve instead of requeueing it.
     pub fn refusal(&self) -> Option<Refusal> {
         match self {
-            CloudError::Unauthorized { .. } => Some(Refusal::KeyRejected),
-            CloudError::NoEndpoints { .. } => Some(Refusal::NoEndpoint),
+            // 401 is the key itself; a 403 may be about one model or route, not the key.
+            CloudError::Unauthorized { status: 401, .. } => Some(Refusal::KeyRejected),
+            CloudError::NoEndpoints {
+                pin_unmatched: true,
+                ..
+            } => Some(Refusal::NoEndpoint),
             _ => None,
         }
     }

@@ -141,6 +141,7 @@ impl OpenRouterClient {
                     "base URL '{}' must start with http:// or https://",
                     truncate_chars(base_url, 100)
                 ),
+                pin_unmatched: false,
             });
         }
         let mut headers = HeaderMap::new();
@@ -335,6 +336,7 @@ fn wrong_route(route: &CloudRoute, what: &str) -> CloudError {
             &format!("route {} cannot serve {what}", route.key()),
             MAX_MESSAGE_CHARS,
         ),
+        pin_unmatched: false,
     }
 }
 

@@ -197,7 +197,10 @@ impl Hub {
                         _ = tokio::time::sleep_until(give_up) => {}
                     }
                 }
-                SubmitError::NotYet(why) => return Err(SubmitError::Unservable(why).into()),
+                SubmitError::NotYet(why) | SubmitError::Unservable(why) => {
+                    self.core().count_unservable(&why);
+                    return Err(SubmitError::Unservable(why).into());
+                }
                 other => return Err(other.into()),
             }
         };

@@ -140,6 +140,11 @@ impl RoleQueue {
         self.items.retain(|i| i.request != id);
     }
 
+    /// Drops every waiting item whose request is gone (one pass).
+    pub fn retain_live(&mut self, alive: impl Fn(RequestId) -> bool) {
+        self.items.retain(|i| alive(i.request));
+    }
+
     /// Drops items at the head whose request is gone.
     pub fn drop_dead_head(&mut self, alive: impl Fn(RequestId) -> bool) {
         while self.items.front().is_some_and(|i| !alive(i.request)) {

@@ -410,7 +410,9 @@ impl Core {
         pending.binding = Binding::Scorer(None);
         let role = pending.role;
         self.counters.rescored += 1;
-        let again = pending.take_results();
+        let mut again = pending.take_results();
+        // Its leases still out with the old scorer (a benched provider's, say) come back too.
+        again.extend(self.take_back_leases_of(id, "its request is scored by another scorer"));
         tracing::warn!(
             request = id,
             scorer = gone,

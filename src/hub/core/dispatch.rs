@@ -47,6 +47,12 @@ impl Core {
         // Offered this round with nothing that fits them: not asked again (the queue only
         // shrinks, and a binding only narrows who may take an item).
         let mut passed: Vec<(String, String)> = Vec::new();
+        if self.purge.remove(&role) {
+            let requests = &self.requests;
+            if let Some(q) = self.queues.get_mut(&role) {
+                q.retain_live(|r| requests.contains_key(&r));
+            }
+        }
         loop {
             let now = Instant::now();
             let requests = &self.requests;
@@ -221,7 +227,7 @@ impl Core {
         let Some(shape) = items.first().map(|i| i.shape.clone()) else {
             return;
         };
-        // The permit last, once there is work to hold it (the check in `picks` passed).
+        // The permit last, once there is work to hold it (the check in `best_pick` passed).
         if let Some(route) = &permit
             && !self.budget.try_acquire(route, now)
         {

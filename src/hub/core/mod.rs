@@ -28,13 +28,13 @@ use tokio::sync::{oneshot, watch};
 use self::binding::Outlook;
 pub use self::binding::{Binding, Unservable, UnservableCode};
 use super::budget::{Budget, BudgetSettings};
-use super::gate::{Gate, GateSettings, Space};
+use super::gate::{Candidate, Gate, GateSettings, Space};
 use super::queue::{Item, RequestId, RoleQueue, Shape};
 pub use super::registry::ScorerRef;
 use super::registry::{AgentEntry, ProviderEntry, ProviderRef, SocketCount};
 use crate::config::push::CloudSettings;
 use crate::protocol::{self, Score};
-use crate::roles::{Op, Role};
+use crate::roles::{Op, Policy, Role};
 
 /// Hub behaviour settings.
 #[derive(Clone, Debug)]
@@ -254,6 +254,8 @@ pub struct Core {
     sockets: BTreeMap<String, SocketCount>,
     /// When a provider of each role last left (work waits [`HubSettings::vanish_grace`]).
     vanished: BTreeMap<Role, Instant>,
+    /// Roles whose queue holds items of failed requests (swept at their next dispatch).
+    purge: std::collections::BTreeSet<Role>,
     /// Bumped whenever who-can-serve-what may have changed (admission waits on it).
     changes: watch::Sender<u64>,
     next_request: RequestId,
@@ -289,6 +291,7 @@ impl Core {
             agents: BTreeMap::new(),
             sockets: BTreeMap::new(),
             vanished: BTreeMap::new(),
+            purge: std::collections::BTreeSet::new(),
             changes: watch::channel(0).0,
             next_request: 1,
             next_lease: 1,
@@ -337,14 +340,7 @@ impl Core {
         match self.outlook(role, &binding, now) {
             Outlook::Serve => Ok(binding),
             Outlook::Soon(why) => Err(SubmitError::NotYet(why)),
-            Outlook::Never(why) => {
-                *self
-                    .counters
-                    .rejected_unservable
-                    .entry(why.code.as_str())
-                    .or_default() += 1;
-                Err(SubmitError::Unservable(why))
-            }
+            Outlook::Never(why) => Err(SubmitError::Unservable(why)),
         }
     }
 
@@ -436,6 +432,34 @@ impl Core {
                 retry_after_s: Some(1),
             }));
         }
+        let candidates: Vec<Candidate> = self
+            .providers()
+            .filter(|p| p.role() == role)
+            .filter_map(|p| {
+                let mut c = p.gate_candidate.clone()?;
+                c.healthy = p.is_healthy(now);
+                Some(c)
+            })
+            .collect();
+        if !candidates.is_empty() {
+            let refs: Vec<&Candidate> = candidates.iter().collect();
+            if !self.gate.has_reference(policy, &refs) {
+                let who = match (policy, &self.gate.settings.reference) {
+                    (Policy::Cloud, _) => {
+                        "a cloud route (the first one anchors the space)".to_string()
+                    }
+                    (_, Some(named)) => format!("the configured reference {named}"),
+                    _ => "a local provider".to_string(),
+                };
+                return Err(SubmitError::Unservable(Unservable {
+                    code: UnservableCode::GateRefused,
+                    message: format!(
+                        "role '{role}' has no vector space, and nothing connected can found one: under policy '{policy}' its reference is {who}, and none is connected and healthy; connect one, or push a policy whose reference is connected"
+                    ),
+                    retry_after_s: None,
+                }));
+            }
+        }
         let refusals = self.gate.refusals(role, &providers);
         let mut why = match self.outlook(role, &Binding::Any, now) {
             Outlook::Serve if refusals.is_empty() => Unservable {
@@ -453,7 +477,9 @@ impl Core {
                 ),
                 retry_after_s: None,
             },
-            Outlook::Soon(u) | Outlook::Never(u) => u,
+            // A provider that just left may come back: waiting a little may help.
+            Outlook::Soon(u) => return Err(SubmitError::NotYet(u)),
+            Outlook::Never(u) => u,
         };
         if why.code == UnservableCode::Probing {
             return Err(SubmitError::NotYet(why));
@@ -462,6 +488,15 @@ impl Core {
             why.message = format!("{}; {}", why.message, refusals.join("; "));
         }
         Err(SubmitError::Unservable(why))
+    }
+
+    /// A request refused at admission because nothing could serve it (for `/metrics`).
+    pub fn count_unservable(&mut self, why: &Unservable) {
+        *self
+            .counters
+            .rejected_unservable
+            .entry(why.code.as_str())
+            .or_default() += 1;
     }
 
     /// A receiver that changes whenever who can serve what may have changed.

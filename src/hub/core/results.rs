@@ -58,9 +58,9 @@ impl Core {
             Err(message) => {
                 let role = lease.role;
                 self.release_permit(&lease, budget::Outcome::Other);
-                self.count_failure(&lease, FailureClass::Transient);
+                let benched = self.count_failure(&lease, FailureClass::Transient);
                 self.requeue(role, lease.items, true, &message);
-                self.dispatch(role);
+                self.settle(role, benched);
                 return Err(message);
             }
         };
@@ -316,13 +316,18 @@ impl Core {
                 self.requeue(role, items, count_attempt, &failed.message);
             }
         }
+        self.settle(role, benched);
+        Ok(())
+    }
+
+    /// Dispatches `role` after a failure; everything, with a reconcile first, when a provider
+    /// was benched (it may have been the last that could serve some request).
+    fn settle(&mut self, role: Role, benched: bool) {
         if benched {
-            // The last provider that could serve some request may be the one benched.
             self.dispatch_all();
         } else {
             self.dispatch(role);
         }
-        Ok(())
     }
 
     /// Provider bookkeeping of a failed lease (only `transient` and `refused` count against
@@ -359,6 +364,9 @@ impl Core {
             self.counters.requests_failed += 1;
             tracing::info!(request = id, role = %pending.role, reason = %failure, "request failed");
             let _ = pending.reply.send(Err(failure));
+            // Its waiting items leave the queue at the role's next dispatch (one pass for
+            // every request failed meanwhile): they must not hold room or the scan window.
+            self.purge.insert(pending.role);
             self.cancel_orphaned_leases("the request failed");
         }
     }
@@ -375,12 +383,41 @@ impl Core {
             .map(|(id, _)| *id)
             .collect();
         for (_, lease) in self.take_back(orphaned, reason) {
-            self.counters.leases_cancelled += 1;
-            if let Some(p) = self.provider_mut(&lease) {
-                p.in_flight = p.in_flight.saturating_sub(1);
-            }
-            self.release_permit(&lease, budget::Outcome::Other);
+            self.cancelled(&lease);
         }
+    }
+
+    /// The bookkeeping of a lease taken back because of its requests (not the provider's
+    /// fault): its in-flight count and its permit.
+    fn cancelled(&mut self, lease: &Lease) {
+        self.counters.leases_cancelled += 1;
+        if let Some(p) = self.provider_mut(lease) {
+            p.in_flight = p.in_flight.saturating_sub(1);
+        }
+        self.release_permit(lease, budget::Outcome::Other);
+    }
+
+    /// Takes back the leases carrying only items of request `id` (or of gone requests) and
+    /// tells their agents to stop; their items of `id`, to send round again.
+    pub(super) fn take_back_leases_of(&mut self, id: RequestId, reason: &str) -> Vec<Item> {
+        let requests = &self.requests;
+        let ids: Vec<u64> = self
+            .leases
+            .iter()
+            .filter(|(_, l)| {
+                l.items.iter().any(|i| i.request == id)
+                    && l.items
+                        .iter()
+                        .all(|i| i.request == id || !requests.contains_key(&i.request))
+            })
+            .map(|(lease, _)| *lease)
+            .collect();
+        let mut items = Vec::new();
+        for (_, lease) in self.take_back(ids, reason) {
+            self.cancelled(&lease);
+            items.extend(lease.items.into_iter().filter(|i| i.request == id));
+        }
+        items
     }
 
     /// Takes the leases `ids` out and tells their agents to stop them (`cancel`).
@@ -445,12 +482,12 @@ impl Core {
             self.counters.leases_expired += 1;
             tracing::warn!(lease = id, agent = %lease.agent, provider = %lease.provider, "lease expired; its items go back to the front");
             self.release_permit(&lease, budget::Outcome::Other);
-            self.count_failure(&lease, FailureClass::Transient);
+            let benched = self.count_failure(&lease, FailureClass::Transient);
             let role = lease.role;
             let local = lease.reference.backend == Backend::Local;
             let items = mark_failed_locally(lease.items, local);
             self.requeue(role, items, true, "the lease expired");
-            self.dispatch(role);
+            self.settle(role, benched);
         }
     }
 }

@@ -226,3 +226,28 @@ fn two_equal_chats_are_two_leases() {
     let (one, two) = (next_work(&mut rx), next_work(&mut rx));
     assert_ne!(one["lease"], two["lease"]);
 }
+
+#[test]
+fn an_embedding_role_with_no_possible_reference_is_refused_at_once() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let mut cloud = provider("cloud:embedding:1", Role::Embedding, "m", 64);
+    cloud.backend = Backend::Cloud;
+    cloud.upstream = Some("deepinfra/bf16".into());
+    let (_, _rx) = connect(&mut core, "c", cloud, 8);
+    let shape = Shape::Embed {
+        dimensions: None,
+        is_query: false,
+        instruction: None,
+    };
+    // Under aggregate the reference is a local provider: with none, no space can be founded.
+    let Err(SubmitError::Unservable(u)) = core.submit(Role::Embedding, shape, vec!["x".into()])
+    else {
+        panic!("refused at once, not left waiting");
+    };
+    assert_eq!(u.code, UnservableCode::GateRefused);
+    assert!(
+        u.message.contains("its reference is a local provider"),
+        "{}",
+        u.message
+    );
+}

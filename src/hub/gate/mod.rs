@@ -157,15 +157,17 @@ pub enum Standing {
 }
 
 /// A verdict key: provider, model (with its revision: a new revision is checked again),
-/// upstream, regime, and the space it is for.
+/// upstream, regime, the width it says it makes (a route pushed with new `dims` is judged
+/// again), and the space it is for.
 pub fn verdict_key(c: &Candidate, space: &str) -> String {
     format!(
-        "{}|{}@{}|{}|{}|{space}",
+        "{}|{}@{}|{}|{}|{}|{space}",
         c.provider,
         c.model,
         c.revision.as_deref().unwrap_or("-"),
         c.upstream.as_deref().unwrap_or("-"),
-        c.regime
+        c.regime,
+        c.dims.map_or_else(|| "-".to_string(), |d| d.to_string()),
     )
 }
 
@@ -300,6 +302,13 @@ impl Gate {
                 .collect(),
             None => locals,
         }
+    }
+
+    /// Whether some candidate could found (or answer for) a role's space under `policy`:
+    /// under `cloud` a cloud provider, else a healthy local one (the named reference, when one
+    /// is configured).
+    pub fn has_reference(&self, policy: Policy, candidates: &[&Candidate]) -> bool {
+        !self.references(policy, candidates).is_empty()
     }
 
     /// Decides which probes to send now. `width`: the role's configured table width, if any.
@@ -810,8 +819,9 @@ impl Gate {
         if self.spaces.remove(space).is_none() {
             return false;
         }
-        self.verdicts
-            .retain(|_, e| e.space != space || e.probe.is_some());
+        // Its verdicts go, probes out included: an answer that comes later is ignored.
+        self.verdicts.retain(|_, e| e.space != space);
+        self.pending.retain(|_, p| p.space != space);
         self.current.retain(|_, sid| sid != space);
         self.dirty = true;
         tracing::warn!(space, "space retired: it is fingerprinted again");
