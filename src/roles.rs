@@ -62,7 +62,7 @@ impl Role {
         }
     }
 
-    fn names() -> String {
+    pub fn names() -> String {
         Role::ALL.map(Role::as_str).join(", ")
     }
 }
@@ -132,10 +132,12 @@ impl Policy {
             "aggregate" => Policy::Aggregate,
             "backup" | "cloud-only" => Policy::Backup,
             "local-first" => return Ok(None),
-            other => {
-                return Err(format!(
-                    "unknown mode '{other}'; the policies are: local, cloud, aggregate, backup"
-                ));
+            // The value is not repeated: it may be something typed into the wrong field.
+            _ => {
+                return Err(
+                    "not a mode this agent knows; the policies are: local, cloud, aggregate, backup (and Fantom's local-only, cloud-only, local-first)"
+                        .to_string(),
+                );
             }
         }))
     }

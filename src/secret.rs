@@ -62,6 +62,60 @@ impl Secret {
     }
 }
 
+/// Whether a value typed into some other field is shaped like a key or a token, so it must
+/// never be kept, shown, logged or echoed: an `sk-` prefix (OpenRouter's `sk-or-v1-…`, OpenAI's),
+/// or 32 or more characters of one token alphabet (letters, digits, `-`, `_`) with a random run
+/// of 20 or more between hyphens, mixing letters and digits. Model and provider slugs (`a/b`,
+/// short hyphenated words), modes, numbers and host names never match.
+pub fn looks_like_key(value: &str) -> bool {
+    let v = value.trim();
+    if v.len() >= 8 && v.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("sk-")) {
+        return true;
+    }
+    let alphabet = v
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    let longest_run = v.split('-').map(str::len).max().unwrap_or(0);
+    let digits = v.chars().filter(char::is_ascii_digit).count();
+    let letters = v.chars().filter(char::is_ascii_alphabetic).count();
+    v.len() >= 32 && alphabet && longest_run >= 20 && digits >= 4 && letters >= 4
+}
+
+/// A message that may quote what a caller typed (a JSON parser's "invalid type: string …"), fit
+/// to show: every double-quoted string becomes `"…"` (values; serde quotes field names with
+/// backticks), and every key-shaped run left ([`looks_like_key`]) becomes `[withheld]`.
+pub fn redact(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut run = String::new();
+    let mut quoted = false;
+    let flush = |run: &mut String, out: &mut String| {
+        if looks_like_key(run) {
+            out.push_str("[withheld]");
+        } else {
+            out.push_str(run);
+        }
+        run.clear();
+    };
+    for c in text.chars() {
+        if c == '"' {
+            flush(&mut run, &mut out);
+            if !quoted {
+                out.push_str("\"…\"");
+            }
+            quoted = !quoted;
+        } else if quoted {
+            continue;
+        } else if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+            run.push(c);
+        } else {
+            flush(&mut run, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut run, &mut out);
+    out
+}
+
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Secret([redacted])")
@@ -78,6 +132,51 @@ impl<'de> Deserialize<'de> for Secret {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn redaction_withholds_key_shaped_runs_only() {
+        let key = "sk-or-v1-0123456789abcdef0123456789abcdef0123456789abcdef";
+        let text = format!("dims: invalid type: string \"{key}\", expected usize at line 1");
+        let shown = redact(&text);
+        assert!(!shown.contains(&key[5..]), "{shown}");
+        assert_eq!(
+            shown,
+            "dims: invalid type: string \"…\", expected usize at line 1"
+        );
+        let path = format!("allowedModels.{key}.dims: invalid type");
+        assert_eq!(redact(&path), "allowedModels.[withheld].dims: invalid type");
+        assert_eq!(
+            redact("model qwen/qwen3-embedding-4b"),
+            "model qwen/qwen3-embedding-4b"
+        );
+    }
+
+    #[test]
+    fn key_shaped_values_are_told_from_slugs_modes_and_hosts() {
+        let generated = Secret::generate();
+        for key in [
+            "sk-or-v1-0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+            "SK-proj-abcdefgh",
+            generated.expose(),
+            "ghp_aB3dE5fG7hJ9kL1mN3pQ5rS7tU9vW1xY3zA5",
+        ] {
+            assert!(looks_like_key(key), "{key}");
+        }
+        for plain in [
+            "qwen/qwen3-embedding-4b",
+            "deepinfra/bf16",
+            "sentence-transformers-all-minilm-l6-v2",
+            "local-first",
+            "cloud-only",
+            "code-embedding",
+            "fantom.example.internal",
+            "2560",
+            "skipper",
+            "",
+        ] {
+            assert!(!looks_like_key(plain), "{plain}");
+        }
+    }
 
     #[test]
     fn debug_never_shows_the_value_and_matching_is_exact() {

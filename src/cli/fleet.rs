@@ -552,6 +552,11 @@ fn start_sidecar(
     );
     let fantom = Sidecar::new(ctx, slots, containers, http_token, stop.clone());
     tracing::info!(masters = cfg.fantom_masters.len(), agent_url = %fantom.ctx.agent_url, "relaying to Fantom masters");
+    if !fantom.auth_required() {
+        tracing::warn!(
+            "no bearer token is configured for the agent's HTTP port: /api/masters, start/stop/acquire/release and the chat proxy are refused until one is (http_token_file, http_token_env or the http-token credential, or auth_token_file on a [[fantom_master]]); the inference routes stay open, as Ollama's are"
+        );
+    }
     // Role ports: the master sends each role's inference to its `config.port`.
     let mut by_port: std::collections::BTreeMap<u16, Vec<Role>> = Default::default();
     for (role, port) in &cfg.role_ports {

@@ -19,9 +19,6 @@ pub const QUANTIZATIONS: [&str; 12] = [
 /// The longest upstream endpoint slug a pin may name.
 pub const MAX_SLUG_CHARS: usize = 200;
 
-/// How much of a refused value an error message repeats.
-const SHOWN_CHARS: usize = 60;
-
 /// One upstream endpoint of a model: the full endpoint slug (e.g. `deepinfra/bf16`; a base slug
 /// such as `deepinfra` matches every endpoint of that provider) and an optional quantization.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,10 +33,7 @@ impl Pin {
     /// when given, is one of [`QUANTIZATIONS`] (case-insensitive).
     pub fn new(slug: &str, quantization: Option<&str>) -> Result<Pin, RouteError> {
         let slug = slug.trim();
-        let refuse = |reason: &'static str| RouteError::BadSlug {
-            slug: shown(slug),
-            reason,
-        };
+        let refuse = |reason: &'static str| RouteError::BadSlug { reason };
         if slug.is_empty() {
             return Err(refuse("it is empty"));
         }
@@ -54,9 +48,7 @@ impl Pin {
             Some(q) => {
                 let q = q.trim().to_ascii_lowercase();
                 if !QUANTIZATIONS.contains(&q.as_str()) {
-                    return Err(RouteError::BadQuantization {
-                        quantization: shown(&q),
-                    });
+                    return Err(RouteError::BadQuantization);
                 }
                 Some(q)
             }
@@ -106,10 +98,7 @@ impl CloudRoute {
             return Err(RouteError::EmptyModel { role });
         }
         if model.chars().any(char::is_whitespace) {
-            return Err(RouteError::BadModel {
-                role,
-                model: shown(model),
-            });
+            return Err(RouteError::BadModel { role });
         }
         let model = model.to_string();
         let provider = m
@@ -224,18 +213,19 @@ impl CloudRoute {
 pub enum RouteError {
     #[error("role {role}: the model is empty")]
     EmptyModel { role: Role },
-    #[error("role {role}: model '{model}' contains whitespace")]
-    BadModel { role: Role, model: String },
+    // No refusal repeats the value: it may be something typed into the wrong field.
+    #[error("role {role}: the model contains whitespace")]
+    BadModel { role: Role },
     #[error("role {role}: an embedding route needs a pinned upstream provider (fail closed)")]
     Unpinned { role: Role },
     #[error("role {role}: an embedding route needs dims, the width of its vectors (fail closed)")]
     MissingDims { role: Role },
     #[error("role {role}: dims {dims} is outside 1..={max}", max = MAX_DIMS)]
     BadDims { role: Role, dims: usize },
-    #[error("upstream provider slug '{slug}' is refused: {reason}")]
-    BadSlug { slug: String, reason: &'static str },
-    #[error("quantization '{quantization}' is not one of: {list}", list = QUANTIZATIONS.join(", "))]
-    BadQuantization { quantization: String },
+    #[error("the upstream provider slug is refused: {reason}")]
+    BadSlug { reason: &'static str },
+    #[error("the quantization is not one of: {list}", list = QUANTIZATIONS.join(", "))]
+    BadQuantization,
     #[error("role {role}: a quantization filter needs a pinned upstream provider")]
     QuantizationWithoutPin { role: Role },
 }
@@ -249,14 +239,6 @@ fn optional_pin(
         (Some(slug), q) => Ok(Some(Pin::new(slug, q)?)),
         (None, Some(_)) => Err(RouteError::QuantizationWithoutPin { role }),
         (None, None) => Ok(None),
-    }
-}
-
-/// The start of a refused value, for an error message.
-fn shown(value: &str) -> String {
-    match value.char_indices().nth(SHOWN_CHARS) {
-        Some((cut, _)) => format!("{}...", &value[..cut]),
-        None => value.to_string(),
     }
 }
 
@@ -352,7 +334,7 @@ mod tests {
         let bad = allowed(r#"{"model":"m","provider":"nebius","dims":4096,"quantization":"q4"}"#);
         assert!(matches!(
             CloudRoute::from_allowed(Role::Embedding, &bad),
-            Err(RouteError::BadQuantization { .. })
+            Err(RouteError::BadQuantization)
         ));
         assert!(Pin::new("deep infra", None).is_err());
         assert!(Pin::new(&"x".repeat(MAX_SLUG_CHARS + 1), None).is_err());

@@ -5,13 +5,17 @@
 //! in `allowedModels` removes its route. A push to a holder without a key must carry one, or
 //! nothing of it applies. An embedding role without an upstream pin or dims gets no cloud
 //! route (fail closed). Unknown roles and modes are reported per role, never silently kept.
+//!
+//! No pushed value is ever echoed: a reason names the field and why, never what was typed
+//! into it, and a value shaped like a key ([`looks_like_key`]) in any field but `apiKey` is
+//! refused (a role name shaped like one is reported under a withheld label).
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
 use crate::roles::{Policy, Role};
-use crate::secret::Secret;
+use crate::secret::{Secret, looks_like_key};
 
 /// Widest embedding a route may declare.
 pub const MAX_DIMS: usize = 16384;
@@ -121,6 +125,11 @@ pub enum PushRefused {
         "the push changes nothing: send at least one of apiKey, allowedModels, modeByRole, domain"
     )]
     Empty,
+    /// A key-shaped value in a field that is kept and shown; the value is not repeated.
+    #[error(
+        "{0} looks like an API key: keys go in apiKey only (the value is neither kept nor shown); nothing was applied"
+    )]
+    KeyInField(&'static str),
 }
 
 /// Merges `push` onto `held`. `holds_key`: whether the holder already has a key (the hub: a
@@ -142,18 +151,35 @@ pub fn merge(
         None if !holds_key => return Err(PushRefused::FirstPushWithoutKey),
         _ => {}
     }
+    let secret = |v: &str| is_secret(v, push.api_key.as_ref());
+    if push.domain.as_deref().is_some_and(secret) {
+        return Err(PushRefused::KeyInField("domain"));
+    }
     let mut next = held.clone();
     let mut roles: BTreeMap<String, RoleOutcome> = BTreeMap::new();
+    let mut labels = RoleLabels::default();
     for (name, entry) in push.allowed_models.iter().flatten() {
         let outcome = match parse_role(name) {
             Err(ignored) => ignored,
-            Ok(role) => merge_model(&mut next, role, entry.as_ref()),
+            Ok(role) => match entry.as_ref().and_then(|m| key_shaped_field(m, &secret)) {
+                Some(field) => {
+                    // Fail closed, as for any refused route.
+                    next.allowed_models.remove(&role);
+                    Outcome::Refused {
+                        reason: key_in(field),
+                    }
+                }
+                None => merge_model(&mut next, role, entry.as_ref()),
+            },
         };
-        roles.entry(name.clone()).or_default().model = Some(outcome);
+        roles.entry(labels.of(name, &secret)).or_default().model = Some(outcome);
     }
     for (name, mode) in push.mode_by_role.iter().flatten() {
         let outcome = match parse_role(name) {
             Err(ignored) => ignored,
+            Ok(_) if secret(mode) => Outcome::Refused {
+                reason: key_in("the mode"),
+            },
             Ok(role) => match Policy::parse_mode(mode) {
                 Ok(Some(policy)) => {
                     next.policies.insert(role, policy);
@@ -166,7 +192,7 @@ pub fn merge(
                 Err(reason) => Outcome::Refused { reason },
             },
         };
-        roles.entry(name.clone()).or_default().mode = Some(outcome);
+        roles.entry(labels.of(name, &secret)).or_default().mode = Some(outcome);
     }
     if let Some(domain) = &push.domain {
         next.domain = Some(domain.clone());
@@ -184,9 +210,71 @@ fn parse_role(name: &str) -> Result<Role, Outcome> {
             reason: "Fantom's rlm policy role; rlm-sandbox carries it here".into(),
         });
     }
-    name.parse::<Role>().map_err(|e| Outcome::Ignored {
-        reason: e.to_string(),
+    name.parse::<Role>().map_err(|_| Outcome::Ignored {
+        reason: format!(
+            "not a role this agent serves; the roles are: {}",
+            Role::names()
+        ),
     })
+}
+
+/// Whether a pushed value must not be kept or shown: shaped like a key, or the push's own key.
+fn is_secret(value: &str, key: Option<&Secret>) -> bool {
+    looks_like_key(value)
+        || key.is_some_and(|k| !value.trim().is_empty() && k.matches(value.trim()))
+}
+
+/// The first field of a route that holds a key-shaped value.
+fn key_shaped_field(m: &AllowedModel, secret: &impl Fn(&str) -> bool) -> Option<&'static str> {
+    [
+        ("model", Some(m.model.as_str())),
+        ("provider", m.provider.as_deref()),
+        ("quantization", m.quantization.as_deref()),
+        ("note", m.note.as_deref()),
+    ]
+    .into_iter()
+    .find_map(|(field, v)| v.is_some_and(secret).then_some(field))
+}
+
+/// The reason of a refused key-shaped value.
+fn key_in(field: &str) -> String {
+    format!(
+        "{field} looks like an API key: keys go in apiKey only (the value is neither kept nor shown)"
+    )
+}
+
+/// How a pushed role name is named in a report: as itself when it reads as a role name, else
+/// under a withheld label (a key pasted as a role name is never echoed).
+#[derive(Default)]
+struct RoleLabels {
+    withheld: BTreeMap<String, String>,
+}
+
+impl RoleLabels {
+    fn of(&mut self, name: &str, secret: &impl Fn(&str) -> bool) -> String {
+        let plain = !secret(name)
+            && (1..=40).contains(&name.len())
+            && name.starts_with(|c: char| c.is_ascii_lowercase())
+            && name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+        if plain {
+            return name.to_string();
+        }
+        let n = self.withheld.len() + 1;
+        self.withheld
+            .entry(name.to_string())
+            .or_insert_with(|| format!("(withheld role name {n})"))
+            .clone()
+    }
+}
+
+/// Whether a pushed role name and its mode may be kept as they were typed (Fantom's own modes,
+/// held by a relay slot): the name reads as a role name and the mode is one this agent knows.
+pub fn keepable_mode(name: &str, mode: &str, key: Option<&Secret>) -> bool {
+    let secret = |v: &str| is_secret(v, key);
+    let mut labels = RoleLabels::default();
+    labels.of(name, &secret) == name && !secret(mode) && Policy::parse_mode(mode).is_ok()
 }
 
 fn merge_model(next: &mut CloudSettings, role: Role, entry: Option<&AllowedModel>) -> Outcome {
@@ -290,7 +378,7 @@ mod tests {
         );
         assert_eq!(outcome("code-assistant"), Outcome::Applied);
         assert!(
-            matches!(outcome("embeddings"), Outcome::Ignored { reason } if reason.contains("unknown role"))
+            matches!(outcome("embeddings"), Outcome::Ignored { reason } if reason.contains("not a role"))
         );
         assert!(matches!(
             report.roles["rlm"].mode,
@@ -310,6 +398,64 @@ mod tests {
         let report = merge(&mut held, true, &remove).unwrap();
         assert_eq!(report.roles["code-assistant"].model, Some(Outcome::Removed));
         assert!(held.allowed_models.is_empty());
+    }
+
+    #[test]
+    fn a_key_in_any_field_is_refused_and_never_echoed() {
+        const KEY: &str = "sk-or-v1-0123456789abcdef0123456789abcdef0123456789abcdef0123456789ab";
+        let mut held = CloudSettings::default();
+        let fields = [
+            format!(r#"{{"apiKey":"k","allowedModels":{{"reranker":{{"model":"{KEY}"}}}}}}"#),
+            format!(
+                r#"{{"apiKey":"k","allowedModels":{{"embedding":{{"model":"m","provider":"{KEY}","dims":8}}}}}}"#
+            ),
+            format!(
+                r#"{{"apiKey":"k","allowedModels":{{"embedding":{{"model":"m","provider":"p","quantization":"{KEY}","dims":8}}}}}}"#
+            ),
+            format!(
+                r#"{{"apiKey":"k","allowedModels":{{"reranker":{{"model":"m","note":"{KEY}"}}}}}}"#
+            ),
+            format!(r#"{{"apiKey":"k","modeByRole":{{"reranker":"{KEY}"}}}}"#),
+            format!(r#"{{"apiKey":"k","modeByRole":{{"{KEY}":"local"}}}}"#),
+            format!(r#"{{"apiKey":"k","allowedModels":{{"{KEY}":{{"model":"m"}}}}}}"#),
+            format!(r#"{{"apiKey":"k","domain":"{KEY}"}}"#),
+            // The push's own key, typed into a field too.
+            r#"{"apiKey":"my-own-short-key","modeByRole":{"reranker":"my-own-short-key"}}"#
+                .to_string(),
+        ];
+        for json in &fields {
+            let p = push(json);
+            let shown = match merge(&mut held, false, &p) {
+                Ok(report) => serde_json::to_string(&report.roles).unwrap(),
+                Err(refused) => refused.to_string(),
+            };
+            assert!(
+                !shown.contains(KEY) && !shown.contains("my-own-short-key"),
+                "{shown}"
+            );
+            assert!(
+                shown.contains("looks like an API key") || shown.contains("withheld"),
+                "{shown}"
+            );
+            let kept = serde_json::to_string(&held).unwrap();
+            assert!(
+                !kept.contains(KEY) && !kept.contains("my-own-short-key"),
+                "{kept}"
+            );
+        }
+        let unknown = merge(
+            &mut held,
+            false,
+            &push(r#"{"apiKey":"k","modeByRole":{"reranker":"sometimes"}}"#),
+        )
+        .unwrap();
+        let shown = serde_json::to_string(&unknown.roles).unwrap();
+        assert!(
+            !shown.contains("sometimes"),
+            "an unknown mode is not echoed either: {shown}"
+        );
+        assert!(keepable_mode("rlm", "local-only", None));
+        assert!(!keepable_mode("rlm", KEY, None) && !keepable_mode(KEY, "local-only", None));
     }
 
     #[test]

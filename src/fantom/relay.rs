@@ -26,11 +26,11 @@ use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 
 use super::commands;
 use super::frames::{
-    ConfigFrame, HEARTBEAT_INTERVAL_MS, MasterFrame, Register, SidecarFrame, decode_master,
-    decode_master_bytes, encode_sidecar,
+    CommandResult, ConfigFrame, HEARTBEAT_INTERVAL_MS, MasterFrame, Register, SidecarFrame,
+    decode_master, decode_master_bytes, encode_sidecar,
 };
 use super::sidecar::Sidecar;
-use super::slots::{ConfigOutcome, Connection, Slots};
+use super::slots::{ConfigOutcome, Connection, Slots, same_origin};
 pub use super::snapshot::RelayContext;
 use crate::agent::connection::backoff_delay;
 use crate::config::push::PushRefused;
@@ -250,7 +250,7 @@ async fn session(
                 let frame = match decoded {
                     Ok(frame) => frame,
                     Err(e) => {
-                        tracing::warn!(master, error = %e, "a relay frame not understood; ignored");
+                        tracing::warn!(master, error = %crate::secret::redact(&e.to_string()), "a relay frame not understood; ignored");
                         continue;
                     }
                 };
@@ -278,7 +278,20 @@ async fn session(
                             let _ = tx.send(Message::Text(encode_sidecar(&SidecarFrame::Result(result)).into()));
                         });
                     }
-                    MasterFrame::Config(frame) | MasterFrame::ConfigPush(frame) => apply_config(slots, master, frame),
+                    MasterFrame::Config(frame) | MasterFrame::ConfigPush(frame) => {
+                        if let Err(refused) = apply_config(slots, master, frame) {
+                            send(&SidecarFrame::Result(refused));
+                        }
+                    }
+                    // A master corrects its own slot's relay port (or an alias of its origin),
+                    // never another master's.
+                    MasterFrame::MasterIdentity(identity) if !same_origin(&identity.canonical_url, master) => {
+                        tracing::warn!(master, "a master-identity named another master's slot: refused");
+                        send(&SidecarFrame::Result(CommandResult::err(
+                            "master-identity",
+                            "master-identity may name only this master's own slot",
+                        )));
+                    }
                     MasterFrame::MasterIdentity(identity) => {
                         let fixed = slots.fix_ws_port(&identity.canonical_url, identity.ws_port);
                         tracing::info!(master, canonical_url = %identity.canonical_url, ws_port = identity.ws_port, slot_found = fixed.is_some(), changed = fixed.unwrap_or(false), "master-identity");
@@ -330,17 +343,25 @@ async fn session(
     end
 }
 
-/// Merges a `config`/`config-push` into this slot (no `result` is sent, §2.1.10). Logs the
-/// outcome only: never the push.
-fn apply_config(slots: &Slots, master: &str, frame: ConfigFrame) {
+/// Merges a `config`/`config-push` into this slot (no `result` is sent, §2.1.10, unless the
+/// push is refused for naming another master's slot). Logs the outcome only: never the push.
+fn apply_config(slots: &Slots, master: &str, frame: ConfigFrame) -> Result<(), CommandResult> {
     let config_id = frame.id.unwrap_or_default();
     if let Some(revoked) = frame.payload.revoke_server_url.as_deref() {
+        // A master revokes its own slot's settings, never another master's.
+        if !same_origin(revoked, master) {
+            tracing::warn!(master, config_id = %config_id, "a config push named another master's slot in revokeServerUrl: refused, nothing applied");
+            return Err(CommandResult::err(
+                config_id,
+                "revokeServerUrl may name only this master's own slot; nothing was applied",
+            ));
+        }
         let found = slots.revoke(revoked);
-        tracing::info!(master, config_id = %config_id, revoked_slot = %revoked, found, "config push revoked a slot's key and settings");
+        tracing::info!(master, config_id = %config_id, found, "config push revoked this master's key and settings");
     }
     let Some(push) = frame.payload.openrouter else {
         tracing::info!(master, config_id = %config_id, "config push without an openrouter object");
-        return;
+        return Ok(());
     };
     match slots.apply_config(master, push) {
         ConfigOutcome::Applied(report) => {
@@ -361,4 +382,5 @@ fn apply_config(slots: &Slots, master: &str, frame: ConfigFrame) {
             tracing::warn!(master, config_id = %config_id, "config push for a slot that is gone")
         }
     }
+    Ok(())
 }

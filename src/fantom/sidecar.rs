@@ -10,6 +10,7 @@ use tokio::task::JoinSet;
 
 use super::containers::Containers;
 use super::frames::Heartbeat;
+use super::http::access::Caller;
 use super::relay::run_slot;
 use super::slots::Slots;
 use super::snapshot::{RelayContext, status_data};
@@ -81,10 +82,21 @@ impl Sidecar {
         self.http_token().is_some() || self.slots.any_token()
     }
 
-    /// Whether `presented` is the agent's token or one of the masters'.
-    pub fn accepts_token(&self, presented: &str) -> bool {
-        self.http_token().is_some_and(|t| t.matches(presented))
-            || self.slots.accepts_token(presented)
+    /// Who `presented` (a bearer token) says the caller is: the operator, the master(s) whose
+    /// slot token it is, or nobody. Every token is compared, each in constant time.
+    pub fn caller(&self, presented: Option<&str>) -> Caller {
+        let Some(presented) = presented else {
+            return Caller::Nobody;
+        };
+        let operator = self.http_token().is_some_and(|t| t.matches(presented));
+        let owned = self.slots.owners_of(presented);
+        if operator {
+            Caller::Operator
+        } else if owned.is_empty() {
+            Caller::Nobody
+        } else {
+            Caller::Master(owned)
+        }
     }
 
     fn http_token(&self) -> Option<Secret> {
@@ -109,15 +121,18 @@ impl Sidecar {
         changed
     }
 
-    /// A heartbeat for `master`, with the small snapshot; over HTTP it names the agent at the
+    /// A heartbeat for `master`, with the small snapshot (its own slot, and the slots of the
+    /// same origin, whose relay port it may correct); over HTTP it names the agent at the
     /// top (§3.4).
     pub fn heartbeat(&self, master: &str, over_http: bool) -> Heartbeat {
+        let mates = self.slots.origin_mates(master);
         let status = status_data(
             &self.ctx,
             &self.containers,
             &self.slots,
             Some(master),
             false,
+            Some(&mates),
         );
         Heartbeat {
             agent_url: over_http.then(|| self.ctx.agent_url.clone()),
@@ -126,8 +141,16 @@ impl Sidecar {
         }
     }
 
-    /// The body of `GET /api/status`: every slot with its virtual containers.
-    pub fn full_status(&self) -> StatusData {
-        status_data(&self.ctx, &self.containers, &self.slots, None, true)
+    /// The body of `GET /api/status` for `caller`: the slots it may see, with their virtual
+    /// containers.
+    pub fn status_for(&self, caller: &Caller) -> StatusData {
+        status_data(
+            &self.ctx,
+            &self.containers,
+            &self.slots,
+            None,
+            true,
+            caller.shown(),
+        )
     }
 }

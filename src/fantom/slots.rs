@@ -43,6 +43,25 @@ pub fn relay_url(server_url: &str, ws_port: Option<u16>) -> Option<String> {
     Some(format!("{scheme}://{host}:{port}{RELAY_PATH}"))
 }
 
+/// Whether two server URLs name one master: the same host (case-insensitive) and port (the
+/// scheme's default when none is written). Aliases of one origin (a trailing slash, another
+/// spelling of the URL) are one master; another host or port is another master.
+pub fn same_origin(a: &str, b: &str) -> bool {
+    let origin = |url: &str| -> Option<(String, u16)> {
+        let uri: Uri = url.parse().ok()?;
+        let port = uri.port_u16().or(match uri.scheme_str()? {
+            "http" => Some(80),
+            "https" => Some(443),
+            _ => None,
+        })?;
+        Some((uri.host()?.to_ascii_lowercase(), port))
+    };
+    match (origin(a), origin(b)) {
+        (Some(x), Some(y)) => x == y,
+        _ => a == b,
+    }
+}
+
 /// How a slot reaches its master now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Connection {
@@ -384,11 +403,30 @@ impl Slots {
         }
     }
 
-    /// Whether `presented` is the auth token of some slot.
-    pub fn accepts_token(&self, presented: &str) -> bool {
+    /// The slots whose auth token `presented` is (every slot's token is compared, each in
+    /// constant time).
+    pub fn owners_of(&self, presented: &str) -> Vec<String> {
+        let all = self.lock();
+        let mut owners = Vec::new();
+        for slot in all.values() {
+            let matches = slot
+                .auth_token
+                .as_ref()
+                .is_some_and(|t| t.matches(presented));
+            if matches {
+                owners.push(slot.server_url.clone());
+            }
+        }
+        owners
+    }
+
+    /// The slots of the same master as `server_url` (itself, and aliases of its origin).
+    pub fn origin_mates(&self, server_url: &str) -> Vec<String> {
         self.lock()
-            .values()
-            .any(|s| s.auth_token.as_ref().is_some_and(|t| t.matches(presented)))
+            .keys()
+            .filter(|url| same_origin(url, server_url))
+            .cloned()
+            .collect()
     }
 
     /// The server URLs of the slots holding a pushed key.
@@ -429,8 +467,15 @@ impl Slots {
                     };
                     slot.key = Some(key);
                 }
+                // Fantom's wire modes are kept as typed, but only those that are modes: a
+                // value typed into the wrong field is never kept or shown.
+                let key = slot.key.clone();
                 if let Some(modes) = push.mode_by_role.take() {
-                    slot.modes.extend(modes);
+                    slot.modes.extend(
+                        modes
+                            .into_iter()
+                            .filter(|(role, mode)| push::keepable_mode(role, mode, key.as_ref())),
+                    );
                 }
                 ConfigOutcome::Applied(report)
             }
@@ -520,16 +565,21 @@ impl Slots {
         });
     }
 
-    /// The `masters[]` rows: small for heartbeats, with the virtual containers for
-    /// `GET /api/status` (`detailed`).
-    pub fn master_entries(&self, detailed: bool) -> Vec<MasterEntry> {
-        self.lock().values().map(|s| s.entry(detailed)).collect()
-    }
-
-    /// Every slot, without its key or token.
-    pub fn snapshot(&self) -> Vec<SlotView> {
+    /// The `masters[]` rows of the slots `shown` (all when `None`): small for heartbeats,
+    /// with the virtual containers for `GET /api/status` (`detailed`).
+    pub fn master_entries(&self, detailed: bool, shown: Option<&[String]>) -> Vec<MasterEntry> {
         self.lock()
             .values()
+            .filter(|s| shown.is_none_or(|urls| urls.contains(&s.server_url)))
+            .map(|s| s.entry(detailed))
+            .collect()
+    }
+
+    /// The slots `shown` (every slot when `None`), without their keys or tokens.
+    pub fn snapshot(&self, shown: Option<&[String]>) -> Vec<SlotView> {
+        self.lock()
+            .values()
+            .filter(|s| shown.is_none_or(|urls| urls.contains(&s.server_url)))
             .map(|slot| SlotView {
                 server_url: slot.server_url.clone(),
                 ws_port: slot.effective_ws_port(),
@@ -604,7 +654,10 @@ mod tests {
             outcome,
             ConfigOutcome::Refused(PushRefused::FirstPushWithoutKey)
         ));
-        assert!(slots.snapshot()[0].modes.is_empty(), "modes dropped too");
+        assert!(
+            slots.snapshot(None)[0].modes.is_empty(),
+            "modes dropped too"
+        );
 
         let first = push(
             r#"{"apiKey":"sk-or-v1-slot-secret","allowedModels":{
@@ -617,7 +670,7 @@ mod tests {
         let outcome = slots.apply_config("http://a:3848", partial);
         assert!(matches!(outcome, ConfigOutcome::Applied(ref r) if !r.key_included));
 
-        let views = slots.snapshot();
+        let views = slots.snapshot(None);
         let a = &views[0];
         assert!(a.key_held, "the partial push kept the key");
         assert_eq!(a.modes["embedding"], "local-first");
@@ -637,7 +690,7 @@ mod tests {
         );
 
         assert!(slots.revoke("http://a:3848"));
-        assert!(!slots.snapshot()[0].key_held);
+        assert!(!slots.snapshot(None)[0].key_held);
         assert!(matches!(
             slots.apply_config("http://c", push(r#"{"apiKey":"k"}"#)),
             ConfigOutcome::NoSlot

@@ -32,6 +32,7 @@ pub fn status_data(
     slots: &Slots,
     master: Option<&str>,
     detailed: bool,
+    shown: Option<&[String]>,
 ) -> StatusData {
     let mut by_role = BTreeMap::new();
     let mut roles = BTreeMap::new();
@@ -54,9 +55,10 @@ pub fn status_data(
             .with_slot(url, |s| s.allowed(Role::RlmSandbox).is_some())
             .unwrap_or(false)
     };
-    let with_sandbox = match master {
-        Some(url) => sandbox(url),
-        None => slots.server_urls().iter().any(|u| sandbox(u)),
+    let with_sandbox = match (master, shown) {
+        (Some(url), _) => sandbox(url),
+        (None, Some(urls)) => urls.iter().any(|u| sandbox(u)),
+        (None, None) => slots.server_urls().iter().any(|u| sandbox(u)),
     };
     if with_sandbox {
         roles.insert(
@@ -77,7 +79,7 @@ pub fn status_data(
         containers: by_role,
         roles,
         gpus,
-        masters: slots.master_entries(detailed),
+        masters: slots.master_entries(detailed, shown),
         ..Default::default()
     }
 }
@@ -160,6 +162,7 @@ mod tests {
             &slots,
             Some("http://10.0.0.2:3848"),
             false,
+            None,
         );
         let beat = SidecarFrame::Heartbeat(Heartbeat {
             status_data: Some(Box::new(data)),
@@ -203,7 +206,7 @@ mod tests {
         slots.apply_config(master, push);
         slots.begin_call(master, "code-embedding");
         slots.end_call(master, "code-embedding", 840, None);
-        let data = status_data(&ctx, &containers, &slots, None, true);
+        let data = status_data(&ctx, &containers, &slots, None, true, None);
         let text = serde_json::to_string(&data).unwrap();
         assert!(!text.contains("snapshot-secret"), "{text}");
         let v: serde_json::Value =

@@ -14,6 +14,7 @@ use crate::config::push::OpenRouterPush;
 use crate::hub::status::StatusView;
 use crate::hub::{Hub, PushError, PushResult};
 use crate::roles::Role;
+use crate::secret::redact;
 
 /// Reads a push body: Fantom's payload (`{"openrouter": {...}}`) or the bare `openrouter`
 /// object. Errors quote no value (a misplaced key must not come back in a response).
@@ -25,24 +26,6 @@ fn parse_push(body: &[u8]) -> Result<OpenRouterPush, String> {
         None => Value::Object(object),
     };
     serde_json::from_value(push).map_err(|e| redact(&e.to_string()))
-}
-
-/// Replaces every double-quoted string of a parser message (values; field names are quoted
-/// with backticks).
-fn redact(message: &str) -> String {
-    let mut out = String::with_capacity(message.len());
-    let mut quoted = false;
-    for c in message.chars() {
-        if c == '"' {
-            if !quoted {
-                out.push_str("\"…\"");
-            }
-            quoted = !quoted;
-        } else if !quoted {
-            out.push(c);
-        }
-    }
-    out
 }
 
 fn admin(hub: &Hub, headers: &HeaderMap) -> Result<(), ApiError> {

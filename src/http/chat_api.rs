@@ -33,8 +33,10 @@ pub async fn completions(
     request: Result<Json<Value>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     client_auth(&hub, &headers)?;
-    let Json(body) = request
-        .map_err(|e| ApiError::bad_request(format!("invalid request body: {}", e.body_text())))?;
+    let Json(body) = request.map_err(|e| {
+        let shown = crate::secret::redact(&e.body_text());
+        ApiError::bad_request(format!("invalid request body: {shown}"))
+    })?;
     let Value::Object(mut body) = body else {
         return Err(ApiError::bad_request(
             "the request body must be a JSON object",

@@ -128,8 +128,10 @@ pub(super) fn client_auth(hub: &Hub, headers: &HeaderMap) -> Result<(), ApiError
 }
 
 fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
-    body.map(|Json(b)| b)
-        .map_err(|e| ApiError::bad_request(format!("invalid request body: {}", e.body_text())))
+    body.map(|Json(b)| b).map_err(|e| {
+        let shown = crate::secret::redact(&e.body_text());
+        ApiError::bad_request(format!("invalid request body: {shown}"))
+    })
 }
 
 /// The role a request names, checked against the operation of its endpoint.

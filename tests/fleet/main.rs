@@ -13,6 +13,7 @@ mod gate;
 mod integrity;
 mod kill;
 mod leases;
+mod masters;
 mod reconnect;
 mod relay;
 mod relay_commands;

@@ -134,7 +134,7 @@ fn assert_descending(scores: &[(u64, f64)]) {
 }
 
 /// `encodeURIComponent`.
-fn encode_uri_component(s: &str) -> String {
+pub(crate) fn encode_uri_component(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
             b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' => (b as char).to_string(),
@@ -147,7 +147,7 @@ fn encode_uri_component(s: &str) -> String {
 }
 
 /// Sends `req`; the status and the body (JSON, else the text as a JSON string).
-async fn call(req: RequestBuilder) -> (u16, Value) {
+pub(crate) async fn call(req: RequestBuilder) -> (u16, Value) {
     let r = req.send().await.expect("the agent answers");
     let code = r.status().as_u16();
     let text = r.text().await.expect("a body");
@@ -158,18 +158,18 @@ async fn call(req: RequestBuilder) -> (u16, Value) {
 }
 
 /// The agent's HTTP port (or a role port) as a master calls it: a bearer when `token` is set.
-struct AgentApi {
+pub(crate) struct AgentApi {
     http: reqwest::Client,
     base: String,
     token: Option<String>,
 }
 
 impl AgentApi {
-    fn new(agent: &Proc, token: Option<&str>) -> AgentApi {
+    pub(crate) fn new(agent: &Proc, token: Option<&str>) -> AgentApi {
         AgentApi::at(agent.url(""), token)
     }
 
-    fn at(base: String, token: Option<&str>) -> AgentApi {
+    pub(crate) fn at(base: String, token: Option<&str>) -> AgentApi {
         AgentApi {
             http: reqwest::Client::new(),
             base,
@@ -177,7 +177,7 @@ impl AgentApi {
         }
     }
 
-    fn req(&self, method: Method, path: &str) -> RequestBuilder {
+    pub(crate) fn req(&self, method: Method, path: &str) -> RequestBuilder {
         let r = self.http.request(method, format!("{}{path}", self.base));
         match &self.token {
             Some(t) => r.bearer_auth(t),
@@ -185,11 +185,11 @@ impl AgentApi {
         }
     }
 
-    fn get(&self, path: &str) -> RequestBuilder {
+    pub(crate) fn get(&self, path: &str) -> RequestBuilder {
         self.req(Method::GET, path)
     }
 
-    fn post(&self, path: &str, body: &Value) -> RequestBuilder {
+    pub(crate) fn post(&self, path: &str, body: &Value) -> RequestBuilder {
         self.req(Method::POST, path).json(body)
     }
 
@@ -201,7 +201,7 @@ impl AgentApi {
     }
 
     /// `GET /api/status`, asserting 200.
-    async fn status(&self) -> Value {
+    pub(crate) async fn status(&self) -> Value {
         let (code, body) = call(self.get("/api/status")).await;
         assert_eq!(code, 200, "{body}");
         body
@@ -237,11 +237,24 @@ impl AgentApi {
 
 /// A key, the OpenRouter stand-in that takes it, a scratch dir, and the agent's
 /// `openrouter_url` line pointing at the stand-in.
-async fn with_upstream(name: &str) -> (String, Upstream, tempfile::TempDir, String) {
+/// The key, the stand-in, a directory, the agent's top-level TOML lines (the stand-in's URL, an
+/// operator token file) and that operator token.
+async fn with_upstream(name: &str) -> (String, Upstream, tempfile::TempDir, String, String) {
     let key = key(name);
     let up = upstream(&key).await;
-    let top = format!("openrouter_url = \"{}\"", up.base_url);
-    (key, up, tempfile::tempdir().unwrap(), top)
+    let dir = tempfile::tempdir().unwrap();
+    let (token, line) = operator_token(dir.path());
+    let top = format!("openrouter_url = \"{}\"\n{line}", up.base_url);
+    (key, up, dir, top, token)
+}
+
+/// An operator token (the agent's `http_token`) written under `dir`: the token and its TOML
+/// line. Routes that change the agent or spend a key need a token.
+pub(crate) fn operator_token(dir: &std::path::Path) -> (String, String) {
+    let token = format!("relay-operator-token-{}-0123456789", std::process::id());
+    let file = dir.join("operator.token");
+    std::fs::write(&file, &token).unwrap();
+    (token, format!("http_token_file = \"{}\"", file.display()))
 }
 
 /// The `virtualContainers` rows of a `masters[]` row, by role.
@@ -261,11 +274,11 @@ fn virtual_rows(row: &Value) -> BTreeMap<String, Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn virtual_commands_serve_pinned_cloud_answers_and_refuse_mismatches() {
-    let (key, up, dir, top) = with_upstream("virtual").await;
+    let (key, up, dir, top, op) = with_upstream("virtual").await;
     let master = TestMaster::start(opts()).await;
     let agent = start(dir.path(), "relay-cmd-a", &master, &top, &[TRACE]);
     master.wait_registered(AGENT_URL).await;
-    let api = AgentApi::new(&agent, None);
+    let api = AgentApi::new(&agent, Some(&op));
     let texts = [
         "fn add(a: i32, b: i32) -> i32 { a + b }",
         "struct Point { x: f32, y: f32 }",
@@ -456,7 +469,7 @@ async fn virtual_commands_serve_pinned_cloud_answers_and_refuse_mismatches() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_http_surface_answers_as_the_master_expects() {
-    let (key, _up, dir, top) = with_upstream("surface").await;
+    let (key, _up, dir, top, op) = with_upstream("surface").await;
     let master = TestMaster::start(opts()).await;
     let body = format!(
         "{}{}",
@@ -465,7 +478,7 @@ async fn the_agent_http_surface_answers_as_the_master_expects() {
     );
     let agent = start_relay_agent(dir.path(), "relay-cmd-b", &body, &[]);
     master.wait_registered(AGENT_URL).await;
-    let api = AgentApi::new(&agent, None);
+    let api = AgentApi::new(&agent, Some(&op));
     let port = agent.addr.port();
 
     // The model names the master routes by are the heartbeat's `containers[role].config.model`.
@@ -913,7 +926,8 @@ async fn the_chat_proxy_pins_the_slots_model_and_answers_fantoms_status_codes() 
     let dir = tempfile::tempdir().unwrap();
     let a = TestMaster::start(opts()).await;
     let b = TestMaster::start(opts()).await;
-    let top = format!("openrouter_url = \"{}\"", up.base_url);
+    let (op, line) = operator_token(dir.path());
+    let top = format!("openrouter_url = \"{}\"\n{line}", up.base_url);
     let body = relay_toml(
         &[
             (a.http_url.as_str(), a.ws_port),
@@ -924,7 +938,8 @@ async fn the_chat_proxy_pins_the_slots_model_and_answers_fantoms_status_codes() 
     let agent = start_relay_agent(dir.path(), "relay-cmd-d", &body, &[]);
     a.wait_registered(AGENT_URL).await;
     b.wait_registered(AGENT_URL).await;
-    let api = AgentApi::new(&agent, None);
+    // The operator's token names any master's slot with the header.
+    let api = AgentApi::new(&agent, Some(&op));
     let as_a = [(MASTER_HEADER, a.http_url.as_str())];
 
     // No push yet: A reads as "no config pushed".

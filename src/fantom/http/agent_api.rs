@@ -9,10 +9,11 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use serde::Deserialize;
 use serde_json::json;
 
+use super::access::{Caller, not_yours};
 use super::{error, json_body};
 use crate::fantom::containers::{ContainerError, ContainerVerb};
 use crate::fantom::frames::ContainerAction;
@@ -40,12 +41,19 @@ pub fn health_router() -> Router {
     Router::new().route("/api/health", get(|| async { Json(json!({ "ok": true })) }))
 }
 
-async fn status(State(sidecar): State<Arc<Sidecar>>) -> Response {
-    Json(sidecar.full_status()).into_response()
+/// The agent and the slots the caller may see (a master: its own; the operator: all).
+async fn status(
+    State(sidecar): State<Arc<Sidecar>>,
+    Extension(caller): Extension<Caller>,
+) -> Response {
+    Json(sidecar.status_for(&caller)).into_response()
 }
 
-async fn list_masters(State(sidecar): State<Arc<Sidecar>>) -> Response {
-    Json(json!({ "masters": sidecar.slots.snapshot() })).into_response()
+async fn list_masters(
+    State(sidecar): State<Arc<Sidecar>>,
+    Extension(caller): Extension<Caller>,
+) -> Response {
+    Json(json!({ "masters": sidecar.slots.snapshot(caller.shown()) })).into_response()
 }
 
 /// `POST /api/masters` ("Register as master").
@@ -57,7 +65,16 @@ struct NewMaster {
     auth_token: Option<Secret>,
 }
 
-async fn add_master(State(sidecar): State<Arc<Sidecar>>, body: Bytes) -> Response {
+/// Adds a slot (the operator), or changes one (its master, or the operator). A slot's token
+/// is installed only by a caller that already holds a token here.
+async fn add_master(
+    State(sidecar): State<Arc<Sidecar>>,
+    Extension(caller): Extension<Caller>,
+    body: Bytes,
+) -> Response {
+    if let Err(refusal) = caller.may_change() {
+        return refusal.into_response();
+    }
     let new: NewMaster = match json_body(&body) {
         Ok(new) => new,
         Err(refusal) => return refusal.into_response(),
@@ -70,9 +87,12 @@ async fn add_master(State(sidecar): State<Arc<Sidecar>>, body: Bytes) -> Respons
     {
         return error(
             StatusCode::BAD_REQUEST,
-            format!("serverUrl '{server_url}' must be an http(s) URL with a host"),
+            "serverUrl must be an http(s) URL with a host",
         )
         .into_response();
+    }
+    if !caller.owns(&server_url) {
+        return not_yours("add or change").into_response();
     }
     if new.ws_port == Some(0) {
         return error(StatusCode::BAD_REQUEST, "wsPort 0").into_response();
@@ -90,27 +110,59 @@ async fn add_master(State(sidecar): State<Arc<Sidecar>>, body: Bytes) -> Respons
         .into_response()
 }
 
-/// `DELETE /api/masters/<encodeURIComponent(serverUrl)>` (the path segment arrives decoded).
-async fn remove_master(State(sidecar): State<Arc<Sidecar>>, Path(url): Path<String>) -> Response {
+/// `DELETE /api/masters/<encodeURIComponent(serverUrl)>` (the path segment arrives decoded):
+/// its master, or the operator.
+async fn remove_master(
+    State(sidecar): State<Arc<Sidecar>>,
+    Extension(caller): Extension<Caller>,
+    Path(url): Path<String>,
+) -> Response {
+    if let Err(refusal) = caller.may_change() {
+        return refusal.into_response();
+    }
+    if !caller.owns(&url) {
+        return not_yours("remove").into_response();
+    }
     let removed = sidecar.slots.remove(&url);
     tracing::info!(master = %url, removed, "master unregistered through the API");
     Json(json!({ "ok": true, "removed": removed })).into_response()
 }
 
-async fn start(State(s): State<Arc<Sidecar>>, body: Bytes) -> Response {
-    act(&s, ContainerVerb::Start, &body).await
+async fn start(
+    State(s): State<Arc<Sidecar>>,
+    Extension(c): Extension<Caller>,
+    body: Bytes,
+) -> Response {
+    act(&s, &c, ContainerVerb::Start, &body).await
 }
-async fn stop(State(s): State<Arc<Sidecar>>, body: Bytes) -> Response {
-    act(&s, ContainerVerb::Stop, &body).await
+async fn stop(
+    State(s): State<Arc<Sidecar>>,
+    Extension(c): Extension<Caller>,
+    body: Bytes,
+) -> Response {
+    act(&s, &c, ContainerVerb::Stop, &body).await
 }
-async fn acquire(State(s): State<Arc<Sidecar>>, body: Bytes) -> Response {
-    act(&s, ContainerVerb::Acquire, &body).await
+async fn acquire(
+    State(s): State<Arc<Sidecar>>,
+    Extension(c): Extension<Caller>,
+    body: Bytes,
+) -> Response {
+    act(&s, &c, ContainerVerb::Acquire, &body).await
 }
-async fn release(State(s): State<Arc<Sidecar>>, body: Bytes) -> Response {
-    act(&s, ContainerVerb::Release, &body).await
+async fn release(
+    State(s): State<Arc<Sidecar>>,
+    Extension(c): Extension<Caller>,
+    body: Bytes,
+) -> Response {
+    act(&s, &c, ContainerVerb::Release, &body).await
 }
 
-async fn act(sidecar: &Sidecar, verb: ContainerVerb, body: &[u8]) -> Response {
+/// A container action: the host's models are shared, so any master's token (or the
+/// operator's) may act; never a caller without one.
+async fn act(sidecar: &Sidecar, caller: &Caller, verb: ContainerVerb, body: &[u8]) -> Response {
+    if let Err(refusal) = caller.may_change() {
+        return refusal.into_response();
+    }
     let args: ContainerAction = match json_body(body) {
         Ok(args) => args,
         Err(refusal) => return refusal.into_response(),

@@ -2,11 +2,15 @@
 //! `POST /api/v1/chat/completions` and `GET /api/v1/models`, on the key and the sandbox model
 //! (`allowedModels["rlm-sandbox"]`) of the calling master's slot.
 //!
-//! The caller is named by `X-FantomMCP-Master` (else `X-SoundSuite-Master`), byte for byte a
-//! slot's `serverUrl`. The caller's `model` is replaced by the slot's: the sidecar decides which
-//! model answers. Status codes as Fantom expects them: 400 (bad JSON, `stream: true`), 409 (no
-//! header while several slots hold keys), 404 (unknown master or nothing pushed), 503 (no
-//! sandbox model). The project and tools-token headers are neither used nor logged.
+//! Whose key is spent is the caller's token's: a master's token spends its own slot's key
+//! whatever header it carries, and `X-FantomMCP-Master` (else `X-SoundSuite-Master`, byte for
+//! byte a slot's `serverUrl`) only selects among the slots that token owns (another one: 403).
+//! The operator's token may name any slot. With no token configured at all, nothing here
+//! answers ([`super::access`]). The caller's `model` is replaced by the slot's: the sidecar
+//! decides which model answers. Status codes as Fantom expects them: 400 (bad JSON,
+//! `stream: true`), 409 (no header while several of the caller's slots hold keys), 404 (unknown
+//! master or nothing pushed), 503 (no sandbox model). The project and tools-token headers are
+//! neither used nor logged.
 
 use std::sync::Arc;
 
@@ -15,10 +19,11 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use serde_json::{Value, json};
 
 use super::Refusal;
+use super::access::{Caller, NO_TOKEN};
 use crate::fantom::commands::{SlotRoute, SlotRouteError, metered, slot_route};
 use crate::fantom::sidecar::Sidecar;
 use crate::roles::Role;
@@ -41,8 +46,12 @@ fn failure(status: StatusCode, message: impl Into<String>) -> Refusal {
     }
 }
 
-/// The calling master's slot: by header, else the one slot holding a key.
-fn caller(sidecar: &Sidecar, headers: &HeaderMap) -> Result<String, Refusal> {
+/// The slot whose key this call spends: the one the header names, if the token owns it; else
+/// the one slot of the token's that holds a key.
+fn caller(sidecar: &Sidecar, who: &Caller, headers: &HeaderMap) -> Result<String, Refusal> {
+    if *who == Caller::Nobody {
+        return Err(failure(StatusCode::FORBIDDEN, NO_TOKEN));
+    }
     let named = MASTER_HEADERS
         .iter()
         .find_map(|h| headers.get(*h))
@@ -50,9 +59,20 @@ fn caller(sidecar: &Sidecar, headers: &HeaderMap) -> Result<String, Refusal> {
         .map(str::trim)
         .filter(|v| !v.is_empty());
     if let Some(url) = named {
+        if !who.owns(url) {
+            return Err(failure(
+                StatusCode::FORBIDDEN,
+                "this token is another master's: the header may name only a slot the token owns (the operator's http_token may name any)",
+            ));
+        }
         return Ok(url.to_string());
     }
-    let keyed = sidecar.slots.keyed();
+    let keyed: Vec<String> = sidecar
+        .slots
+        .keyed()
+        .into_iter()
+        .filter(|url| who.owns(url))
+        .collect();
     match keyed.as_slice() {
         [one] => Ok(one.clone()),
         [] => Err(failure(
@@ -81,7 +101,12 @@ fn sandbox(sidecar: &Sidecar, master: &str) -> Result<SlotRoute, Refusal> {
     })
 }
 
-async fn chat(State(sidecar): State<Arc<Sidecar>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat(
+    State(sidecar): State<Arc<Sidecar>>,
+    Extension(who): Extension<Caller>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let body: Value = match serde_json::from_slice(&body) {
         Ok(body @ Value::Object(_)) => body,
         Ok(_) => {
@@ -100,7 +125,7 @@ async fn chat(State(sidecar): State<Arc<Sidecar>>, headers: HeaderMap, body: Byt
         )
         .into_response();
     }
-    let master = match caller(&sidecar, &headers) {
+    let master = match caller(&sidecar, &who, &headers) {
         Ok(master) => master,
         Err(refusal) => return refusal.into_response(),
     };
@@ -126,8 +151,12 @@ async fn chat(State(sidecar): State<Arc<Sidecar>>, headers: HeaderMap, body: Byt
     }
 }
 
-async fn models(State(sidecar): State<Arc<Sidecar>>, headers: HeaderMap) -> Response {
-    let master = match caller(&sidecar, &headers) {
+async fn models(
+    State(sidecar): State<Arc<Sidecar>>,
+    Extension(who): Extension<Caller>,
+    headers: HeaderMap,
+) -> Response {
+    let master = match caller(&sidecar, &who, &headers) {
         Ok(master) => master,
         Err(refusal) => return refusal.into_response(),
     };

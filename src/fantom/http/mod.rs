@@ -8,9 +8,11 @@
 //!   key and sandbox model.
 //!
 //! Every route here takes the bearer token when one is configured (the agent's
-//! `http_token_file`, or a master's `auth_token_file`, §3); the agent's own `/health` and
+//! `http_token_file`, or a master's `auth_token_file`, §3), and what a token may do is
+//! [`access`]'s: a master's token acts on its own slot only. The agent's own `/health` and
 //! `/metrics` stay open for the host's monitoring.
 
+pub mod access;
 pub mod agent_api;
 pub mod chat_proxy;
 pub mod role_api;
@@ -47,22 +49,22 @@ pub fn role_port_router(sidecar: Arc<Sidecar>, roles: Vec<Role>) -> Router {
         .layer(middleware::from_fn_with_state(sidecar, require_bearer))
 }
 
-/// 401 unless the request carries an accepted bearer token (when any is configured).
+/// 401 unless the request carries an accepted bearer token (when any is configured); the
+/// handlers find who called ([`access::Caller`]) in the request's extensions.
 async fn require_bearer(
     State(sidecar): State<Arc<Sidecar>>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
-    if sidecar.auth_required() {
-        let presented = crate::http::auth::bearer(request.headers());
-        if !presented.is_some_and(|token| sidecar.accepts_token(token)) {
-            return error(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized: this agent needs 'Authorization: Bearer <token>' (the registry entry's authToken)",
-            )
-            .into_response();
-        }
+    let caller = sidecar.caller(crate::http::auth::bearer(request.headers()));
+    if sidecar.auth_required() && caller == access::Caller::Nobody {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized: this agent needs 'Authorization: Bearer <token>' (the registry entry's authToken)",
+        )
+        .into_response();
     }
+    request.extensions_mut().insert(caller);
     next.run(request).await
 }
 
@@ -89,6 +91,11 @@ pub fn error(status: StatusCode, message: impl Into<String>) -> Refusal {
 
 /// Reads a JSON body, or says in a 400 what is wrong with it.
 pub fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Refusal> {
-    serde_json::from_slice(body)
-        .map_err(|e| error(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}")))
+    serde_json::from_slice(body).map_err(|e| {
+        let shown = crate::secret::redact(&e.to_string());
+        error(
+            StatusCode::BAD_REQUEST,
+            format!("invalid JSON body: {shown}"),
+        )
+    })
 }
