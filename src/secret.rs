@@ -50,6 +50,11 @@ impl Secret {
         self.0.is_empty()
     }
 
+    /// The value's length in characters (to refuse a token too short to be one).
+    pub fn char_count(&self) -> usize {
+        self.0.chars().count()
+    }
+
     /// Compares with a presented credential in time independent of where they differ (both
     /// sides hashed first, so the length does not leak either).
     pub fn matches(&self, presented: &str) -> bool {
@@ -79,6 +84,17 @@ pub fn looks_like_key(value: &str) -> bool {
     let digits = v.chars().filter(char::is_ascii_digit).count();
     let letters = v.chars().filter(char::is_ascii_alphabetic).count();
     v.len() >= 32 && alphabet && longest_run >= 20 && digits >= 4 && letters >= 4
+}
+
+/// Whether `value` holds a key anywhere: a key-shaped run of it ([`looks_like_key`]; a key
+/// inside `openai/sk-or-…` or `KEY=sk-or-…` counts), or one of the `known` keys as a part.
+pub fn holds_key(value: &str, known: &[&Secret]) -> bool {
+    value
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_'))
+        .any(looks_like_key)
+        || known
+            .iter()
+            .any(|k| !k.is_empty() && value.contains(k.expose()))
 }
 
 /// A message that may quote what a caller typed (a JSON parser's "invalid type: string …"), fit
@@ -149,6 +165,11 @@ mod tests {
             redact("model qwen/qwen3-embedding-4b"),
             "model qwen/qwen3-embedding-4b"
         );
+        let held = Secret::new("short-held-key");
+        assert!(holds_key(&format!("openai/{key}"), &[]));
+        assert!(holds_key(&format!("OPENROUTER_API_KEY={key}"), &[]));
+        assert!(holds_key("x/short-held-key/y", &[&held]));
+        assert!(!holds_key("qwen/qwen3-embedding-4b", &[&held]));
     }
 
     #[test]

@@ -189,7 +189,8 @@ impl Agent {
     pub fn apply_config(&self, id: String, mut push: OpenRouterPush) -> ConfigAck {
         let mut held = self.held();
         let holds_key = held.key.is_some();
-        match push::merge(&mut held.settings, holds_key, &push) {
+        let held_key = held.key.clone();
+        match push::merge_holding(&mut held.settings, holds_key, held_key.as_ref(), &push) {
             Ok(mut report) => {
                 let key_changed = push.api_key.is_some();
                 if let Some(key) = push.api_key.take() {

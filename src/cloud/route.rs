@@ -220,7 +220,7 @@ pub enum RouteError {
     Unpinned { role: Role },
     #[error("role {role}: an embedding route needs dims, the width of its vectors (fail closed)")]
     MissingDims { role: Role },
-    #[error("role {role}: dims {dims} is outside 1..={max}", max = MAX_DIMS)]
+    #[error("role {role}: dims is outside 1..={max}", max = MAX_DIMS)]
     BadDims { role: Role, dims: usize },
     #[error("the upstream provider slug is refused: {reason}")]
     BadSlug { reason: &'static str },

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::roles::{Policy, Role};
-use crate::secret::{Secret, looks_like_key};
+use crate::secret::{self, Secret};
 
 /// Widest embedding a route may declare.
 pub const MAX_DIMS: usize = 16384;
@@ -139,6 +139,17 @@ pub fn merge(
     holds_key: bool,
     push: &OpenRouterPush,
 ) -> Result<MergeReport, PushRefused> {
+    merge_holding(held, holds_key, None, push)
+}
+
+/// [`merge`] for a holder of the key itself (an agent, a relay slot): the held key typed into
+/// a field is refused too, whatever its shape.
+pub fn merge_holding(
+    held: &mut CloudSettings,
+    holds_key: bool,
+    held_key: Option<&Secret>,
+    push: &OpenRouterPush,
+) -> Result<MergeReport, PushRefused> {
     if push.api_key.is_none()
         && push.allowed_models.is_none()
         && push.mode_by_role.is_none()
@@ -151,7 +162,8 @@ pub fn merge(
         None if !holds_key => return Err(PushRefused::FirstPushWithoutKey),
         _ => {}
     }
-    let secret = |v: &str| is_secret(v, push.api_key.as_ref());
+    let known: Vec<&Secret> = push.api_key.iter().chain(held_key).collect();
+    let secret = |v: &str| secret::holds_key(v, &known);
     if push.domain.as_deref().is_some_and(secret) {
         return Err(PushRefused::KeyInField("domain"));
     }
@@ -218,12 +230,6 @@ fn parse_role(name: &str) -> Result<Role, Outcome> {
     })
 }
 
-/// Whether a pushed value must not be kept or shown: shaped like a key, or the push's own key.
-fn is_secret(value: &str, key: Option<&Secret>) -> bool {
-    looks_like_key(value)
-        || key.is_some_and(|k| !value.trim().is_empty() && k.matches(value.trim()))
-}
-
 /// The first field of a route that holds a key-shaped value.
 fn key_shaped_field(m: &AllowedModel, secret: &impl Fn(&str) -> bool) -> Option<&'static str> {
     [
@@ -272,7 +278,8 @@ impl RoleLabels {
 /// Whether a pushed role name and its mode may be kept as they were typed (Fantom's own modes,
 /// held by a relay slot): the name reads as a role name and the mode is one this agent knows.
 pub fn keepable_mode(name: &str, mode: &str, key: Option<&Secret>) -> bool {
-    let secret = |v: &str| is_secret(v, key);
+    let known: Vec<&Secret> = key.into_iter().collect();
+    let secret = |v: &str| secret::holds_key(v, &known);
     let mut labels = RoleLabels::default();
     labels.of(name, &secret) == name && !secret(mode) && Policy::parse_mode(mode).is_ok()
 }
@@ -309,7 +316,7 @@ fn validate_model(role: Role, m: &AllowedModel) -> Result<(), String> {
     }
     match m.dims {
         Some(d) if (1..=MAX_DIMS).contains(&d) => Ok(()),
-        Some(d) => Err(format!("dims {d} is outside 1..={MAX_DIMS}")),
+        Some(_) => Err(format!("dims is outside 1..={MAX_DIMS}")),
         None => Err(format!(
             "{role} needs dims: the vector table's width is part of the route"
         )),
@@ -419,9 +426,13 @@ mod tests {
             format!(r#"{{"apiKey":"k","modeByRole":{{"{KEY}":"local"}}}}"#),
             format!(r#"{{"apiKey":"k","allowedModels":{{"{KEY}":{{"model":"m"}}}}}}"#),
             format!(r#"{{"apiKey":"k","domain":"{KEY}"}}"#),
-            // The push's own key, typed into a field too.
+            // The push's own key, typed into a field too; a key inside another value.
             r#"{"apiKey":"my-own-short-key","modeByRole":{"reranker":"my-own-short-key"}}"#
                 .to_string(),
+            format!(
+                r#"{{"apiKey":"k","allowedModels":{{"reranker":{{"model":"openai/{KEY}"}}}}}}"#
+            ),
+            format!(r#"{{"apiKey":"k","domain":"OPENROUTER_API_KEY={KEY}"}}"#),
         ];
         for json in &fields {
             let p = push(json);

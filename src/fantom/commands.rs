@@ -28,7 +28,10 @@ pub async fn answer(sidecar: &Sidecar, master: &str, cmd: &Command) -> CommandRe
     let id = cmd.id.clone();
     let action = match cmd.parse() {
         Ok(action) => action,
-        Err(e) => return CommandResult::err(id, format!("invalid {} payload: {e}", cmd.action)),
+        Err(e) => {
+            let shown = crate::secret::redact(&e.to_string());
+            return CommandResult::err(id, format!("invalid {} payload: {shown}", cmd.action));
+        }
     };
     let slots = &sidecar.slots;
     match action {

@@ -294,7 +294,7 @@ async fn session(
                     }
                     MasterFrame::MasterIdentity(identity) => {
                         let fixed = slots.fix_ws_port(&identity.canonical_url, identity.ws_port);
-                        tracing::info!(master, canonical_url = %identity.canonical_url, ws_port = identity.ws_port, slot_found = fixed.is_some(), changed = fixed.unwrap_or(false), "master-identity");
+                        tracing::info!(master, ws_port = identity.ws_port, slot_found = fixed.is_some(), changed = fixed.unwrap_or(false), "master-identity");
                         if slots.ws_url(master).as_deref() != Some(url) {
                             break SessionEnd::Redial;
                         }
@@ -346,7 +346,11 @@ async fn session(
 /// Merges a `config`/`config-push` into this slot (no `result` is sent, §2.1.10, unless the
 /// push is refused for naming another master's slot). Logs the outcome only: never the push.
 fn apply_config(slots: &Slots, master: &str, frame: ConfigFrame) -> Result<(), CommandResult> {
-    let config_id = frame.id.unwrap_or_default();
+    // The id is the master's string: shown (logged, echoed) only when it reads as an id.
+    let config_id = frame
+        .id
+        .filter(|id| plain_id(id))
+        .unwrap_or_else(|| "(unreadable config id)".into());
     if let Some(revoked) = frame.payload.revoke_server_url.as_deref() {
         // A master revokes its own slot's settings, never another master's.
         if !same_origin(revoked, master) {
@@ -383,4 +387,14 @@ fn apply_config(slots: &Slots, master: &str, frame: ConfigFrame) -> Result<(), C
         }
     }
     Ok(())
+}
+
+/// Whether a frame's id may be logged and echoed as is: short, of an id's alphabet, and not
+/// shaped like a key.
+fn plain_id(id: &str) -> bool {
+    (1..=64).contains(&id.len())
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.:".contains(c))
+        && !crate::secret::looks_like_key(id)
 }

@@ -43,18 +43,19 @@ pub fn relay_url(server_url: &str, ws_port: Option<u16>) -> Option<String> {
     Some(format!("{scheme}://{host}:{port}{RELAY_PATH}"))
 }
 
-/// Whether two server URLs name one master: the same host (case-insensitive) and port (the
-/// scheme's default when none is written). Aliases of one origin (a trailing slash, another
-/// spelling of the URL) are one master; another host or port is another master.
+/// Whether two server URLs name one master: the same host (case-insensitive), port (the
+/// scheme's default when none is written) and path (a trailing `/` aside). Spellings of one
+/// URL are one master; another host, port or path (two masters behind one proxy) is another.
 pub fn same_origin(a: &str, b: &str) -> bool {
-    let origin = |url: &str| -> Option<(String, u16)> {
+    let origin = |url: &str| -> Option<(String, u16, String)> {
         let uri: Uri = url.parse().ok()?;
         let port = uri.port_u16().or(match uri.scheme_str()? {
             "http" => Some(80),
             "https" => Some(443),
             _ => None,
         })?;
-        Some((uri.host()?.to_ascii_lowercase(), port))
+        let path = uri.path().trim_end_matches('/').to_string();
+        Some((uri.host()?.to_ascii_lowercase(), port, path))
     };
     match (origin(a), origin(b)) {
         (Some(x), Some(y)) => x == y,
@@ -451,7 +452,8 @@ impl Slots {
         let Some(slot) = all.get_mut(server_url) else {
             return ConfigOutcome::NoSlot;
         };
-        match push::merge(&mut slot.held, slot.key.is_some(), &push) {
+        let held_key = slot.key.clone();
+        match push::merge_holding(&mut slot.held, held_key.is_some(), held_key.as_ref(), &push) {
             Ok(report) => {
                 if let Some(key) = push.api_key.take() {
                     slot.client = match OpenRouterClient::new(

@@ -33,11 +33,12 @@ impl Caller {
         }
     }
 
-    /// The slots this caller sees: `None` for all of them.
+    /// The slots this caller sees: `None` for all of them (the operator), none for nobody.
     pub fn shown(&self) -> Option<&[String]> {
         match self {
             Caller::Master(slots) => Some(slots),
-            Caller::Operator | Caller::Nobody => None,
+            Caller::Nobody => Some(&[]),
+            Caller::Operator => None,
         }
     }
 
@@ -76,5 +77,10 @@ mod tests {
         assert!(Caller::Nobody.may_change().is_err() && a.may_change().is_ok());
         assert_eq!(a.shown().map(<[String]>::len), Some(1));
         assert!(Caller::Operator.shown().is_none());
+        assert_eq!(
+            Caller::Nobody.shown(),
+            Some(&[][..]),
+            "nobody sees any slot"
+        );
     }
 }

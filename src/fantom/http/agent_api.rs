@@ -56,6 +56,9 @@ async fn list_masters(
     Json(json!({ "masters": sidecar.slots.snapshot(caller.shown()) })).into_response()
 }
 
+/// The shortest token `POST /api/masters` installs (an empty one would match an empty bearer).
+const MIN_TOKEN_CHARS: usize = 16;
+
 /// `POST /api/masters` ("Register as master").
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -93,6 +96,17 @@ async fn add_master(
     }
     if !caller.owns(&server_url) {
         return not_yours("add or change").into_response();
+    }
+    if new
+        .auth_token
+        .as_ref()
+        .is_some_and(|t| t.char_count() < MIN_TOKEN_CHARS)
+    {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("authToken must be at least {MIN_TOKEN_CHARS} characters"),
+        )
+        .into_response();
     }
     if new.ws_port == Some(0) {
         return error(StatusCode::BAD_REQUEST, "wsPort 0").into_response();

@@ -114,8 +114,12 @@ async fn chat(
                 .into_response();
         }
         Err(e) => {
-            return failure(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}"))
-                .into_response();
+            let shown = crate::secret::redact(&e.to_string());
+            return failure(
+                StatusCode::BAD_REQUEST,
+                format!("invalid JSON body: {shown}"),
+            )
+            .into_response();
         }
     };
     if body.get("stream").and_then(Value::as_bool) == Some(true) {
