@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
 use super::tokenize::TokenizedInput;
 
@@ -27,10 +27,10 @@ pub enum AttentionMode {
 }
 
 impl AttentionMode {
-    /// The mode actually used on `device`.
-    pub fn resolve(self, device: &Device) -> Self {
+    /// The mode actually used on `device` in `dtype` (our packed kernel is the CPU's, in f32).
+    pub fn resolve(self, device: &Device, dtype: DType) -> Self {
         match self {
-            Self::Auto if device.is_cpu() => Self::Packed,
+            Self::Auto if device.is_cpu() && dtype == DType::F32 => Self::Packed,
             Self::Auto => Self::Padded,
             other => other,
         }
@@ -172,7 +172,9 @@ impl PreparedBatch {
         let last: Vec<u32> = (0..outputs)
             .map(|r| (starts[r] + lengths[r] - 1) as u32)
             .collect();
-        let padded = match mode.resolve(device) {
+        // The engine resolved the mode for its device and dtype already; `Auto` here (a test
+        // building a batch directly) means the f32 choice.
+        let padded = match mode.resolve(device, DType::F32) {
             AttentionMode::Padded => Some(padded_layout(
                 &starts, &lengths, &prefix_of, longest, total, device,
             )?),

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::Instant;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use serde::Serialize;
 use tokio::sync::oneshot;
 
@@ -239,10 +239,10 @@ impl Engine {
         if dev.is_cpu() {
             super::heap::keep_tensor_memory();
         }
-        let attention = cfg.attention.resolve(&dev);
-        if attention == AttentionMode::Packed && !dev.is_cpu() {
+        let attention = cfg.attention.resolve(&dev, dtype);
+        if attention == AttentionMode::Packed && !(dev.is_cpu() && dtype == DType::F32) {
             return Err(EngineError::Config(
-                "packed attention runs on the CPU only".into(),
+                "packed attention is the CPU's f32 kernel: use padded attention on a GPU or in a half dtype".into(),
             ));
         }
 

@@ -4,6 +4,7 @@
 mod cli;
 mod cross_encoder;
 mod embeddings;
+mod half;
 mod hub;
 mod pinning;
 mod qwen3;

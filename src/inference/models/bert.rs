@@ -299,7 +299,7 @@ impl AttentionInputs<'_> {
                 };
                 let (q, k, v) = (part(0)?, part(1)?, part(2)?); // [b, heads, s, d]
                 let scores = q.matmul(&k.t()?)?.broadcast_add(mask_bias)?;
-                let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+                let probs = super::attention_softmax(&scores)?;
                 let ctx = probs
                     .matmul(&v)?
                     .transpose(1, 2)?

@@ -35,6 +35,18 @@ pub trait Encoder: Send {
     fn flops_per_token(&self, seq_len: usize) -> f64;
 }
 
+/// Attention's softmax over the last dimension, accumulated in f32: candle's CUDA kernel does
+/// so for half dtypes; its CPU kernel sums in the input's dtype, so there a half-precision
+/// input is widened first (the CPU's half path exists to check the GPU's math).
+pub(crate) fn attention_softmax(scores: &Tensor) -> candle_core::Result<Tensor> {
+    let dtype = scores.dtype();
+    if scores.device().is_cpu() && dtype != DType::F32 {
+        let wide = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?;
+        return wide.to_dtype(dtype);
+    }
+    candle_nn::ops::softmax_last_dim(scores)
+}
+
 /// What turns token states into one output per row.
 pub trait Head: Send {
     fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> candle_core::Result<ModelOutput>;

@@ -14,7 +14,10 @@
 //! * the reranker's head is one vector, `W_lm[yes] − W_lm[no]`, dotted with the last hidden
 //!   state: the full-vocabulary matmul (151k rows) is never computed.
 //!
-//! bf16/f16/f32: weights load in the engine's dtype; norms and softmax run in candle's kernels.
+//! bf16/f16/f32: weights load in the engine's dtype. The steps a half dtype would spoil run in
+//! f32: RMSNorm's sum of squares (candle's kernel), attention's softmax
+//! ([`super::attention_softmax`]), the final norm (its output is f32, what pooling reads), and
+//! the reranker's yes/no dot product.
 
 use candle_core::{D, DType, Device, IndexOp, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
@@ -159,6 +162,13 @@ impl RmsNorm {
     /// Normalises over the last dimension (contiguous input).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)
+    }
+
+    /// As [`RmsNorm::forward`], wholly in f32, with an f32 output (the final norm, whose
+    /// output the heads read).
+    fn forward_f32(&self, x: &Tensor) -> Result<Tensor> {
+        let weight = self.weight.to_dtype(DType::F32)?;
+        candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?.contiguous()?, &weight, self.eps)
     }
 }
 
@@ -330,7 +340,7 @@ impl ForwardContext<'_> {
                 let k = repeat(key_rows(k)?)?;
                 let v = repeat(key_rows(v)?)?;
                 let scores = q.matmul(&k.t()?)?.broadcast_add(mask)?;
-                let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+                let probs = super::attention_softmax(&scores)?;
                 probs
                     .matmul(&v)?
                     .transpose(1, 2)?
@@ -372,7 +382,7 @@ impl Qwen3Encoder {
 }
 
 impl Encoder for Qwen3Encoder {
-    /// Final-normed packed token states `[tokens, h]`.
+    /// Final-normed packed token states `[tokens, h]`, in f32.
     fn forward(&self, batch: &PreparedBatch) -> Result<Tensor> {
         let longest = batch.lengths.iter().copied().max().unwrap_or(0);
         if longest > self.cfg.max_position_embeddings {
@@ -421,7 +431,7 @@ impl Encoder for Qwen3Encoder {
         for layer in &self.layers {
             x = layer.forward(&x, &ctx)?;
         }
-        self.norm.forward(&x)
+        self.norm.forward_f32(&x)
     }
 
     fn hidden_size(&self) -> usize {
@@ -471,7 +481,8 @@ fn shared_prefix_mask(queries: usize, shared: &SharedKeys, device: &Device) -> R
 /// Qwen3-Reranker's head: the `yes − no` direction of the LM head, dotted with the last token's
 /// state. Only two rows of the head are read; the 151k-row vocabulary matmul never runs.
 pub struct YesNoHead {
-    /// `W_lm[yes] − W_lm[no]`, `[h, 1]`.
+    /// `W_lm[yes] − W_lm[no]`, `[h, 1]`, in f32 (a half-precision logit would cost the
+    /// probability a percent).
     direction: Tensor,
 }
 
@@ -493,22 +504,19 @@ impl YesNoHead {
                 candle_core::bail!("token id {id} is outside the vocabulary");
             }
         }
-        // The difference is taken in f32, then stored in the model's dtype.
+        // The difference is taken, and kept, in f32.
         let row = |id: u32| head.i(id as usize)?.to_dtype(DType::F32);
-        let direction = (row(yes)? - row(no)?)?
-            .to_dtype(vb.dtype())?
-            .reshape((h, 1))?;
+        let direction = (row(yes)? - row(no)?)?.reshape((h, 1))?;
         Ok(Self { direction })
     }
 }
 
 impl Head for YesNoHead {
     fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> Result<ModelOutput> {
-        let last = hidden.index_select(&batch.last_token, 0)?;
-        let logits = last
-            .matmul(&self.direction)?
-            .squeeze(D::Minus1)?
+        let last = hidden
+            .index_select(&batch.last_token, 0)?
             .to_dtype(DType::F32)?;
+        let logits = last.matmul(&self.direction)?.squeeze(D::Minus1)?;
         Ok(ModelOutput::Scores(logits.to_vec1()?))
     }
 }

@@ -1,0 +1,186 @@
+//! The GPU's code path on the CPU: bf16 and f16 through padded attention (candle's generic ops,
+//! the gather/scatter indexes and masks a CUDA device runs), against the f32 packed path, for
+//! the tiny Qwen3 embedder and reranker and for MiniLM. Embeddings (MRL too) keep a cosine of at
+//! least 0.999, reranker probabilities stay within 2e-2, and no number is NaN or infinite, on
+//! the gate's probe texts, inputs of exactly the max length, and batches that mix one-token
+//! rows with max-length ones.
+
+use fantom_sidecar::hub::gate::measure::probe_texts;
+use fantom_sidecar::inference::tokenize::InputTokenizer;
+use fantom_sidecar::inference::{
+    AttentionMode, EmbedOptions, Engine, EngineConfig, RerankOptions, Truncation,
+};
+use fantom_sidecar::model_source::{ModelSelector, SpecOverrides};
+use fantom_sidecar::model_spec::Task;
+
+use crate::support::*;
+
+const HALF: [&str; 2] = ["bf16", "f16"];
+const MIN_COSINE: f64 = 0.999;
+const MAX_PROBABILITY_DIFF: f32 = 2e-2;
+
+/// The GPU's path on the CPU in `dtype`.
+fn gpu_path(dtype: &str) -> EngineConfig {
+    EngineConfig {
+        device: "cpu".parse().unwrap(),
+        dtype: dtype.parse().unwrap(),
+        attention: AttentionMode::Padded,
+        ..EngineConfig::default()
+    }
+}
+
+async fn folder_engine(name: &str, task: Task, cfg: EngineConfig) -> Engine {
+    let tmp = tempfile::tempdir().unwrap();
+    let overrides = SpecOverrides {
+        pooling: None,
+        max_tokens: (task == Task::Rerank).then_some(160),
+    };
+    let resolved = resolve(
+        ModelSelector::Folder(fixtures().join("qwen3").join(name)),
+        task,
+        overrides,
+        &source_options(tmp.path()),
+    )
+    .await
+    .unwrap();
+    start(resolved, cfg).await
+}
+
+/// The gate's probe texts, then one-token rows between texts longer than the model takes
+/// (truncated to exactly its max length), so one batch mixes both.
+fn inputs() -> Vec<String> {
+    let long = probe_texts().last().unwrap().repeat(4);
+    let mut texts = probe_texts();
+    for _ in 0..3 {
+        texts.push("x".into());
+        texts.push(long.clone());
+    }
+    texts
+}
+
+/// Asserts the longest input really is cut at the model's max length.
+fn assert_max_length(tokenizer: &std::path::Path, max_tokens: usize, texts: &[String]) {
+    let tok = InputTokenizer::load(tokenizer, max_tokens, Truncation::Truncate).unwrap();
+    let lengths: Vec<usize> = tok
+        .encode_texts(texts.to_vec())
+        .unwrap()
+        .iter()
+        .map(|t| t.ids.len())
+        .collect();
+    assert_eq!(lengths.iter().max(), Some(&max_tokens), "{lengths:?}");
+    // One word piece and the model's special tokens (BERT: [CLS] x [SEP]).
+    assert!(lengths.iter().min().is_some_and(|m| *m <= 3), "{lengths:?}");
+}
+
+fn finite(vectors: &[Vec<f32>], what: &str) {
+    for (i, v) in vectors.iter().enumerate() {
+        assert!(v.iter().all(|x| x.is_finite()), "{what} {i}: not finite");
+    }
+}
+
+/// Every vector of `got` at least [`MIN_COSINE`] to its twin in `want`; the lowest cosine.
+fn close(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) -> f64 {
+    finite(got, what);
+    assert_eq!(got.len(), want.len(), "{what}");
+    let mut lowest = 1.0f64;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let c = cosine(g, w);
+        assert!(c >= MIN_COSINE, "{what} {i}: cosine {c}");
+        lowest = lowest.min(c);
+    }
+    lowest
+}
+
+/// Embeddings as documents, as queries and truncated (MRL), in f32 packed and in each half dtype.
+async fn embedder_holds(
+    reference: Engine,
+    tokenizer: &std::path::Path,
+    make: impl AsyncFn(&str) -> Engine,
+    mrl: usize,
+) {
+    let texts = inputs();
+    assert_max_length(tokenizer, reference.info().max_tokens, &texts);
+    let mrl = EmbedOptions {
+        dimensions: Some(mrl),
+        ..EmbedOptions::default()
+    };
+    let query = EmbedOptions {
+        is_query: true,
+        ..EmbedOptions::default()
+    };
+    let options = [
+        ("document", EmbedOptions::default()),
+        ("mrl", mrl),
+        ("query", query),
+    ];
+    let mut want = Vec::new();
+    for (_, opts) in &options {
+        want.push(reference.embed(texts.clone(), opts.clone()).await.unwrap());
+    }
+    for dtype in HALF {
+        let engine = make(dtype).await;
+        assert_eq!(engine.info().dtype, dtype);
+        assert_eq!(engine.info().attention, "padded");
+        for ((name, opts), want) in options.iter().zip(&want) {
+            let got = engine.embed(texts.clone(), opts.clone()).await.unwrap();
+            let lowest = close(&got, want, &format!("{dtype} {name}"));
+            println!("{dtype} {name}: lowest cosine {lowest:.6}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_tiny_qwen3_embedder_in_bf16_and_f16_matches_f32() {
+    let reference = folder_engine("tiny-qwen3-embedding", Task::Embed, cpu()).await;
+    embedder_holds(
+        reference,
+        &fixtures().join("qwen3/tiny-qwen3-embedding/tokenizer.json"),
+        async |dtype| folder_engine("tiny-qwen3-embedding", Task::Embed, gpu_path(dtype)).await,
+        32,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn minilm_in_bf16_and_f16_matches_f32() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = minilm_engine(tmp.path(), cpu()).await;
+    embedder_holds(
+        reference,
+        &minilm_dir().join("tokenizer.json"),
+        async |dtype| {
+            let tmp = tempfile::tempdir().unwrap();
+            minilm_engine(tmp.path(), gpu_path(dtype)).await
+        },
+        128,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn the_tiny_qwen3_reranker_in_bf16_and_f16_matches_f32() {
+    let reference = folder_engine("tiny-qwen3-reranker", Task::Rerank, cpu()).await;
+    let docs = inputs();
+    let query = "which text is about leases and queues?".to_string();
+    let want = reference
+        .rerank(query.clone(), docs.clone(), RerankOptions::default())
+        .await
+        .unwrap();
+    for dtype in HALF {
+        let engine = folder_engine("tiny-qwen3-reranker", Task::Rerank, gpu_path(dtype)).await;
+        let got = engine
+            .rerank(query.clone(), docs.clone(), RerankOptions::default())
+            .await
+            .unwrap();
+        assert_eq!(got.len(), want.len());
+        let mut worst = 0.0f32;
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let (pg, pw) = (g.probability.unwrap(), w.probability.unwrap());
+            assert!(g.score.is_finite() && pg.is_finite(), "{dtype} {i}");
+            let diff = (pg - pw).abs();
+            assert!(diff <= MAX_PROBABILITY_DIFF, "{dtype} {i}: {pg} vs {pw}");
+            worst = worst.max(diff);
+        }
+        println!("{dtype} rerank: largest probability difference {worst:.5}");
+    }
+}
