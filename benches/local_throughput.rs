@@ -81,7 +81,7 @@ fn engine_for(rt: &tokio::runtime::Runtime, selector: ModelSelector, rows: usize
     let cfg = EngineConfig {
         device: "cpu".parse().unwrap(),
         max_batch_rows: rows,
-        max_batch_tokens: rows.max(1) * resolved.spec.max_tokens,
+        max_batch_tokens: Some(rows.max(1) * resolved.spec.max_tokens),
         ..EngineConfig::default()
     };
     Engine::start(resolved, cfg).expect("engine starts")

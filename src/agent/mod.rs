@@ -331,17 +331,11 @@ pub fn devices(providers: &[Arc<dyn Provider>]) -> Vec<DeviceInfo> {
 }
 
 fn host_memory_mb() -> (Option<u64>, Option<u64>) {
-    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else {
-        return (None, None);
-    };
-    let field = |name: &str| {
-        text.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|kb| kb.parse::<u64>().ok())
-            .map(|kb| kb / 1024)
-    };
-    (field("MemTotal:"), field("MemAvailable:"))
+    let memory = crate::inference::device::memory(&candle_core::Device::Cpu);
+    (
+        memory.map(|m| m.total_bytes >> 20),
+        memory.map(|m| m.free_bytes >> 20),
+    )
 }
 
 /// Loads the local models of an agent config: one engine per `[[models]]` table, one provider

@@ -68,7 +68,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     );
     let cfg = EngineConfig {
         max_batch_rows: largest,
-        max_batch_tokens: largest * args.tokens,
+        max_batch_tokens: Some(largest * args.tokens),
         ..args.model.choice().engine_config()
     };
     let mut model = args.model.clone();

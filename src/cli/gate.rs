@@ -176,6 +176,7 @@ fn local_choice(model: Option<String>, model_dir: Option<PathBuf>) -> ModelChoic
         no_truncate: false,
         max_batch_tokens: engine.max_batch_tokens,
         max_batch_rows: engine.max_batch_rows,
+        warmup: engine.warmup,
         lock_file: std::env::var_os("FANTOM_MODELS_LOCK").map(PathBuf::from),
         manifests: None,
     }

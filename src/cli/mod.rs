@@ -95,12 +95,17 @@ pub struct ModelArgs {
     /// Refuse inputs longer than the max tokens instead of truncating them.
     #[arg(long)]
     no_truncate: bool,
-    /// Padded tokens per batch (longest row × rows).
-    #[arg(long, default_value_t = EngineConfig::default().max_batch_tokens)]
-    max_batch_tokens: usize,
+    /// Padded tokens per batch (longest row × rows) [default: sized from free memory on a
+    /// GPU, 16384 on the CPU]; one that cannot fit in memory is refused at start.
+    #[arg(long)]
+    max_batch_tokens: Option<usize>,
     /// Rows per batch.
     #[arg(long, default_value_t = EngineConfig::default().max_batch_rows)]
     max_batch_rows: usize,
+    /// How much of the worst-case batch runs at start (auto: all of it on a GPU, one row on
+    /// the CPU; full; one-row).
+    #[arg(long, default_value = "auto")]
+    warmup: crate::inference::Warmup,
     #[command(flatten)]
     pins: PinArgs,
 }
@@ -136,6 +141,7 @@ impl ModelArgs {
             no_truncate: self.no_truncate,
             max_batch_tokens: self.max_batch_tokens,
             max_batch_rows: self.max_batch_rows,
+            warmup: self.warmup,
             lock_file: self.pins.lock_file.clone(),
             manifests: self.pins.manifests.clone(),
         }

@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use serde::Deserialize;
 
-use crate::inference::{AttentionMode, DTypeSpec, DeviceSpec, Engine, EngineConfig, Truncation};
+use crate::inference::{
+    AttentionMode, DTypeSpec, DeviceSpec, Engine, EngineConfig, Truncation, Warmup,
+};
 use crate::manifest::ManifestRegistry;
 use crate::manifest::lock::ModelsLock;
 use crate::model_source::{self, HubOptions, ModelSelector, SourceOptions, SpecOverrides};
@@ -38,10 +40,15 @@ pub struct ModelChoice {
     /// Refuse over-long inputs instead of truncating them.
     #[serde(default)]
     pub no_truncate: bool,
-    #[serde(default = "default_batch_tokens")]
-    pub max_batch_tokens: usize,
+    /// `None`: sized from free memory on a GPU, 16384 on the CPU.
+    #[serde(default)]
+    pub max_batch_tokens: Option<usize>,
     #[serde(default = "default_batch_rows")]
     pub max_batch_rows: usize,
+    /// How much of the worst-case batch runs at start: `auto` (all of it on a GPU, one row on
+    /// the CPU), `full`, `one-row`.
+    #[serde(default, with = "from_str")]
+    pub warmup: Warmup,
     /// The lock file for digests the manifests leave empty.
     #[serde(default)]
     pub lock_file: Option<PathBuf>,
@@ -55,9 +62,6 @@ fn default_device() -> DeviceSpec {
 }
 fn default_dtype() -> DTypeSpec {
     DTypeSpec::Auto
-}
-fn default_batch_tokens() -> usize {
-    EngineConfig::default().max_batch_tokens
 }
 fn default_batch_rows() -> usize {
     EngineConfig::default().max_batch_rows
@@ -93,6 +97,7 @@ impl ModelChoice {
             dtype: self.dtype,
             max_batch_tokens: self.max_batch_tokens,
             max_batch_rows: self.max_batch_rows,
+            warmup: self.warmup,
             truncation: if self.no_truncate {
                 Truncation::Refuse
             } else {

@@ -55,6 +55,10 @@ pub struct ProviderView {
     pub upstream: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dims: Option<usize>,
+    /// The work frame limits it announced (a local model's token budget is what its engine
+    /// sized at start: configured, default, or from free device memory).
+    pub max_batch_items: usize,
+    pub max_batch_tokens: usize,
     pub credits: u32,
     pub in_flight: u32,
     pub served_items: u64,
@@ -126,6 +130,8 @@ impl Hub {
                         revision: p.info.revision.clone(),
                         upstream: p.info.upstream.clone(),
                         dims: p.info.dims,
+                        max_batch_items: p.info.max_batch_items,
+                        max_batch_tokens: p.info.max_batch_tokens,
                         credits: p.credits,
                         in_flight: p.in_flight,
                         served_items: p.served_items,

@@ -124,6 +124,40 @@ pub fn open(device: DeviceSpec, dtype: DTypeSpec) -> Result<(Device, DType), Dev
     Ok((dev, dt))
 }
 
+/// A device's memory now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Memory {
+    pub free_bytes: u64,
+    pub total_bytes: u64,
+}
+
+/// The device's memory now: the host's available and total memory for the CPU
+/// (`/proc/meminfo`), the card's free and total for a CUDA device; `None` where it cannot tell.
+pub fn memory(dev: &Device) -> Option<Memory> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = dev {
+        let (free, total) = cuda.cuda_stream().context().mem_get_info().ok()?;
+        return Some(Memory {
+            free_bytes: free as u64,
+            total_bytes: total as u64,
+        });
+    }
+    if !dev.is_cpu() {
+        return None;
+    }
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+    };
+    Some(Memory {
+        free_bytes: kib("MemAvailable:")? * 1024,
+        total_bytes: kib("MemTotal:")? * 1024,
+    })
+}
+
 /// A short name for reports: `cpu`, `cuda:0`.
 pub fn describe(dev: &Device) -> String {
     match dev.location() {

@@ -27,6 +27,7 @@ use super::models::qwen3;
 use super::models::{self, ModelOutput};
 use super::pooling;
 use super::tokenize::{InputTokenizer, TokenizeError, TokenizedInput, Truncation};
+use super::warmup::{self, Warmup};
 use crate::model_source::{Provenance, ResolvedModel};
 use crate::model_spec::{Architecture, ModelSpec, QWEN3_DEFAULT_TASK, ScoreActivation, Task};
 
@@ -35,14 +36,17 @@ use crate::model_spec::{Architecture, ModelSpec, QWEN3_DEFAULT_TASK, ScoreActiva
 pub struct EngineConfig {
     pub device: DeviceSpec,
     pub dtype: DTypeSpec,
-    /// Padded tokens per batch (longest row × rows).
-    pub max_batch_tokens: usize,
+    /// Padded tokens per batch (longest row × rows); `None`: sized from free memory on a GPU,
+    /// [`warmup::DEFAULT_MAX_BATCH_TOKENS`] on the CPU.
+    pub max_batch_tokens: Option<usize>,
     /// Rows per batch.
     pub max_batch_rows: usize,
     pub truncation: Truncation,
     /// Packed attention on the CPU, padded elsewhere (`Auto`); `Padded` forces the GPU-shaped
     /// path, so the CPU can check it.
     pub attention: AttentionMode,
+    /// How much of the worst-case batch runs once at start.
+    pub warmup: Warmup,
 }
 
 impl Default for EngineConfig {
@@ -50,10 +54,11 @@ impl Default for EngineConfig {
         Self {
             device: DeviceSpec::Auto,
             dtype: DTypeSpec::Auto,
-            max_batch_tokens: 16384,
+            max_batch_tokens: None,
             max_batch_rows: 256,
             truncation: Truncation::Truncate,
             attention: AttentionMode::Auto,
+            warmup: Warmup::Auto,
         }
     }
 }
@@ -157,7 +162,12 @@ pub struct EngineInfo {
     pub score_activation: ScoreActivation,
     pub device: String,
     pub dtype: String,
+    /// The batch budget in force, and where it came from (configured, the default, or sized
+    /// from the device's free memory).
     pub max_batch_tokens: usize,
+    pub max_batch_tokens_source: &'static str,
+    /// Rows of the warm-up batch that ran at start.
+    pub warmup_rows: usize,
     pub max_batch_rows: usize,
     pub attention: String,
     /// Forward FLOPs per token at sequence length `s`: `flops_per_token[0] + flops_per_token[1]·s`.
@@ -224,12 +234,6 @@ impl Engine {
                 "max_batch_rows must be at least 1".into(),
             ));
         }
-        if cfg.max_batch_tokens < spec.max_tokens {
-            return Err(EngineError::Config(format!(
-                "max_batch_tokens ({}) must hold one input of max_tokens ({})",
-                cfg.max_batch_tokens, spec.max_tokens
-            )));
-        }
         let (dev, dtype) = device::open(cfg.device, cfg.dtype)?;
         let tokenizer = Arc::new(InputTokenizer::load(
             &files.tokenizer,
@@ -250,7 +254,7 @@ impl Engine {
         let (job_tx, job_rx) = mpsc::sync_channel::<Job>(0);
         let (ready_tx, ready_rx) = mpsc::channel();
         {
-            let (spec, dev, stats) = (spec.clone(), dev.clone(), stats.clone());
+            let (spec, dev, stats, cfg) = (spec.clone(), dev.clone(), stats.clone(), cfg.clone());
             let model_tokenizer = tokenizer.clone();
             std::thread::Builder::new()
                 .name("fantom-model".into())
@@ -260,33 +264,50 @@ impl Engine {
                     let model = match models::load(&files, &spec, &dev, dtype, &token_id) {
                         Ok(m) => m,
                         Err(e) => {
-                            let _ = ready_tx.send(Err(e.to_string()));
+                            let _ = ready_tx.send(Err(Refused::Load(e.to_string())));
+                            return;
+                        }
+                    };
+                    let load_time = t0.elapsed();
+                    let sized = size_and_warm_up(
+                        &model,
+                        &spec,
+                        &cfg,
+                        attention,
+                        dtype,
+                        &dev,
+                        &model_tokenizer,
+                    );
+                    let (max_batch_tokens, source, warmup_rows) = match sized {
+                        Ok(sized) => sized,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
                             return;
                         }
                     };
                     // FLOPs per token as a line in the sequence length: f(s) = a + b·s.
                     let a = model.encoder.flops_per_token(0);
                     let b = model.encoder.flops_per_token(1) - a;
-                    let _ = ready_tx.send(Ok((
-                        model.encoder.hidden_size(),
-                        model.encoder.max_positions(),
-                        t0.elapsed(),
-                        (a, b),
-                    )));
+                    let _ = ready_tx.send(Ok(Ready {
+                        hidden: model.encoder.hidden_size(),
+                        load_time,
+                        flops_line: (a, b),
+                        max_batch_tokens,
+                        source,
+                        warmup_rows,
+                    }));
                     model_loop(&model, job_rx, &stats);
                 })
                 .map_err(|e| EngineError::Load(format!("cannot spawn the model thread: {e}")))?;
         }
-        let (hidden, max_positions, load_time, flops_line) = ready_rx
+        let ready = ready_rx
             .recv()
             .map_err(|_| EngineError::Load("the model thread died while loading".into()))?
-            .map_err(EngineError::Load)?;
-        if spec.max_tokens > max_positions {
-            return Err(EngineError::Config(format!(
-                "max_tokens {} exceeds the model's {max_positions} positions",
-                spec.max_tokens
-            )));
-        }
+            .map_err(|e| match e {
+                Refused::Config(m) => EngineError::Config(m),
+                Refused::Load(m) => EngineError::Load(m),
+            })?;
+        let (hidden, load_time, flops_line) = (ready.hidden, ready.load_time, ready.flops_line);
         let dims = match spec.task {
             Task::Embed => {
                 let dims = spec.dims.unwrap_or(hidden);
@@ -302,7 +323,7 @@ impl Engine {
 
         let (queue_tx, queue_rx) = mpsc::channel::<Entry>();
         let budget = BatchBudget {
-            max_tokens: cfg.max_batch_tokens,
+            max_tokens: ready.max_batch_tokens,
             max_rows: cfg.max_batch_rows,
             padded: attention == AttentionMode::Padded,
         };
@@ -325,7 +346,9 @@ impl Engine {
             score_activation: spec.score,
             device: device::describe(&dev),
             dtype: format!("{dtype:?}").to_lowercase(),
-            max_batch_tokens: cfg.max_batch_tokens,
+            max_batch_tokens: ready.max_batch_tokens,
+            max_batch_tokens_source: ready.source.as_str(),
+            warmup_rows: ready.warmup_rows,
             max_batch_rows: cfg.max_batch_rows,
             attention: format!("{attention:?}").to_lowercase(),
             flops_per_token: [flops_line.0, flops_line.1],
@@ -337,6 +360,9 @@ impl Engine {
             dtype = %info.dtype,
             dims = info.dims,
             load_ms = load_time.as_millis() as u64,
+            max_batch_tokens = info.max_batch_tokens,
+            max_batch_tokens_from = info.max_batch_tokens_source,
+            warmup_rows = info.warmup_rows,
             "model loaded"
         );
         for f in info.provenance.files() {
@@ -625,6 +651,80 @@ async fn run_blocking<T: Send + 'static>(
             TokenizeError::TooLong { index, max } => InferenceError::TooLong { index, max },
             other => InferenceError::Tokenize(other.to_string()),
         })
+}
+
+/// What the model thread reports once the model is loaded, sized and warmed up.
+struct Ready {
+    hidden: usize,
+    load_time: std::time::Duration,
+    flops_line: (f64, f64),
+    max_batch_tokens: usize,
+    source: warmup::BudgetSource,
+    warmup_rows: usize,
+}
+
+/// Why the model thread did not start serving.
+enum Refused {
+    /// A setting that cannot work (an impossible budget, too many positions).
+    Config(String),
+    Load(String),
+}
+
+/// The batch budget (configured, or sized from free memory), checked against memory, and the
+/// warm-up batch run once: `(max_batch_tokens, where it came from, warm-up rows)`.
+fn size_and_warm_up(
+    model: &models::LoadedModel,
+    spec: &ModelSpec,
+    cfg: &EngineConfig,
+    attention: AttentionMode,
+    dtype: DType,
+    dev: &Device,
+    tokenizer: &InputTokenizer,
+) -> Result<(usize, warmup::BudgetSource, usize), Refused> {
+    let max_positions = model.encoder.max_positions();
+    if spec.max_tokens > max_positions {
+        return Err(Refused::Config(format!(
+            "max_tokens {} exceeds the model's {max_positions} positions",
+            spec.max_tokens
+        )));
+    }
+    let (max_batch_tokens, source) = warmup::budget(
+        cfg.max_batch_tokens,
+        cfg.max_batch_rows,
+        spec.max_tokens,
+        &model.encoder.activation_shape(),
+        attention,
+        dtype,
+        dev,
+        warmup::free_bytes(dev),
+    )
+    .map_err(Refused::Config)?;
+    // A row of exactly max_tokens real token ids.
+    let seed = tokenizer
+        .encode_texts(vec![
+            "the warm-up row: fn main() { println!(\"hello\"); }".into(),
+        ])
+        .map_err(|e| Refused::Load(format!("the warm-up row: {e}")))?;
+    let ids: Vec<u32> = seed
+        .first()
+        .map(|t| t.ids.clone())
+        .filter(|ids| !ids.is_empty())
+        .unwrap_or_else(|| vec![0]);
+    let row = TokenizedInput {
+        ids: ids.iter().copied().cycle().take(spec.max_tokens).collect(),
+        type_ids: vec![0; spec.max_tokens],
+    };
+    let rows = warmup::run(
+        model,
+        cfg.warmup,
+        dev,
+        attention,
+        row,
+        max_batch_tokens,
+        cfg.max_batch_rows,
+    )
+    .map_err(Refused::Config)?;
+    Ok((max_batch_tokens, source, rows))
 }
 
 fn batcher_loop(

@@ -3,7 +3,8 @@
 //! [`Engine`] is the entry point: start it from a [`crate::model_source::ResolvedModel`], then
 //! `embed` or `rerank` from any task. Inside, requests are tokenized off the model thread,
 //! queued, batched by a padded-token budget with length bucketing ([`batcher`]), and run by the
-//! one thread that owns the model ([`engine`]).
+//! one thread that owns the model ([`engine`]). At start the batch budget is sized and the
+//! worst-case batch run once ([`warmup`]).
 
 pub mod batch;
 pub mod batcher;
@@ -15,6 +16,7 @@ pub mod kernels;
 pub mod models;
 pub mod pooling;
 pub mod tokenize;
+pub mod warmup;
 
 pub use batch::AttentionMode;
 pub use device::{DTypeSpec, DeviceSpec};
@@ -23,3 +25,4 @@ pub use engine::{
     InferenceError, RerankOptions, RerankScore,
 };
 pub use tokenize::Truncation;
+pub use warmup::Warmup;

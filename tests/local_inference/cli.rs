@@ -237,3 +237,68 @@ fn models_list_and_verify() {
     assert_eq!(v["revision"], "c9745ed1d9f207416be6d2e6f8de32d1f16199bf");
     assert_eq!(v["files"].as_array().unwrap().len(), 3);
 }
+
+#[test]
+fn an_impossible_batch_budget_is_refused_at_start_with_one_that_fits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = minilm_dir();
+    // A billion tokens in up to a million rows: terabytes of activations on this host.
+    let out = run(
+        &[
+            "embed",
+            "--model",
+            "all-minilm-l6-v2",
+            "--model-dir",
+            dir.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--max-batch-tokens",
+            "1073741824",
+            "--max-batch-rows",
+            "1048576",
+        ],
+        &json_lines(&["never embedded".to_string()]),
+        tmp.path(),
+        &[],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(out.stdout.is_empty(), "nothing was served");
+    assert!(stderr.contains("max_batch_tokens 1073741824"), "{stderr}");
+    assert!(
+        stderr.contains("set max_batch_tokens to at most"),
+        "{stderr}"
+    );
+    // The number it suggests does start.
+    let suggested: usize = stderr
+        .split("set max_batch_tokens to at most ")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("a number in: {stderr}"));
+    let out = run(
+        &[
+            "embed",
+            "--model",
+            "all-minilm-l6-v2",
+            "--model-dir",
+            dir.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--max-batch-tokens",
+            // Half of it, so the host's memory moving a little between runs cannot matter.
+            &(suggested / 2 / 256 * 256).max(256).to_string(),
+            "--max-batch-rows",
+            "1048576",
+        ],
+        &json_lines(&["embedded".to_string()]),
+        tmp.path(),
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(lines(&out.stdout).len(), 1);
+}

@@ -471,3 +471,46 @@ async fn rerank_candidates_share_their_common_prefix() {
         .unwrap();
     assert!((alone[0].score - got[0].score).abs() <= 1e-4);
 }
+
+#[tokio::test]
+async fn a_full_warm_up_runs_the_worst_batch_once_at_start() {
+    let cfg = EngineConfig {
+        max_batch_tokens: Some(48 * 8),
+        warmup: fantom_sidecar::inference::Warmup::Full,
+        ..cpu()
+    };
+    let engine = engine("tiny-qwen3-embedding", Task::Embed, cfg).await;
+    let info = engine.info();
+    assert_eq!(info.max_tokens, 48);
+    assert_eq!(
+        (
+            info.warmup_rows,
+            info.max_batch_tokens,
+            info.max_batch_tokens_source
+        ),
+        (8, 384, "configured")
+    );
+    assert_eq!(
+        engine.stats().batches.load(Ordering::Relaxed),
+        0,
+        "the warm-up is not a batch served"
+    );
+    let v = engine
+        .embed(vec!["after the warm-up".into()], EmbedOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(v.len(), 1);
+    // Unconfigured on the CPU: the default budget, one warm-up row.
+    let engine = engine_default().await;
+    assert_eq!(
+        (
+            engine.info().warmup_rows,
+            engine.info().max_batch_tokens_source
+        ),
+        (1, "default")
+    );
+}
+
+async fn engine_default() -> Engine {
+    engine("tiny-qwen3-embedding", Task::Embed, cpu()).await
+}

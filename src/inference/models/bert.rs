@@ -370,6 +370,16 @@ impl BertEncoder {
 }
 
 impl Encoder for BertEncoder {
+    fn activation_shape(&self) -> super::ActivationShape {
+        super::ActivationShape {
+            hidden: self.hidden,
+            intermediate: self.intermediate,
+            heads: self.heads,
+            kv_heads: self.heads,
+            head_dim: self.hidden / self.heads.max(1),
+        }
+    }
+
     fn hidden_size(&self) -> usize {
         self.hidden
     }

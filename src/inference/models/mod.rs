@@ -23,8 +23,20 @@ pub enum ModelOutput {
     Scores(Vec<f32>),
 }
 
+/// The widths that decide how much memory a batch's activations take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ActivationShape {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
 /// A trunk: token ids in, packed final token states `[tokens, h]` out.
 pub trait Encoder: Send {
+    /// Its widths, for the boot-time memory estimate ([`crate::inference::warmup`]).
+    fn activation_shape(&self) -> ActivationShape;
     fn forward(&self, batch: &PreparedBatch) -> candle_core::Result<Tensor>;
     /// Width of the token states.
     fn hidden_size(&self) -> usize;

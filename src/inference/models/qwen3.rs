@@ -382,6 +382,16 @@ impl Qwen3Encoder {
 }
 
 impl Encoder for Qwen3Encoder {
+    fn activation_shape(&self) -> super::ActivationShape {
+        super::ActivationShape {
+            hidden: self.cfg.hidden_size,
+            intermediate: self.cfg.intermediate_size,
+            heads: self.cfg.num_attention_heads,
+            kv_heads: self.cfg.num_key_value_heads,
+            head_dim: self.cfg.head_dim(),
+        }
+    }
+
     /// Final-normed packed token states `[tokens, h]`, in f32.
     fn forward(&self, batch: &PreparedBatch) -> Result<Tensor> {
         let longest = batch.lengths.iter().copied().max().unwrap_or(0);
