@@ -103,7 +103,7 @@ async fn round(hub: &Hub, tag: &str) -> (f64, usize) {
     let local = done
         .items
         .iter()
-        .filter(|s| s.provider.backend == Backend::Local)
+        .filter(|s| s.provider.origin.backend == Backend::Local)
         .count();
     (local as f64 / secs, TEXTS - local)
 }

@@ -30,6 +30,14 @@ pub struct ProviderRef {
     /// `agent_id/provider_id`.
     pub provider: String,
     pub agent: String,
+    #[serde(flatten)]
+    pub origin: ModelOrigin,
+}
+
+/// Where a provider's answers come from (its backend, model, pinned revision or upstream):
+/// the part of its identity that its provenance, its scorer and its status view share.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ModelOrigin {
     pub backend: Backend,
     pub model: String,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -38,17 +46,24 @@ pub struct ProviderRef {
     pub upstream: Option<String>,
 }
 
+impl ModelOrigin {
+    pub fn of(info: &ProviderInfo) -> Self {
+        ModelOrigin {
+            backend: info.backend,
+            model: info.model.clone(),
+            revision: info.revision.clone(),
+            upstream: info.upstream.clone(),
+        }
+    }
+}
+
 /// A reranker's scorer identity: providers of one identity produce scores on one scale.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ScorerRef {
     /// `backend model@revision-or-upstream activation`.
     pub id: String,
-    pub backend: Backend,
-    pub model: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub revision: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub upstream: Option<String>,
+    #[serde(flatten)]
+    pub origin: ModelOrigin,
     /// How its probability comes from its logit (`none`: it reports logits only).
     pub activation: ScoreActivation,
 }
@@ -75,10 +90,7 @@ impl ScorerRef {
         };
         Some(ScorerRef {
             id: format!("{backend} {}@{at} {activation_name}", info.model),
-            backend: info.backend,
-            model: info.model.clone(),
-            revision: info.revision.clone(),
-            upstream: info.upstream.clone(),
+            origin: ModelOrigin::of(info),
             activation,
         })
     }
@@ -117,10 +129,7 @@ impl ProviderEntry {
         let reference = Arc::new(ProviderRef {
             provider: format!("{agent}/{}", info.id),
             agent: agent.to_string(),
-            backend: info.backend,
-            model: info.model.clone(),
-            revision: info.revision.clone(),
-            upstream: info.upstream.clone(),
+            origin: ModelOrigin::of(&info),
         });
         let route = (info.backend == Backend::Cloud).then(|| match &info.upstream {
             Some(up) => format!("{}:{}@{up}", info.role, info.model),

@@ -10,8 +10,8 @@ use serde::Serialize;
 
 use super::Hub;
 use super::budget::BudgetView;
-use super::registry::SocketCount;
-use crate::protocol::{Backend, ConfigAck, DeviceInfo, ProviderStats};
+use super::registry::{ModelOrigin, SocketCount};
+use crate::protocol::{ConfigAck, DeviceInfo, ProviderStats};
 use crate::roles::{Policy, Role};
 
 #[derive(Debug, Serialize)]
@@ -47,12 +47,8 @@ pub struct AgentView {
 pub struct ProviderView {
     pub provider: String,
     pub role: Role,
-    pub backend: Backend,
-    pub model: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub revision: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub upstream: Option<String>,
+    #[serde(flatten)]
+    pub origin: ModelOrigin,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dims: Option<usize>,
     /// The work frame limits it announced (a local model's token budget is what its engine
@@ -125,10 +121,7 @@ impl Hub {
                     .map(|p| ProviderView {
                         provider: p.reference.provider.clone(),
                         role: p.role(),
-                        backend: p.info.backend,
-                        model: p.info.model.clone(),
-                        revision: p.info.revision.clone(),
-                        upstream: p.info.upstream.clone(),
+                        origin: p.reference.origin.clone(),
                         dims: p.info.dims,
                         max_batch_items: p.info.max_batch_items,
                         max_batch_tokens: p.info.max_batch_tokens,

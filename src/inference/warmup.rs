@@ -301,45 +301,28 @@ mod tests {
     fn an_impossible_budget_is_refused_with_the_largest_that_fits() {
         let s = qwen3_4b();
         let free = Some(4u64 << 30);
-        let err = budget(
-            Some(1 << 20),
-            1 << 20,
-            512,
-            &s,
-            AttentionMode::Padded,
-            DType::F32,
-            &Device::Cpu,
-            free,
-        )
-        .unwrap_err();
-        assert!(err.contains("set max_batch_tokens to at most"), "{err}");
-        let at_most: usize = err.rsplit(' ').next().unwrap().parse().unwrap();
-        assert!(at_most % 512 == 0 && at_most >= 512, "{at_most}");
-        let ok = budget(
-            Some(at_most),
-            1 << 20,
-            512,
-            &s,
-            AttentionMode::Padded,
-            DType::F32,
-            &Device::Cpu,
-            free,
-        );
-        assert_eq!(ok, Ok((at_most, BudgetSource::Configured)));
-        // Unconfigured on the CPU: the default, or what fits when the default does not.
-        let plenty = Some(64u64 << 30);
-        let cpu = |free| {
+        // Qwen3-4B on the CPU, 512-token rows: `configured` tokens in up to `rows` rows.
+        let on_cpu = |configured, rows, attention, free| {
             budget(
-                None,
-                256,
+                configured,
+                rows,
                 512,
                 &s,
-                AttentionMode::Packed,
+                attention,
                 DType::F32,
                 &Device::Cpu,
                 free,
             )
         };
+        let err = on_cpu(Some(1 << 20), 1 << 20, AttentionMode::Padded, free).unwrap_err();
+        assert!(err.contains("set max_batch_tokens to at most"), "{err}");
+        let at_most: usize = err.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!(at_most % 512 == 0 && at_most >= 512, "{at_most}");
+        let ok = on_cpu(Some(at_most), 1 << 20, AttentionMode::Padded, free);
+        assert_eq!(ok, Ok((at_most, BudgetSource::Configured)));
+        // Unconfigured on the CPU: the default, or what fits when the default does not.
+        let plenty = Some(64u64 << 30);
+        let cpu = |free| on_cpu(None, 256, AttentionMode::Packed, free);
         assert_eq!(
             cpu(plenty),
             Ok((DEFAULT_MAX_BATCH_TOKENS, BudgetSource::Default))
@@ -347,16 +330,7 @@ mod tests {
         let (t, source) = cpu(free).unwrap();
         assert!(t < DEFAULT_MAX_BATCH_TOKENS && t % 512 == 0, "{t}");
         assert_eq!(source, BudgetSource::FreeMemory);
-        let tiny = budget(
-            Some(512),
-            1,
-            512,
-            &s,
-            AttentionMode::Padded,
-            DType::F32,
-            &Device::Cpu,
-            Some(1 << 20),
-        );
+        let tiny = on_cpu(Some(512), 1, AttentionMode::Padded, Some(1 << 20));
         assert!(tiny.unwrap_err().contains("even one input"));
     }
 

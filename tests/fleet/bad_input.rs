@@ -76,9 +76,7 @@ async fn tokens_are_required_for_agents_admin_and_configured_clients() {
 async fn bad_frames_get_error_frames_and_the_socket_stays_open() {
     let dir = tempfile::tempdir().unwrap();
     let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
-    let mut a = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut a = hub.raw_agent().await;
     let expect_error = async |a: &mut RawAgent, frame: &str, needle: &str| {
         a.send_text(frame).await;
         let e = a.recv().await;
@@ -133,9 +131,7 @@ async fn bad_frames_get_error_frames_and_the_socket_stays_open() {
     hub.wait_for_agent("survivor").await;
 
     // A protocol version the hub does not speak: told why, then closed.
-    let mut old = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut old = hub.raw_agent().await;
     old.send(json!({"type":"hello","agent_id":"old","hostname":"h","version":"0","protocol_version":99,"providers":[]}))
         .await;
     let e = old.recv().await;
@@ -156,9 +152,7 @@ async fn bad_frames_get_error_frames_and_the_socket_stays_open() {
 async fn bad_http_requests_get_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
-    let mut a = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut a = hub.raw_agent().await;
     a.hello("a", json!([fake_provider("embedding", "embedding", 4)]))
         .await;
     let raw = hub

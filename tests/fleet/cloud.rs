@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::support::{HubProc, Proc, RawAgent, eventually, fake_provider, start_agent_toml};
+use crate::support::{HubProc, Proc, eventually, fake_provider, start_agent_toml};
 use crate::upstream::{Endpoint, EndpointKind, Upstream, UpstreamConfig};
 
 pub const KEY: &str = "sk-or-v1-cloud-test-0123456789abcdef0123456789abcdef";
@@ -287,9 +287,7 @@ async fn backup_uses_the_cloud_only_after_a_local_failure_or_without_a_healthy_l
     assert_eq!(code, 200, "{result}");
     // Embedding, and the reranker and chat routes (both `backup` by default).
     wait_for_cloud(&hub, "cloud-a", 3).await;
-    let mut local = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut local = hub.raw_agent().await;
     local.probe_dims = 384;
     let mut provider = fake_provider("embedding", "embedding", 64);
     provider["dims"] = json!(384);

@@ -219,9 +219,7 @@ async fn every_rerank_response_is_scored_by_one_scorer_in_its_own_order() {
 async fn a_rerank_request_whose_scorer_leaves_is_scored_again_whole_by_another() {
     let dir = tempfile::tempdir().unwrap();
     let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
-    let mut a = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut a = hub.raw_agent().await;
     a.hello("a", reranker("scorer-a", 2)).await;
     a.send(json!({"type":"pull","provider":"reranker","credits":1}))
         .await;
@@ -232,9 +230,7 @@ async fn a_rerank_request_whose_scorer_leaves_is_scored_again_whole_by_another()
     );
     let first = a.recv_kind("work").await;
     assert_eq!(first["input"]["documents"], json!(["d0", "d1"]));
-    let mut b = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut b = hub.raw_agent().await;
     b.hello("b", reranker("scorer-b", 8)).await;
     b.send(json!({"type":"pull","provider":"reranker","credits":4}))
         .await;
@@ -291,14 +287,10 @@ async fn a_width_push_mid_request_never_mixes_spaces_in_one_response() {
     let dir = tempfile::tempdir().unwrap();
     let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
     // a: 2 wide, the reference (first in order); b: 3 wide, refused for a's space.
-    let mut a = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut a = hub.raw_agent().await;
     a.hello("a", embedder("model-a", 2, 500)).await;
     a.answer_one_probe().await;
-    let mut b = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut b = hub.raw_agent().await;
     b.probe_dims = 3;
     b.hello("b", embedder("model-b", 3, 500)).await;
     let refused = crate::gate::verdict(&hub, "b/embedding", &["refused"]).await;
@@ -448,9 +440,7 @@ async fn the_last_passing_provider_suspended_mid_request_fails_the_waiting_items
         &[],
         "hub.log",
     );
-    let mut a = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut a = hub.raw_agent().await;
     a.hello("a", embedder("model-a", 2, 4)).await;
     a.answer_one_probe().await;
     let client = spawn_post(
@@ -659,9 +649,7 @@ async fn a_client_that_goes_away_cancels_the_upstream_call_and_frees_the_permit(
 async fn two_identical_chats_are_two_work_frames_and_two_answers() {
     let dir = tempfile::tempdir().unwrap();
     let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
-    let mut agent = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut agent = hub.raw_agent().await;
     agent
         .hello(
             "chatty",

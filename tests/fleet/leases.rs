@@ -28,9 +28,7 @@ fn vectors_for(work: &Value, value: f32) -> Value {
 async fn an_expired_lease_goes_back_to_the_front_and_its_late_result_is_dropped() {
     let dir = tempfile::tempdir().unwrap();
     let hub = HubProc::start(dir.path(), None, &["--lease-s", "1"], &[], "hub.log");
-    let mut slow = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut slow = hub.raw_agent().await;
     slow.hello("slow", json!([fake_provider("embedding", "embedding", 8)]))
         .await;
     slow.send(json!({"type":"pull","provider":"embedding","credits":1}))
@@ -40,9 +38,7 @@ async fn an_expired_lease_goes_back_to_the_front_and_its_late_result_is_dropped(
     let first = slow.recv_kind("work").await;
     assert_eq!(first["input"]["texts"], json!(["one", "two", "three"]));
 
-    let mut fast = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut fast = hub.raw_agent().await;
     fast.hello("fast", json!([fake_provider("embedding", "embedding", 8)]))
         .await;
     fast.send(json!({"type":"pull","provider":"embedding","credits":1}))
@@ -78,9 +74,7 @@ async fn an_expired_lease_goes_back_to_the_front_and_its_late_result_is_dropped(
 async fn transient_failures_requeue_and_fatal_ones_fail_the_request() {
     let dir = tempfile::tempdir().unwrap();
     let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
-    let mut agent = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut agent = hub.raw_agent().await;
     agent
         .hello("flaky", json!([fake_provider("embedding", "embedding", 8)]))
         .await;
@@ -169,9 +163,7 @@ async fn a_full_queue_answers_429_with_retry_after_and_loses_nothing_accepted() 
         &[],
         "hub.log",
     );
-    let mut agent = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut agent = hub.raw_agent().await;
     agent
         .hello("one", json!([fake_provider("embedding", "embedding", 1)]))
         .await;

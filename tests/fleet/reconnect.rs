@@ -75,15 +75,11 @@ async fn the_agent_reconnects_after_a_hub_restart_and_the_safe_config_survives()
 async fn a_newer_socket_supersedes_and_the_older_close_never_tears_it_down() {
     let dir = tempfile::tempdir().unwrap();
     let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
-    let mut first = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut first = hub.raw_agent().await;
     let w1 = first
         .hello("twin", json!([fake_provider("embedding", "embedding", 8)]))
         .await;
-    let mut second = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut second = hub.raw_agent().await;
     let w2 = second
         .hello("twin", json!([fake_provider("embedding", "embedding", 8)]))
         .await;

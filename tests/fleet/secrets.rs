@@ -22,9 +22,7 @@ async fn the_key_never_reaches_logs_endpoints_files_or_frame_heads() {
     let agent = start_agent(&agent_dir, &hub, "gpu-k", &trace);
     hub.wait_for_agent("gpu-k").await;
     // A protocol-level agent sees the config frame exactly as it goes over the wire.
-    let mut spy = RawAgent::connect(&hub.ws_url(), Some(&hub.fleet))
-        .await
-        .unwrap();
+    let mut spy = hub.raw_agent().await;
     spy.hello("spy", json!([])).await;
 
     let (code, answer) = hub

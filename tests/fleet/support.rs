@@ -185,6 +185,13 @@ impl HubProc {
         self.proc.url(path)
     }
 
+    /// A scripted agent connected with the fleet token.
+    pub async fn raw_agent(&self) -> RawAgent {
+        RawAgent::connect(&self.ws_url(), Some(&self.fleet))
+            .await
+            .expect("the hub takes an agent")
+    }
+
     pub fn ws_url(&self) -> String {
         format!("ws://{}/v1/agent", self.proc.addr)
     }

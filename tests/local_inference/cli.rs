@@ -37,25 +37,27 @@ fn run(
     run_cli(args, stdin, &all)
 }
 
+/// `embed` of the pinned MiniLM on the CPU, with `extra` flags, `stdin` in.
+fn embed_pinned_minilm(extra: &[&str], stdin: &str, tmp: &std::path::Path) -> std::process::Output {
+    let dir = minilm_dir();
+    let mut args = vec![
+        "embed",
+        "--model",
+        "all-minilm-l6-v2",
+        "--model-dir",
+        dir.to_str().unwrap(),
+        "--device",
+        "cpu",
+    ];
+    args.extend_from_slice(extra);
+    run(&args, stdin, tmp, &[])
+}
+
 #[test]
 fn embed_reproduces_sentence_transformers() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = minilm_dir();
     let texts = texts();
-    let out = run(
-        &[
-            "embed",
-            "--model",
-            "all-minilm-l6-v2",
-            "--model-dir",
-            dir.to_str().unwrap(),
-            "--device",
-            "cpu",
-        ],
-        &json_lines(&texts),
-        tmp.path(),
-        &[],
-    );
+    let out = embed_pinned_minilm(&[], &json_lines(&texts), tmp.path());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let got = lines(&out.stdout);
@@ -241,17 +243,9 @@ fn models_list_and_verify() {
 #[test]
 fn an_impossible_batch_budget_is_refused_at_start_with_one_that_fits() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = minilm_dir();
     // A billion tokens in up to a million rows: terabytes of activations on this host.
-    let out = run(
+    let out = embed_pinned_minilm(
         &[
-            "embed",
-            "--model",
-            "all-minilm-l6-v2",
-            "--model-dir",
-            dir.to_str().unwrap(),
-            "--device",
-            "cpu",
             "--max-batch-tokens",
             "1073741824",
             "--max-batch-rows",
@@ -259,7 +253,6 @@ fn an_impossible_batch_budget_is_refused_at_start_with_one_that_fits() {
         ],
         &json_lines(&["never embedded".to_string()]),
         tmp.path(),
-        &[],
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
@@ -276,24 +269,12 @@ fn an_impossible_batch_budget_is_refused_at_start_with_one_that_fits() {
         .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("a number in: {stderr}"));
-    let out = run(
-        &[
-            "embed",
-            "--model",
-            "all-minilm-l6-v2",
-            "--model-dir",
-            dir.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--max-batch-tokens",
-            // Half of it, so the host's memory moving a little between runs cannot matter.
-            &(suggested / 2 / 256 * 256).max(256).to_string(),
-            "--max-batch-rows",
-            "1048576",
-        ],
+    // Half of it, so the host's memory moving a little between runs cannot matter.
+    let half = (suggested / 2 / 256 * 256).max(256).to_string();
+    let out = embed_pinned_minilm(
+        &["--max-batch-tokens", &half, "--max-batch-rows", "1048576"],
         &json_lines(&["embedded".to_string()]),
         tmp.path(),
-        &[],
     );
     assert!(
         out.status.success(),

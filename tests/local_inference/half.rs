@@ -10,7 +10,6 @@ use fantom_sidecar::inference::tokenize::InputTokenizer;
 use fantom_sidecar::inference::{
     AttentionMode, EmbedOptions, Engine, EngineConfig, RerankOptions, Truncation,
 };
-use fantom_sidecar::model_source::{ModelSelector, SpecOverrides};
 use fantom_sidecar::model_spec::Task;
 
 use crate::support::*;
@@ -27,23 +26,6 @@ fn gpu_path(dtype: &str) -> EngineConfig {
         attention: AttentionMode::Padded,
         ..EngineConfig::default()
     }
-}
-
-async fn folder_engine(name: &str, task: Task, cfg: EngineConfig) -> Engine {
-    let tmp = tempfile::tempdir().unwrap();
-    let overrides = SpecOverrides {
-        pooling: None,
-        max_tokens: (task == Task::Rerank).then_some(160),
-    };
-    let resolved = resolve(
-        ModelSelector::Folder(fixtures().join("qwen3").join(name)),
-        task,
-        overrides,
-        &source_options(tmp.path()),
-    )
-    .await
-    .unwrap();
-    start(resolved, cfg).await
 }
 
 /// The gate's probe texts, then one-token rows between texts longer than the model takes
@@ -131,11 +113,11 @@ async fn embedder_holds(
 
 #[tokio::test]
 async fn the_tiny_qwen3_embedder_in_bf16_and_f16_matches_f32() {
-    let reference = folder_engine("tiny-qwen3-embedding", Task::Embed, cpu()).await;
+    let reference = qwen3_engine("tiny-qwen3-embedding", Task::Embed, cpu()).await;
     embedder_holds(
         reference,
         &fixtures().join("qwen3/tiny-qwen3-embedding/tokenizer.json"),
-        async |dtype| folder_engine("tiny-qwen3-embedding", Task::Embed, gpu_path(dtype)).await,
+        async |dtype| qwen3_engine("tiny-qwen3-embedding", Task::Embed, gpu_path(dtype)).await,
         32,
     )
     .await;
@@ -159,7 +141,7 @@ async fn minilm_in_bf16_and_f16_matches_f32() {
 
 #[tokio::test]
 async fn the_tiny_qwen3_reranker_in_bf16_and_f16_matches_f32() {
-    let reference = folder_engine("tiny-qwen3-reranker", Task::Rerank, cpu()).await;
+    let reference = qwen3_engine("tiny-qwen3-reranker", Task::Rerank, cpu()).await;
     let docs = inputs();
     let query = "which text is about leases and queues?".to_string();
     let want = reference
@@ -167,7 +149,7 @@ async fn the_tiny_qwen3_reranker_in_bf16_and_f16_matches_f32() {
         .await
         .unwrap();
     for dtype in HALF {
-        let engine = folder_engine("tiny-qwen3-reranker", Task::Rerank, gpu_path(dtype)).await;
+        let engine = qwen3_engine("tiny-qwen3-reranker", Task::Rerank, gpu_path(dtype)).await;
         let got = engine
             .rerank(query.clone(), docs.clone(), RerankOptions::default())
             .await

@@ -54,24 +54,6 @@ fn read<T: serde::de::DeserializeOwned>(name: &str) -> T {
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 
-async fn engine(folder: &str, task: Task, cfg: EngineConfig) -> Engine {
-    let tmp = tempfile::tempdir().unwrap();
-    // The reranker reference truncates at 160 tokens; the embedder folder declares its 48.
-    let overrides = SpecOverrides {
-        pooling: None,
-        max_tokens: (task == Task::Rerank).then_some(160),
-    };
-    let resolved = resolve(
-        ModelSelector::Folder(qwen3_dir(folder)),
-        task,
-        overrides,
-        &source_options(tmp.path()),
-    )
-    .await
-    .unwrap();
-    start(resolved, cfg).await
-}
-
 fn assert_vectors(got: &[Vec<f32>], want: &[Vec<f32>], min_cos: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -117,7 +99,7 @@ async fn the_folder_is_read_as_a_qwen3_embedder() {
 #[tokio::test]
 async fn qwen3_embeddings_match_transformers() {
     let reference: EmbeddingReference = read("embedding_reference.json");
-    let engine = engine("tiny-qwen3-embedding", Task::Embed, cpu()).await;
+    let engine = qwen3_engine("tiny-qwen3-embedding", Task::Embed, cpu()).await;
     let docs = engine
         .embed(reference.documents.clone(), EmbedOptions::default())
         .await
@@ -155,8 +137,8 @@ async fn qwen3_embeddings_match_transformers() {
 async fn qwen3_batched_equals_one_at_a_time_and_padded_path_agrees() {
     let reference: EmbeddingReference = read("embedding_reference.json");
     let texts = reference.documents.clone();
-    let batched = engine("tiny-qwen3-embedding", Task::Embed, cpu()).await;
-    let single = engine(
+    let batched = qwen3_engine("tiny-qwen3-embedding", Task::Embed, cpu()).await;
+    let single = qwen3_engine(
         "tiny-qwen3-embedding",
         Task::Embed,
         EngineConfig {
@@ -165,7 +147,7 @@ async fn qwen3_batched_equals_one_at_a_time_and_padded_path_agrees() {
         },
     )
     .await;
-    let padded = engine(
+    let padded = qwen3_engine(
         "tiny-qwen3-embedding",
         Task::Embed,
         EngineConfig {
@@ -199,7 +181,7 @@ async fn qwen3_batched_equals_one_at_a_time_and_padded_path_agrees() {
 #[tokio::test]
 async fn qwen3_reranker_matches_transformers() {
     let reference: RerankerReference = read("reranker_reference.json");
-    let engine = engine("tiny-qwen3-reranker", Task::Rerank, cpu()).await;
+    let engine = qwen3_engine("tiny-qwen3-reranker", Task::Rerank, cpu()).await;
     assert_eq!(engine.info().max_tokens, reference.max_length);
     for case in &reference.cases {
         let got = engine
@@ -426,7 +408,7 @@ fn bench_runs_an_architecture_from_its_config_with_random_weights() {
 async fn rerank_candidates_share_their_common_prefix() {
     let reference: RerankerReference = read("reranker_reference.json");
     let case = &reference.cases[0];
-    let engine = engine("tiny-qwen3-reranker", Task::Rerank, cpu()).await;
+    let engine = qwen3_engine("tiny-qwen3-reranker", Task::Rerank, cpu()).await;
     let got = engine
         .rerank(
             case.query.clone(),
@@ -479,7 +461,7 @@ async fn a_full_warm_up_runs_the_worst_batch_once_at_start() {
         warmup: fantom_sidecar::inference::Warmup::Full,
         ..cpu()
     };
-    let engine = engine("tiny-qwen3-embedding", Task::Embed, cfg).await;
+    let engine = qwen3_engine("tiny-qwen3-embedding", Task::Embed, cfg).await;
     let info = engine.info();
     assert_eq!(info.max_tokens, 48);
     assert_eq!(
@@ -512,5 +494,5 @@ async fn a_full_warm_up_runs_the_worst_batch_once_at_start() {
 }
 
 async fn engine_default() -> Engine {
-    engine("tiny-qwen3-embedding", Task::Embed, cpu()).await
+    qwen3_engine("tiny-qwen3-embedding", Task::Embed, cpu()).await
 }

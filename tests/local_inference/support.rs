@@ -157,6 +157,25 @@ pub async fn start(resolved: ResolvedModel, cfg: EngineConfig) -> Engine {
         .expect("engine starts")
 }
 
+/// A committed tiny Qwen3 folder (`tests/fixtures/qwen3/NAME`) started with `cfg`. The reranker
+/// reference truncates at 160 tokens; the embedder folder declares its own 48.
+pub async fn qwen3_engine(name: &str, task: Task, cfg: EngineConfig) -> Engine {
+    let tmp = tempfile::tempdir().unwrap();
+    let overrides = SpecOverrides {
+        pooling: None,
+        max_tokens: (task == Task::Rerank).then_some(160),
+    };
+    let resolved = resolve(
+        ModelSelector::Folder(fixtures().join("qwen3").join(name)),
+        task,
+        overrides,
+        &source_options(tmp.path()),
+    )
+    .await
+    .unwrap();
+    start(resolved, cfg).await
+}
+
 /// The pinned MiniLM engine over the package's files.
 pub async fn minilm_engine(tmp: &Path, cfg: EngineConfig) -> Engine {
     let selector = ModelSelector::Pinned {

@@ -8,7 +8,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{MethodRouter, delete, get, post};
 use axum::{Extension, Json, Router};
 use serde::Deserialize;
 use serde_json::json;
@@ -27,10 +27,10 @@ pub fn router(sidecar: Arc<Sidecar>) -> Router {
         .route("/status", get(status))
         .route("/api/masters", get(list_masters).post(add_master))
         .route("/api/masters/{url}", delete(remove_master))
-        .route("/start", post(start))
-        .route("/stop", post(stop))
-        .route("/acquire", post(acquire))
-        .route("/release", post(release))
+        .route("/start", container(ContainerVerb::Start))
+        .route("/stop", container(ContainerVerb::Stop))
+        .route("/acquire", container(ContainerVerb::Acquire))
+        .route("/release", container(ContainerVerb::Release))
         .with_state(sidecar)
         .merge(health_router())
 }
@@ -142,33 +142,13 @@ async fn remove_master(
     Json(json!({ "ok": true, "removed": removed })).into_response()
 }
 
-async fn start(
-    State(s): State<Arc<Sidecar>>,
-    Extension(c): Extension<Caller>,
-    body: Bytes,
-) -> Response {
-    act(&s, &c, ContainerVerb::Start, &body).await
-}
-async fn stop(
-    State(s): State<Arc<Sidecar>>,
-    Extension(c): Extension<Caller>,
-    body: Bytes,
-) -> Response {
-    act(&s, &c, ContainerVerb::Stop, &body).await
-}
-async fn acquire(
-    State(s): State<Arc<Sidecar>>,
-    Extension(c): Extension<Caller>,
-    body: Bytes,
-) -> Response {
-    act(&s, &c, ContainerVerb::Acquire, &body).await
-}
-async fn release(
-    State(s): State<Arc<Sidecar>>,
-    Extension(c): Extension<Caller>,
-    body: Bytes,
-) -> Response {
-    act(&s, &c, ContainerVerb::Release, &body).await
+/// The route of one container verb.
+fn container(verb: ContainerVerb) -> MethodRouter<Arc<Sidecar>> {
+    post(
+        move |State(s): State<Arc<Sidecar>>, Extension(c): Extension<Caller>, body: Bytes| async move {
+            act(&s, &c, verb, &body).await
+        },
+    )
 }
 
 /// A container action: the host's models are shared, so any master's token (or the

@@ -111,7 +111,7 @@ impl Core {
                 self.counters.leases_lost += 1;
                 self.release_permit(&lease, budget::Outcome::Other);
                 let role = lease.role;
-                let local = lease.reference.backend == Backend::Local;
+                let local = lease.reference.origin.backend == Backend::Local;
                 let items = results::mark_failed_locally(lease.items, local);
                 self.requeue(role, items, true, "the agent disconnected");
             }

@@ -184,7 +184,7 @@ impl Core {
             let admitted = match (policy, entry.info.backend) {
                 (Policy::Backup, Backend::Cloud) => {
                     item.failed_locally
-                        || matches!(&req.binding, Binding::Scorer(Some(x)) if x.backend == Backend::Cloud)
+                        || matches!(&req.binding, Binding::Scorer(Some(x)) if x.origin.backend == Backend::Cloud)
                         || {
                             let healthy_local =
                                 *local_serves.entry(req.binding.key()).or_insert_with(|| {

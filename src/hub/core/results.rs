@@ -250,7 +250,7 @@ impl Core {
             return Ok(());
         }
         if let Some(refusal) = failed.refusal
-            && lease.reference.backend == Backend::Cloud
+            && lease.reference.origin.backend == Backend::Cloud
         {
             // A standing refusal: no retry helps until the operator acts. The provider (or, for
             // a rejected key, every cloud route) is out; its items go to whoever else can serve
@@ -273,7 +273,7 @@ impl Core {
             return Ok(());
         }
         let benched = self.count_failure(&lease, failed.class);
-        let local = lease.reference.backend == Backend::Local;
+        let local = lease.reference.origin.backend == Backend::Local;
         match failed.class {
             FailureClass::Fatal if lease.items.len() > 1 => {
                 // One item may be at fault: each goes again on its own, so only its request fails.
@@ -484,7 +484,7 @@ impl Core {
             self.release_permit(&lease, budget::Outcome::Other);
             let benched = self.count_failure(&lease, FailureClass::Transient);
             let role = lease.role;
-            let local = lease.reference.backend == Backend::Local;
+            let local = lease.reference.origin.backend == Backend::Local;
             let items = mark_failed_locally(lease.items, local);
             self.requeue(role, items, true, "the lease expired");
             self.settle(role, benched);
