@@ -157,13 +157,13 @@ fn main() {
         while hub.core().agents().len() < 3 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        hub.push_config(push("local", true)).unwrap();
+        hub.push_config(push("local", true)).await.unwrap();
         round(&hub, "warm").await;
         let (mut solo, mut mixed, mut cloud) = (0f64, 0f64, 0usize);
         for r in 0..ROUNDS {
-            hub.push_config(push("local", false)).unwrap();
+            hub.push_config(push("local", false)).await.unwrap();
             solo = solo.max(round(&hub, &format!("solo {r}")).await.0);
-            hub.push_config(push("aggregate", false)).unwrap();
+            hub.push_config(push("aggregate", false)).await.unwrap();
             let (rate, c) = round(&hub, &format!("mixed {r}")).await;
             mixed = mixed.max(rate);
             cloud += c;

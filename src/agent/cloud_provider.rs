@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use sha2::Digest;
 
-use super::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
+use super::provider::{BoxFuture, ChunkSink, Provider, ProviderFailure, WorkResult};
 use crate::cloud::error::CloudError;
 use crate::cloud::openrouter::OpenRouterClient;
 use crate::cloud::route::CloudRoute;
@@ -142,6 +142,30 @@ impl Provider for CloudProvider {
                     })
                 }
             }
+        })
+    }
+
+    fn run_streaming(
+        &self,
+        input: WorkInput,
+        chunks: ChunkSink,
+    ) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
+        let WorkInput::Chat(body) = input else {
+            return self.run(input);
+        };
+        let (route, client) = (self.route.clone(), self.client.clone());
+        Box::pin(async move {
+            let forward = |chunk| {
+                let _ = chunks.send(chunk);
+            };
+            let out = client
+                .chat_stream(&route, body, forward)
+                .await
+                .map_err(failure)?;
+            Ok(WorkResult {
+                output: WorkOutput::Chat(out.response),
+                tokens: out.tokens,
+            })
         })
     }
 }

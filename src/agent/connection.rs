@@ -20,12 +20,12 @@ use tokio_tungstenite::tungstenite::protocol::frame::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{self, Message};
 
-use super::provider::{Provider, ProviderFailure, WorkResult};
+use super::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
 use super::{Agent, devices, hostname};
 use crate::protocol::codec::encode_agent;
 use crate::protocol::{
-    self, AgentFrame, Done, Failed, FailureClass, Heartbeat, Hello, HubFrame, PROTOCOL_VERSION,
-    ProviderInfo, Pull, Work,
+    self, AgentFrame, Chunk, Done, ErrorCode, Failed, FailureClass, Heartbeat, Hello, HubFrame,
+    PROTOCOL_VERSION, ProviderInfo, Pull, Work, WorkInput,
 };
 
 /// Reconnect delays: full jitter over `min(CAP, BASE · 2^attempt)`.
@@ -49,24 +49,36 @@ enum SessionEnd {
     Lost(String),
     /// Shutdown: leases finished or handed back, socket closed.
     Drained,
+    /// The hub refused this process for good (see [`Refused`]).
+    Refused(Refused),
 }
 
-pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) {
+/// The hub refused this process for good: another live process holds its agent id. Serving
+/// on would only have the two take turns; the process exits with this message.
+#[derive(Debug, thiserror::Error)]
+#[error("the hub refused this agent: {0}")]
+pub struct Refused(pub String);
+
+pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Result<(), Refused> {
     let mut attempt = 0u32;
     loop {
         if *shutdown.borrow() {
-            return;
+            return Ok(());
         }
         let dialled = tokio::select! {
             r = dial(&agent) => r,
-            _ = shutdown.changed() => return,
+            _ = shutdown.changed() => return Ok(()),
         };
         agent.note_dial();
         match dialled {
             Ok(ws) => {
                 let welcomed_before = agent.sessions();
                 match session(&agent, ws, &mut shutdown).await {
-                    SessionEnd::Drained => return,
+                    SessionEnd::Drained => return Ok(()),
+                    SessionEnd::Refused(refused) => {
+                        tracing::error!(reason = %refused.0, "the hub refused this agent for good; exiting");
+                        return Err(refused);
+                    }
                     SessionEnd::Lost(why) => {
                         tracing::warn!(reason = %why, "hub connection lost");
                     }
@@ -88,7 +100,7 @@ pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) {
         );
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
-            _ = shutdown.changed() => return,
+            _ = shutdown.changed() => return Ok(()),
         }
     }
 }
@@ -165,17 +177,13 @@ async fn session(
     ws: WsStream,
     shutdown: &mut watch::Receiver<bool>,
 ) -> SessionEnd {
-    let (mut sink, mut stream) = ws.split();
-    let (tx, mut rx) = mpsc::unbounded_channel::<Message>();
-    let writer = tokio::spawn(async move {
-        while let Some(msg) = rx.recv().await {
-            let closing = matches!(msg, Message::Close(_));
-            if sink.send(msg).await.is_err() || closing {
-                break;
-            }
-        }
-        let _ = sink.close().await;
-    });
+    let (sink, mut stream) = ws.split();
+    let (tx, rx) = mpsc::unbounded_channel::<Message>();
+    // Until welcome says the heartbeat, writes get the default silence bound.
+    let write_timeout = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(
+        u64::try_from(DEFAULT_SILENCE.as_millis()).unwrap_or(u64::MAX),
+    ));
+    let mut writer = tokio::spawn(write_frames(sink, rx, write_timeout.clone()));
     let send = |frame: &AgentFrame| {
         let _ = tx.send(Message::Text(encode_agent(frame).into()));
     };
@@ -187,6 +195,7 @@ async fn session(
         protocol_version: PROTOCOL_VERSION,
         providers: providers.iter().map(|p| p.info()).collect(),
         devices: devices(&providers),
+        instance: Some(agent.instance().to_string()),
     }));
 
     let max_frame = agent.opts.max_frame_bytes;
@@ -194,7 +203,15 @@ async fn session(
     let welcome = match tokio::time::timeout(Duration::from_secs(10), stream.next()).await {
         Ok(Some(Ok(Message::Text(text)))) => match protocol::decode_hub(text.as_str(), max_frame) {
             Ok(HubFrame::Welcome(w)) => w,
-            Ok(HubFrame::Error { message }) => {
+            Ok(HubFrame::Error {
+                message,
+                code: Some(ErrorCode::AgentIdInUse),
+            }) => {
+                drop(tx);
+                writer.abort();
+                return SessionEnd::Refused(Refused(message));
+            }
+            Ok(HubFrame::Error { message, .. }) => {
                 return end(tx, writer, format!("the hub refused hello: {message}")).await;
             }
             Ok(_) => return end(tx, writer, "the hub sent something before welcome".into()).await,
@@ -219,22 +236,33 @@ async fn session(
         }));
     }
 
-    let mut heartbeat = tokio::time::interval(Duration::from_millis(
-        welcome.heartbeat_interval_ms.max(100),
-    ));
+    let heartbeat_every = Duration::from_millis(welcome.heartbeat_interval_ms.max(100));
+    // Three heartbeats with nothing from the hub (it pings every one): the socket is dead,
+    // whatever TCP thinks; so is a write that takes as long.
+    let silence = heartbeat_every * 3;
+    write_timeout.store(
+        u64::try_from(silence.as_millis()).unwrap_or(u64::MAX),
+        Ordering::Relaxed,
+    );
+    let mut heartbeat = tokio::time::interval(heartbeat_every);
     heartbeat.tick().await;
+    let mut last_heard = Instant::now();
     let mut tasks: JoinSet<(Result<WorkResult, ProviderFailure>, f64)> = JoinSet::new();
     let mut running: HashMap<tokio::task::Id, InFlight> = HashMap::new();
     let mut by_lease: HashMap<u64, tokio::task::AbortHandle> = HashMap::new();
     let mut drain_deadline: Option<Instant> = None;
+    let mut writer_done = false;
     let far = Duration::from_secs(365 * 24 * 3600);
 
     let why = loop {
         let drain_sleep = tokio::time::sleep(
             drain_deadline.map_or(far, |d| d.saturating_duration_since(Instant::now())),
         );
+        let silent =
+            tokio::time::sleep((last_heard + silence).saturating_duration_since(Instant::now()));
         tokio::select! {
             next = stream.next() => {
+                last_heard = Instant::now();
                 let text = match next {
                     Some(Ok(Message::Text(text))) => text,
                     Some(Ok(Message::Close(frame))) => {
@@ -254,7 +282,7 @@ async fn session(
                             send(&failed(work.lease, FailureClass::Refused, &format!("no provider '{}' here", work.provider)));
                             continue;
                         };
-                        start_work(agent, provider, work, &mut tasks, &mut running, &mut by_lease);
+                        start_work(agent, &tx, provider, work, &mut tasks, &mut running, &mut by_lease);
                     }
                     Ok(HubFrame::Cancel { lease, reason }) => {
                         if let Some(handle) = by_lease.remove(&lease) {
@@ -291,7 +319,7 @@ async fn session(
                             let _ = tx.send(Message::Text(encode_agent(&AgentFrame::Limits(limits)).into()));
                         });
                     }
-                    Ok(HubFrame::Error { message }) => tracing::warn!(message = %message, "the hub reported an error"),
+                    Ok(HubFrame::Error { message, .. }) => tracing::warn!(message = %message, "the hub reported an error"),
                     Ok(HubFrame::Probe(probe)) => {
                         // Gate probes run like production documents; the answer is the vectors.
                         let provider = find(&providers, &probe.provider).cloned();
@@ -361,7 +389,16 @@ async fn session(
                 send(&AgentFrame::Heartbeat(Heartbeat {
                     providers: agent.provider_stats(),
                     devices: devices(&providers),
+                    // Work still running: its leases live on.
+                    leases: by_lease.keys().copied().collect(),
                 }));
+            }
+            _ = silent => {
+                break format!("nothing from the hub for {} s (three heartbeats)", silence.as_secs_f64());
+            }
+            _ = &mut writer => {
+                writer_done = true;
+                break "a write to the hub failed or did not complete in time".to_string();
             }
             _ = shutdown.changed(), if drain_deadline.is_none() => {
                 tracing::info!(in_flight = tasks.len(), "shutting down: no more pulls; finishing leases in progress");
@@ -392,7 +429,9 @@ async fn session(
             reason: "agent shutting down".into(),
         })));
         drop(tx);
-        let _ = writer.await;
+        if !writer_done {
+            let _ = writer.await;
+        }
         tracing::info!("drained and closed");
         return SessionEnd::Drained;
     }
@@ -410,8 +449,42 @@ fn failed(lease: u64, class: FailureClass, message: &str) -> AgentFrame {
     })
 }
 
+/// Runs a chat that asked to stream: its chunks become `chunk` frames (`seq` from 0) as they
+/// arrive, all of them sent before the call's result (the `done` frame follows them).
+fn stream_chunks(
+    provider: &dyn Provider,
+    input: WorkInput,
+    lease: u64,
+    frames: mpsc::UnboundedSender<Message>,
+) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
+    let (sink, mut chunks) = mpsc::unbounded_channel();
+    let call = provider.run_streaming(input, sink);
+    Box::pin(async move {
+        tokio::pin!(call);
+        let mut seq = 0u64;
+        let mut send = |data| {
+            let frame = AgentFrame::Chunk(Chunk { lease, seq, data });
+            let _ = frames.send(Message::Text(encode_agent(&frame).into()));
+            seq += 1;
+        };
+        loop {
+            tokio::select! {
+                biased;
+                Some(chunk) = chunks.recv() => send(chunk),
+                result = &mut call => {
+                    while let Ok(chunk) = chunks.try_recv() {
+                        send(chunk);
+                    }
+                    break result;
+                }
+            }
+        }
+    })
+}
+
 fn start_work(
     agent: &Arc<Agent>,
+    tx: &mpsc::UnboundedSender<Message>,
     provider: Arc<dyn Provider>,
     work: Work,
     tasks: &mut JoinSet<(Result<WorkResult, ProviderFailure>, f64)>,
@@ -421,9 +494,32 @@ fn start_work(
     let items = work.input.items();
     let info = provider.info();
     agent.with_counters(&info.id, |c| c.in_flight += 1);
+    let call_timeout = work.call_timeout_ms.map(Duration::from_millis);
+    let streaming = matches!(&work.input, WorkInput::Chat(body) if body.get("stream").and_then(serde_json::Value::as_bool) == Some(true));
+    let (lease, frames) = (work.lease, tx.clone());
     let handle = tasks.spawn(async move {
         let started = Instant::now();
-        let result = provider.run(work.input).await;
+        let call = if streaming {
+            stream_chunks(provider.as_ref(), work.input, lease, frames)
+        } else {
+            provider.run(work.input)
+        };
+        let result = match call_timeout {
+            None => call.await,
+            // Past the role's call timeout the work fails as fatal: a retry would bill a stuck
+            // upstream again, and the client learns which setting to raise.
+            Some(limit) => match tokio::time::timeout(limit, call).await {
+                Ok(result) => result,
+                Err(_) => Err(ProviderFailure::new(
+                    FailureClass::Fatal,
+                    format!(
+                        "the call took longer than the role's call timeout ({} s; the hub's [roles.{}] call_timeout_s)",
+                        limit.as_secs_f64(),
+                        work.role
+                    ),
+                )),
+            },
+        };
         (result, started.elapsed().as_secs_f64() * 1000.0)
     });
     running.insert(
@@ -435,6 +531,36 @@ fn start_work(
         },
     );
     by_lease.insert(work.lease, handle);
+}
+
+/// How long a write may take before the welcome names the heartbeat.
+const DEFAULT_SILENCE: Duration = Duration::from_secs(15);
+
+/// The socket's writer: each write bounded by `timeout_ms` (three heartbeats); it ends on a
+/// close it sent, a failed write or one that did not complete in time (the session ends
+/// with it).
+async fn write_frames(
+    mut sink: futures_util::stream::SplitSink<WsStream, Message>,
+    mut rx: mpsc::UnboundedReceiver<Message>,
+    timeout_ms: Arc<std::sync::atomic::AtomicU64>,
+) {
+    while let Some(msg) = rx.recv().await {
+        let closing = matches!(msg, Message::Close(_));
+        let limit = Duration::from_millis(timeout_ms.load(Ordering::Relaxed));
+        match tokio::time::timeout(limit, sink.send(msg)).await {
+            Ok(Ok(())) if !closing => {}
+            Ok(_) => break,
+            Err(_) => {
+                tracing::warn!(
+                    timeout_s = limit.as_secs_f64(),
+                    "a write to the hub did not complete in time"
+                );
+                return;
+            }
+        }
+    }
+    let limit = Duration::from_millis(timeout_ms.load(Ordering::Relaxed));
+    let _ = tokio::time::timeout(limit, sink.close()).await;
 }
 
 async fn end(

@@ -54,7 +54,8 @@ pub struct CloudOptions {
     pub openrouter_url: String,
     /// Work frames one cloud provider takes at once (the hub's budget decides how many run).
     pub pipeline_depth: u32,
-    /// One upstream call may take this long.
+    /// One upstream call may take at most this long: the ceiling of every call (the hub's
+    /// per-role call timeout, sent with each work frame, is shorter where set).
     pub request_timeout: Duration,
 }
 
@@ -63,8 +64,8 @@ impl Default for CloudOptions {
         Self {
             openrouter_url: crate::cloud::openrouter::DEFAULT_BASE_URL.to_string(),
             pipeline_depth: 8,
-            // Under the hub's default 120 s lease: a call gives up before its lease expires.
-            request_timeout: Duration::from_secs(100),
+            // A chat may need minutes: the hub's chat roles allow 600 s by default.
+            request_timeout: Duration::from_secs(600),
         }
     }
 }
@@ -78,6 +79,9 @@ pub struct Agent {
     /// Hub dials attempted (connected or not): `READY=1` waits for the first.
     dials: watch::Sender<u64>,
     sessions: AtomicU64,
+    /// Random per process: tells the hub a reconnect of this process from another process
+    /// claiming the same id.
+    instance: String,
 }
 
 /// What config pushes left here: the safe part, the key (memory only), and the cloud
@@ -99,6 +103,7 @@ impl Agent {
             connected: AtomicBool::new(false),
             dials: watch::channel(0).0,
             sessions: AtomicU64::new(0),
+            instance: format!("{:016x}", rand::random::<u64>()),
         })
     }
 
@@ -291,13 +296,22 @@ impl Agent {
     }
 
     /// Runs until `shutdown` turns true: one session at a time, reconnecting with backoff.
-    /// Without a hub URL it only waits for shutdown.
-    pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+    /// Without a hub URL it only waits for shutdown. Ends early, with the hub's reason, when
+    /// the hub refuses this process for good (its agent id is held by another live process).
+    pub async fn run(
+        self: Arc<Self>,
+        mut shutdown: watch::Receiver<bool>,
+    ) -> Result<(), connection::Refused> {
         if self.opts.hub_url.is_none() {
             let _ = shutdown.wait_for(|stop| *stop).await;
-            return;
+            return Ok(());
         }
         connection::run(self, shutdown).await
+    }
+
+    /// This process's random instance id (`hello.instance`).
+    pub fn instance(&self) -> &str {
+        &self.instance
     }
 }
 

@@ -52,7 +52,21 @@ pub trait Provider: Send + Sync + 'static {
     fn pipeline_depth(&self) -> u32;
     /// Does one work item.
     fn run(&self, input: WorkInput) -> BoxFuture<Result<WorkResult, ProviderFailure>>;
+    /// Does one chat that asked to stream: each chunk goes to `chunks` as it arrives, and the
+    /// result is the whole completion. A provider that cannot stream answers whole (no
+    /// chunks: the hub cuts them from the completion).
+    fn run_streaming(
+        &self,
+        input: WorkInput,
+        chunks: ChunkSink,
+    ) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
+        drop(chunks);
+        self.run(input)
+    }
 }
+
+/// Where a streamed chat's chunks go as they arrive.
+pub type ChunkSink = tokio::sync::mpsc::UnboundedSender<serde_json::Value>;
 
 /// A local model serving one role (a model serving two roles is two providers on one engine).
 pub struct LocalProvider {

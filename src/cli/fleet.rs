@@ -55,16 +55,35 @@ pub struct HubArgs {
     /// When given (or the client-token credential), client endpoints require this token.
     #[arg(long)]
     client_token_file: Option<PathBuf>,
-    /// Seconds a lease may run before its items go back to the front of the queue [default:
-    /// 120].
+    /// Seconds a lease lives without a heartbeat renewing it, for every role without its own
+    /// `[roles.<role>] lease_s` [default: 60 for embeddings and reranks, 120 for chats].
     #[arg(long)]
     lease_s: Option<u64>,
     /// Items each role queue holds before clients get 429 [default: 100000].
     #[arg(long)]
     queue_capacity: Option<usize>,
-    /// Seconds a client request may wait for all its items [default: 600].
+    /// Seconds a client request may wait for all its items, for every role without its own
+    /// [default: 600 for embeddings and reranks, 900 for chats].
     #[arg(long)]
     request_timeout_s: Option<u64>,
+    /// Seconds one provider call may take, for every role without its own [default: 120 for
+    /// embeddings and reranks, 600 for chats].
+    #[arg(long)]
+    call_timeout_s: Option<u64>,
+    /// Milliseconds between heartbeats (and the hub's pings); three of silence end a socket
+    /// [default: 5000; 100..60000].
+    #[arg(long)]
+    heartbeat_ms: Option<u64>,
+    /// MiB of input all accepted requests together may hold before new ones get 429
+    /// [default: 1024].
+    #[arg(long)]
+    max_held_mb: Option<u64>,
+    /// Inputs (texts, documents) one request may carry (more: 413) [default: 4096].
+    #[arg(long)]
+    max_inputs: Option<usize>,
+    /// Characters one input may have (more: 413) [default: 1000000].
+    #[arg(long)]
+    max_input_chars: Option<usize>,
     /// The gate's minimum cosine between a provider's probe vectors and the space's
     /// fingerprint (values under 0.99 are raised to 0.99) [default: 0.99].
     #[arg(long)]
@@ -91,6 +110,12 @@ impl HubArgs {
             lease_s: self.lease_s,
             queue_capacity: self.queue_capacity,
             request_timeout_s: self.request_timeout_s,
+            call_timeout_s: self.call_timeout_s,
+            heartbeat_ms: self.heartbeat_ms,
+            max_held_mb: self.max_held_mb,
+            max_inputs: self.max_inputs,
+            max_input_chars: self.max_input_chars,
+            roles: Default::default(),
             gate_min_cosine: self.gate_min_cosine,
             gate_sentinel_s: self.gate_sentinel_s,
             gate_reference: self.gate_reference.clone(),
@@ -218,6 +243,18 @@ async fn signalled(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|v| *v).await;
 }
 
+/// Warns when `name` listens beyond loopback without TLS: the fleet token, the admin and
+/// client tokens and a pushed OpenRouter key would cross the network in the clear.
+fn warn_if_plaintext(listen: SocketAddr, tls: bool, name: &str) {
+    if !tls && !listen.ip().is_loopback() {
+        tracing::warn!(
+            %listen,
+            name,
+            "listening beyond loopback without TLS: the fleet, admin and client tokens and a pushed OpenRouter key would cross the network in the clear; give the hub --tls-cert/--tls-key (tls_cert/tls_key), or keep it on 127.0.0.1 behind a TLS-terminating proxy (docs/operations.md, \"Running behind TLS\")"
+        );
+    }
+}
+
 fn bind(addr: SocketAddr, name: &str) -> anyhow::Result<std::net::TcpListener> {
     let listener =
         std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
@@ -252,12 +289,18 @@ fn open_hub(args: &HubConfig) -> anyhow::Result<Hub> {
         credentials::CLIENT_TOKEN,
     )?;
     tracing::info!(admin_token = %admin_path.display(), fleet_token = %fleet_path.display(), state_dir = %state_dir.display(), client_auth = client_token.is_some(), "hub tokens (paths only)");
+    let (timings, clamps) = args.role_timings();
+    for note in clamps {
+        tracing::warn!(note = %note, "a timing was clamped");
+    }
     let settings = HubSettings {
-        lease: args.lease(),
+        timings,
+        heartbeat_interval: args.heartbeat(),
         queue_capacity: args.queue_capacity.max(1),
-        request_timeout: args.request_timeout(),
+        limits: args.limits,
         ..HubSettings::default()
     };
+    warn_if_plaintext(args.listen, args.tls_cert.is_some(), "hub");
     if args.gate_min_cosine < crate::hub::gate::measure::MIN_COSINE_FLOOR {
         tracing::warn!(
             asked = args.gate_min_cosine,
@@ -318,6 +361,8 @@ fn supervise_hub(
     tls: Option<TlsArgs>,
     running: HubConfig,
 ) -> (tokio::task::JoinHandle<()>, tokio::task::JoinHandle<()>) {
+    // SIGHUP is ours before READY=1 says a reload may be asked for.
+    let hangups = reload::Hangups::listen();
     notifier.ready(&hub_status_line(hub));
     let status_task = {
         let hub = hub.clone();
@@ -329,6 +374,7 @@ fn supervise_hub(
         )
     };
     let reload_task = tokio::spawn(reload_hub_on_hangup(
+        hangups,
         args,
         tls,
         running,
@@ -338,16 +384,17 @@ fn supervise_hub(
     (status_task, reload_task)
 }
 
-/// SIGHUP for the hub: read `--config` again; the lease, the request timeout and the gate's
-/// settings apply at once, the rest is named as needing a restart.
+/// SIGHUP for the hub: read `--config` again; the roles' timings, the request limits and the
+/// gate's settings apply at once, the rest is named as needing a restart.
 async fn reload_hub_on_hangup(
+    hangups: reload::Hangups,
     args: HubArgs,
     tls: Option<TlsArgs>,
     mut running: HubConfig,
     hub: Hub,
     notifier: Notifier,
 ) {
-    reload::on_hangup(notifier, move || {
+    reload::on_hangup(hangups, notifier, move || {
         let new = match args.resolve(tls.as_ref()) {
             Ok(new) => new,
             Err(e) => return reload::ReloadReport::failed(e.to_string()),
@@ -356,13 +403,17 @@ async fn reload_hub_on_hangup(
         let mut applied = Vec::new();
         {
             let mut core = hub.core();
-            if new.lease_s != running.lease_s {
-                core.settings.lease = new.lease();
-                applied.push("lease_s");
+            if (&new.timings, &new.roles) != (&running.timings, &running.roles) {
+                let (timings, clamps) = new.role_timings();
+                for note in clamps {
+                    tracing::warn!(note = %note, "a timing was clamped");
+                }
+                core.settings.timings = timings;
+                applied.push("role timings");
             }
-            if new.request_timeout_s != running.request_timeout_s {
-                core.settings.request_timeout = new.request_timeout();
-                applied.push("request_timeout_s");
+            if new.limits != running.limits {
+                core.settings.limits = new.limits;
+                applied.push("request limits");
             }
             let (gate, wanted) = (&mut core.gate.settings, GateSettings::from_config(&new));
             if new.gate_min_cosine != running.gate_min_cosine {
@@ -379,8 +430,9 @@ async fn reload_hub_on_hangup(
             }
         }
         running = HubConfig {
-            lease_s: new.lease_s,
-            request_timeout_s: new.request_timeout_s,
+            timings: new.timings,
+            roles: new.roles,
+            limits: new.limits,
             gate_min_cosine: new.gate_min_cosine,
             gate_sentinel_s: new.gate_sentinel_s,
             gate_reference: new.gate_reference,
@@ -483,6 +535,8 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
     if let Some(fantom) = &sidecar {
         fantom.slots.first_dials(FIRST_DIAL_WAIT).await;
     }
+    // SIGHUP is ours before READY=1 says a reload may be asked for.
+    let hangups = reload::Hangups::listen();
     notifier.ready(&agent_status_line(&agent, sidecar.as_deref()));
     let status_task = {
         let (agent, sidecar) = (agent.clone(), sidecar.clone());
@@ -495,13 +549,14 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
         )
     };
     let reload_task = tokio::spawn(reload_on_hangup(
+        hangups,
         cmd.config.clone(),
         cfg.clone(),
         sidecar.clone(),
         notifier.clone(),
     ));
 
-    let _ = run.await;
+    run.await.context("the agent task panicked")??;
     reload_task.abort();
     let _ = status_task.await;
     // The relays saw the same shutdown; give their close frames a moment.
@@ -605,12 +660,13 @@ fn agent_status_line(agent: &Agent, sidecar: Option<&Sidecar>) -> String {
 
 /// SIGHUP: reload the config file where that is safe, and say what could not be applied.
 async fn reload_on_hangup(
+    hangups: reload::Hangups,
     path: PathBuf,
     mut current: AgentConfig,
     sidecar: Option<Arc<Sidecar>>,
     notifier: Notifier,
 ) {
-    reload::on_hangup(notifier, move || {
+    reload::on_hangup(hangups, notifier, move || {
         reload::reload_agent(&path, &mut current, sidecar.as_ref())
     })
     .await
@@ -683,7 +739,7 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
     agent.first_dial(FIRST_DIAL_WAIT).await;
     let (status_task, reload_task) =
         supervise_hub(&notifier, &hub, &stop, cmd.hub.clone(), None, hub_cfg);
-    let _ = run.await;
+    run.await.context("the agent task panicked")??;
     reload_task.abort();
     let _ = status_task.await;
     hub.core().fail_all();

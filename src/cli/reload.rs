@@ -21,13 +21,38 @@ pub struct ReloadReport {
     pub error: Option<String>,
 }
 
+/// SIGHUP, listened for from the moment this is made. Made before `READY=1` is sent: a reload
+/// asked for right after it is never lost (nor, with no handler yet, kills the process).
+pub struct Hangups {
+    #[cfg(unix)]
+    signal: Option<tokio::signal::unix::Signal>,
+}
+
+impl Hangups {
+    pub fn listen() -> Hangups {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let signal = signal(SignalKind::hangup()).ok();
+            if signal.is_none() {
+                tracing::warn!("cannot listen for SIGHUP: no reloads");
+            }
+            Hangups { signal }
+        }
+        #[cfg(not(unix))]
+        Hangups {}
+    }
+}
+
 /// On every SIGHUP: `RELOADING=1`, `reload()`, the outcome logged, then `READY=1` with its line.
-pub async fn on_hangup(notifier: Notifier, mut reload: impl FnMut() -> ReloadReport) {
+pub async fn on_hangup(
+    hangups: Hangups,
+    notifier: Notifier,
+    mut reload: impl FnMut() -> ReloadReport,
+) {
     #[cfg(unix)]
     {
-        use tokio::signal::unix::{SignalKind, signal};
-        let Ok(mut hangups) = signal(SignalKind::hangup()) else {
-            tracing::warn!("cannot listen for SIGHUP: no reloads");
+        let Some(mut hangups) = hangups.signal else {
             return;
         };
         while hangups.recv().await.is_some() {
@@ -43,7 +68,7 @@ pub async fn on_hangup(notifier: Notifier, mut reload: impl FnMut() -> ReloadRep
         }
     }
     #[cfg(not(unix))]
-    let _ = (notifier, &mut reload);
+    let _ = (hangups, notifier, &mut reload);
 }
 
 impl ReloadReport {

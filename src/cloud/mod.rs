@@ -1,8 +1,9 @@
 //! Cloud routes served through OpenRouter: a role's pushed model as a [`CloudRoute`] (pinned
 //! to one upstream endpoint where vectors are stored), the HTTP client that calls it
-//! ([`OpenRouterClient`]), and the classification of its failures ([`CloudError`]) into
+//! ([`OpenRouterClient`]; a streamed chat in [`chat_stream`]), and the classification of its failures ([`CloudError`]) into
 //! rate limits, spending limits, config problems and transient errors.
 
+pub mod chat_stream;
 pub mod error;
 pub mod openrouter;
 pub mod route;

@@ -269,6 +269,40 @@ impl OpenRouterClient {
         self.send(request, route_key).await?.into_json()
     }
 
+    /// A misconfigured base URL (a proxy that echoes requests) must not carry the key into
+    /// an error message, a log line, a chunk or a client's answer.
+    pub(super) fn redact_key(&self, text: String) -> String {
+        if text.contains(self.key.expose()) {
+            text.replace(self.key.expose(), "[redacted]")
+        } else {
+            text
+        }
+    }
+
+    /// Posts `body` and hands back a 2xx response unread (a stream to read as it comes);
+    /// any other answer is read and classified as [`OpenRouterClient::post`] does.
+    pub(super) async fn post_streaming(
+        &self,
+        path: &str,
+        body: &Value,
+        route_key: &str,
+    ) -> Result<reqwest::Response, CloudError> {
+        let request = self.http.post(self.url(path)).json(body);
+        let response = request
+            .bearer_auth(self.key.expose())
+            .send()
+            .await
+            .map_err(transport)?;
+        let status = response.status().as_u16();
+        if (200..300).contains(&status) {
+            tracing::debug!(route = %route_key, status, "openrouter stream opened");
+            return Ok(response);
+        }
+        let headers = response.headers().clone();
+        let body = self.redact_key(read_capped(response).await?);
+        Err(CloudError::from_response(status, &headers, &body))
+    }
+
     async fn get(&self, path: &str) -> Result<Answer, CloudError> {
         self.send(self.http.get(self.url(path)), path).await
     }
@@ -291,14 +325,7 @@ impl OpenRouterClient {
         };
         let status = response.status().as_u16();
         let headers = response.headers().clone();
-        let body = read_capped(response).await?;
-        // A misconfigured base URL (a proxy that echoes requests) must not carry the key into
-        // an error message, a log line or a client's answer.
-        let body = if body.contains(self.key.expose()) {
-            body.replace(self.key.expose(), "[redacted]")
-        } else {
-            body
-        };
+        let body = self.redact_key(read_capped(response).await?);
         let latency_ms = elapsed_ms(started);
         tracing::debug!(route = %label, status, latency_ms, "openrouter call");
         Ok(Answer {
@@ -341,7 +368,7 @@ fn wrong_route(route: &CloudRoute, what: &str) -> CloudError {
 }
 
 /// A reqwest failure (it names the URL, never a header), with its causes.
-fn transport(e: reqwest::Error) -> CloudError {
+pub(super) fn transport(e: reqwest::Error) -> CloudError {
     let kind = if e.is_timeout() {
         "timed out"
     } else if e.is_connect() {

@@ -1,13 +1,21 @@
 //! The hub's settings: the `hub` flags, and the same keys in a TOML file (`--config`,
 //! `systemd/hub.example.toml`). A flag given on the command line wins over its key; a key
-//! absent from both takes its default. SIGHUP reads the file again: the lease, the request
-//! timeout and the gate's keys apply at once; the rest needs a restart and is named.
+//! absent from both takes its default. SIGHUP reads the file again: the roles' timings, the
+//! request limits and the gate's keys apply at once; the rest needs a restart and is named.
+//!
+//! Timings are per role (`[roles.code-assistant] lease_s = 300`, [`super::timings`]); the
+//! top-level `lease_s`, `request_timeout_s` and `call_timeout_s` apply to every role that does
+//! not set its own.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
+
+use super::timings::{self, RoleTimings, RoleTimingsLayer};
+use crate::roles::Role;
 
 /// Every hub setting, each optional: one layer (the flags, or the file).
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -21,11 +29,41 @@ pub struct HubLayer {
     pub lease_s: Option<u64>,
     pub queue_capacity: Option<usize>,
     pub request_timeout_s: Option<u64>,
+    pub call_timeout_s: Option<u64>,
+    pub heartbeat_ms: Option<u64>,
+    pub max_held_mb: Option<u64>,
+    pub max_inputs: Option<usize>,
+    pub max_input_chars: Option<usize>,
     pub gate_min_cosine: Option<f64>,
     pub gate_sentinel_s: Option<u64>,
     pub gate_reference: Option<String>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
+    /// Per-role timings (`[roles.<role>]`); file only.
+    #[serde(default)]
+    pub roles: BTreeMap<Role, RoleTimingsLayer>,
+}
+
+/// What one client request may hold, and what every request together may.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Bytes of input held by accepted requests (queued, leased or partly served) before new
+    /// ones get 429.
+    pub max_held_bytes: usize,
+    /// Inputs (texts, documents) in one request (more: 413).
+    pub max_inputs: usize,
+    /// Characters in one input (more: 413).
+    pub max_input_chars: usize,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        Self {
+            max_held_bytes: 1024 << 20,
+            max_inputs: 4096,
+            max_input_chars: 1_000_000,
+        }
+    }
 }
 
 /// The hub's settings, resolved.
@@ -36,9 +74,12 @@ pub struct HubConfig {
     pub admin_token_file: Option<PathBuf>,
     pub fleet_token_file: Option<PathBuf>,
     pub client_token_file: Option<PathBuf>,
-    pub lease_s: u64,
+    /// The global timing keys (a role's own key wins over them).
+    pub timings: RoleTimingsLayer,
+    pub roles: BTreeMap<Role, RoleTimingsLayer>,
+    pub heartbeat_ms: Option<u64>,
     pub queue_capacity: usize,
-    pub request_timeout_s: u64,
+    pub limits: RequestLimits,
     pub gate_min_cosine: f64,
     pub gate_sentinel_s: u64,
     pub gate_reference: Option<String>,
@@ -70,15 +111,44 @@ impl HubLayer {
             admin_token_file: pick(&self.admin_token_file, &under.admin_token_file),
             fleet_token_file: pick(&self.fleet_token_file, &under.fleet_token_file),
             client_token_file: pick(&self.client_token_file, &under.client_token_file),
-            lease_s: self.lease_s.or(under.lease_s).unwrap_or(120),
+            timings: RoleTimingsLayer {
+                lease_s: self.lease_s.or(under.lease_s),
+                request_timeout_s: self.request_timeout_s.or(under.request_timeout_s),
+                call_timeout_s: self.call_timeout_s.or(under.call_timeout_s),
+            },
+            roles: if self.roles.is_empty() {
+                under.roles.clone()
+            } else {
+                self.roles.clone()
+            },
+            heartbeat_ms: self.heartbeat_ms.or(under.heartbeat_ms),
             queue_capacity: self
                 .queue_capacity
                 .or(under.queue_capacity)
                 .unwrap_or(100_000),
-            request_timeout_s: self
-                .request_timeout_s
-                .or(under.request_timeout_s)
-                .unwrap_or(600),
+            limits: {
+                let d = RequestLimits::default();
+                RequestLimits {
+                    max_held_bytes: self.max_held_mb.or(under.max_held_mb).map_or(
+                        d.max_held_bytes,
+                        |mb| {
+                            usize::try_from(mb.max(1))
+                                .unwrap_or(usize::MAX)
+                                .saturating_mul(1 << 20)
+                        },
+                    ),
+                    max_inputs: self
+                        .max_inputs
+                        .or(under.max_inputs)
+                        .unwrap_or(d.max_inputs)
+                        .max(1),
+                    max_input_chars: self
+                        .max_input_chars
+                        .or(under.max_input_chars)
+                        .unwrap_or(d.max_input_chars)
+                        .max(1),
+                }
+            },
             gate_min_cosine: self
                 .gate_min_cosine
                 .or(under.gate_min_cosine)
@@ -99,14 +169,14 @@ fn pick<T: Clone>(a: &Option<T>, b: &Option<T>) -> Option<T> {
 }
 
 impl HubConfig {
-    /// How long a lease runs (at least 1 s).
-    pub fn lease(&self) -> Duration {
-        Duration::from_secs(self.lease_s.max(1))
+    /// The heartbeat interval (clamped to 100 ms..60 s; 5 s by default).
+    pub fn heartbeat(&self) -> Duration {
+        timings::heartbeat(self.heartbeat_ms)
     }
 
-    /// How long a client request may wait (at least 1 s).
-    pub fn request_timeout(&self) -> Duration {
-        Duration::from_secs(self.request_timeout_s.max(1))
+    /// Every role's timings, and the clamps applied to get them (to log).
+    pub fn role_timings(&self) -> (BTreeMap<Role, RoleTimings>, Vec<String>) {
+        timings::resolve(&self.timings, &self.roles, self.heartbeat())
     }
 
     /// The keys that differ from `other` and cannot change under a running hub.
@@ -135,6 +205,7 @@ impl HubConfig {
             "queue_capacity",
             self.queue_capacity != other.queue_capacity,
         );
+        check("heartbeat_ms", self.heartbeat_ms != other.heartbeat_ms);
         check(
             "tls",
             (&self.tls_cert, &self.tls_key) != (&other.tls_cert, &other.tls_key),
@@ -158,9 +229,22 @@ mod tests {
         };
         let cfg = flags.over(&file).unwrap();
         assert_eq!(cfg.listen.to_string(), "0.0.0.0:9000");
-        assert_eq!(cfg.lease_s, 45);
+        assert_eq!(cfg.timings.lease_s, Some(45));
         assert_eq!(cfg.gate_sentinel_s, 60);
-        assert_eq!(cfg.request_timeout_s, 600);
+        let (table, _) = cfg.role_timings();
+        assert_eq!(table[&Role::Embedding].lease, Duration::from_secs(45));
+        assert_eq!(
+            table[&Role::CodeAssistant].request_timeout,
+            Duration::from_secs(900)
+        );
+        let per_role: HubLayer = toml::from_str(
+            "lease_s = 30\n[roles.code-assistant]\nlease_s = 300\ncall_timeout_s = 400",
+        )
+        .unwrap();
+        let (table, _) = HubLayer::default().over(&per_role).unwrap().role_timings();
+        assert_eq!(table[&Role::CodeAssistant].lease, Duration::from_secs(300));
+        assert_eq!(table[&Role::Reranker].lease, Duration::from_secs(30));
+        assert!(toml::from_str::<HubLayer>("[roles.painting]\nlease_s = 3").is_err());
         assert!(
             toml::from_str::<HubLayer>("lease = 3").is_err(),
             "unknown keys are refused"
@@ -180,7 +264,7 @@ mod tests {
         assert_eq!(cfg.listen.to_string(), "0.0.0.0:8090");
         let mut moved = cfg.clone();
         moved.listen = "0.0.0.0:8091".parse().unwrap();
-        moved.lease_s = 10;
+        moved.timings.lease_s = Some(10);
         assert_eq!(cfg.needs_restart(&moved), vec!["listen"]);
     }
 }

@@ -1,8 +1,10 @@
 //! Configuration: the partial config push and its merge ([`push`]), the agent's TOML file
-//! ([`agent`]), one local model ([`model`]), and where tokens come from ([`tokens`]).
+//! ([`agent`]), one local model ([`model`]), where tokens come from ([`tokens`]), the hub's
+//! settings ([`hub`]) and each role's lease and timeouts ([`timings`]).
 
 pub mod agent;
 pub mod hub;
 pub mod model;
 pub mod push;
+pub mod timings;
 pub mod tokens;

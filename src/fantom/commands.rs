@@ -122,20 +122,50 @@ pub fn relay_error(e: &CloudError) -> String {
     format!("{} {e}", e.http_status())
 }
 
-/// Runs one metered cloud call of `master`'s `role_key`.
+/// Runs one metered cloud call of `master`'s `role_key`. Dropped before it ends (its caller
+/// went away), the call is still counted as ended.
 pub async fn metered<T>(
     slots: &Slots,
     master: &str,
     role_key: &str,
     call: impl Future<Output = Result<T, CloudError>>,
 ) -> Result<T, CloudError> {
+    let mut meter = Meter {
+        slots,
+        master,
+        role_key,
+        started: Instant::now(),
+        ended: false,
+    };
     slots.begin_call(master, role_key);
-    let started = Instant::now();
     let result = call.await;
-    let ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
-    let error = result.as_ref().err().map(relay_error);
-    slots.end_call(master, role_key, ms, error);
+    meter.end(result.as_ref().err().map(relay_error));
     result
+}
+
+/// One call's place in its slot's usage, ended exactly once.
+struct Meter<'a> {
+    slots: &'a Slots,
+    master: &'a str,
+    role_key: &'a str,
+    started: Instant,
+    ended: bool,
+}
+
+impl Meter<'_> {
+    fn end(&mut self, error: Option<String>) {
+        if std::mem::replace(&mut self.ended, true) {
+            return;
+        }
+        let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.slots.end_call(self.master, self.role_key, ms, error);
+    }
+}
+
+impl Drop for Meter<'_> {
+    fn drop(&mut self) {
+        self.end(Some("499 the caller went away".into()));
+    }
 }
 
 async fn virtual_embed(

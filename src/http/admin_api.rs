@@ -62,7 +62,7 @@ pub async fn post_config(
     admin(&hub, &headers)?;
     let push = parse_push(&body)
         .map_err(|e| ApiError::bad_request(format!("invalid config push: {e}")))?;
-    match hub.push_config(push) {
+    match hub.push_config(push).await {
         Ok(result) => Ok(Json(result)),
         Err(PushError::Refused(e)) => Err(ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -104,7 +104,7 @@ pub async fn post_budget(
             ));
         }
     };
-    hub.set_budget_override(permits).map_err(|e| {
+    hub.set_budget_override(permits).await.map_err(|e| {
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "state_write",

@@ -3,9 +3,10 @@
 //! that takes it (a cloud route) names the upstream model, so the client's `model` is a role,
 //! never an upstream id.
 //!
-//! `stream: true` answers as server-sent events in OpenAI's chunk format. The fleet protocol
-//! carries whole results, so the chunks are cut from the finished completion: a client that
-//! streams works unchanged, but the first token arrives with the last.
+//! `stream: true` answers as server-sent events in OpenAI's chunk format, relayed chunk by
+//! chunk as the upstream sends them (`chunk` frames through the fleet); a stream cut short
+//! ends with an `error` event. A provider that cannot stream answers whole, and the hub cuts
+//! that completion into chunks.
 
 use std::convert::Infallible;
 
@@ -64,8 +65,22 @@ pub async fn completions(
     // Routing is the hub's: a client cannot steer the upstream.
     body.remove("provider");
     body.remove("models");
-    let done = hub
-        .run(
+    if !stream {
+        let done = hub
+            .run(
+                role,
+                Shape::Chat {
+                    body: Value::Object(body),
+                },
+                vec![String::new()],
+            )
+            .await?;
+        return Ok(Json(Value::Object(completion_of(done)?)).into_response());
+    }
+    // The provider streams what the upstream sends as it comes.
+    body.insert("stream".into(), Value::Bool(true));
+    let mut streaming = hub
+        .run_streaming(
             role,
             Shape::Chat {
                 body: Value::Object(body),
@@ -73,6 +88,92 @@ pub async fn completions(
             vec![String::new()],
         )
         .await?;
+    // The first chunk starts the event stream; an outcome before any chunk is answered whole:
+    // a failure with its status, a completion (a provider that does not stream) cut into
+    // chunks.
+    let first = tokio::select! {
+        biased;
+        Some(first) = streaming.chunks.recv() => first,
+        outcome = &mut streaming.outcome => {
+            let completion = completion_of(outcome?)?;
+            let events: Vec<Result<Event, Infallible>> = chunks(&completion)
+                .into_iter()
+                .map(|c| Ok(Event::default().data(c.to_string())))
+                .chain(std::iter::once(Ok(Event::default().data("[DONE]"))))
+                .collect();
+            return Ok(Sse::new(futures_util::stream::iter(events)).into_response());
+        }
+    };
+    let state = Relay {
+        streaming,
+        pending: std::collections::VecDeque::from([Event::default().data(first.to_string())]),
+        ended: false,
+    };
+    let events = futures_util::stream::unfold(state, |mut state| async move {
+        let event = state.next().await?;
+        Some((Ok::<_, Infallible>(event), state))
+    });
+    Ok(Sse::new(events).into_response())
+}
+
+/// A streamed chat relayed as server-sent events: the provider's chunks as they arrive, then
+/// a last chunk with the provenance and `[DONE]`, or an `error` event when the stream was cut
+/// (a lost agent, an upstream error, the request timeout): never a silent truncation. Dropped
+/// (the client went away), it cancels the request.
+struct Relay {
+    streaming: crate::hub::Streaming,
+    pending: std::collections::VecDeque<Event>,
+    ended: bool,
+}
+
+impl Relay {
+    async fn next(&mut self) -> Option<Event> {
+        loop {
+            if let Some(event) = self.pending.pop_front() {
+                return Some(event);
+            }
+            if self.ended {
+                return None;
+            }
+            tokio::select! {
+                biased;
+                Some(chunk) = self.streaming.chunks.recv() => {
+                    return Some(Event::default().data(chunk.to_string()));
+                }
+                outcome = &mut self.streaming.outcome => {
+                    self.ended = true;
+                    // Chunks sent before the outcome come first.
+                    while let Ok(chunk) = self.streaming.chunks.try_recv() {
+                        self.pending.push_back(Event::default().data(chunk.to_string()));
+                    }
+                    match outcome {
+                        Ok(done) => {
+                            let provenance = done
+                                .items
+                                .first()
+                                .and_then(|s| serde_json::to_value(&*s.provider).ok())
+                                .unwrap_or(Value::Null);
+                            let last = json!({"object": "chat.completion.chunk", "choices": [],
+                                              "provenance": provenance});
+                            self.pending.push_back(Event::default().data(last.to_string()));
+                            self.pending.push_back(Event::default().data("[DONE]"));
+                        }
+                        Err(e) => {
+                            let e = ApiError::from(e);
+                            tracing::warn!(code = e.code, error = %e.message, "a streamed chat ended with an error");
+                            let kind = if e.status.is_server_error() { "server_error" } else { "invalid_request_error" };
+                            let body = json!({"error": {"message": e.message, "type": kind, "code": e.code}});
+                            self.pending.push_back(Event::default().data(body.to_string()));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The completion of a finished chat, with its provenance.
+fn completion_of(done: crate::hub::core::Completed) -> Result<Map<String, Value>, ApiError> {
     let Some(served) = done.items.into_iter().next() else {
         return Err(ApiError::new(
             axum::http::StatusCode::BAD_GATEWAY,
@@ -91,15 +192,7 @@ pub async fn completions(
         "provenance".into(),
         serde_json::to_value(&*served.provider).unwrap_or(Value::Null),
     );
-    if !stream {
-        return Ok(Json(Value::Object(completion)).into_response());
-    }
-    let events: Vec<Result<Event, Infallible>> = chunks(&completion)
-        .into_iter()
-        .map(|c| Ok(Event::default().data(c.to_string())))
-        .chain(std::iter::once(Ok(Event::default().data("[DONE]"))))
-        .collect();
-    Ok(Sse::new(futures_util::stream::iter(events)).into_response())
+    Ok(completion)
 }
 
 fn check_messages(body: &Map<String, Value>) -> Result<(), ApiError> {

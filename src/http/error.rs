@@ -69,14 +69,28 @@ impl From<HubError> for ApiError {
                 err.retry_after_s = Some(retry_after_s);
                 err
             }
-            HubError::Submit(SubmitError::TooLarge { .. }) => {
+            HubError::Submit(SubmitError::TooLarge { .. } | SubmitError::TooManyInputs { .. }) => {
                 Self::new(StatusCode::PAYLOAD_TOO_LARGE, "too_many_inputs", message)
+            }
+            HubError::Submit(
+                SubmitError::InputTooLong { .. } | SubmitError::InputTooLargeForFrame { .. },
+            ) => Self::new(StatusCode::PAYLOAD_TOO_LARGE, "input_too_large", message),
+            HubError::Submit(SubmitError::TooManyBytes { .. }) => {
+                Self::new(StatusCode::PAYLOAD_TOO_LARGE, "request_too_large", message)
+            }
+            HubError::Submit(SubmitError::HeldBytesFull { retry_after_s, .. }) => {
+                let mut err = Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", message);
+                err.retry_after_s = Some(retry_after_s);
+                err
             }
             HubError::Failed(RequestFailure::Fatal { .. }) => {
                 Self::new(StatusCode::UNPROCESSABLE_ENTITY, "input_refused", message)
             }
             HubError::Failed(RequestFailure::TooManyAttempts { .. }) => {
                 Self::new(StatusCode::BAD_GATEWAY, "provider_failures", message)
+            }
+            HubError::Failed(RequestFailure::StreamCut { .. }) => {
+                Self::new(StatusCode::BAD_GATEWAY, "stream_cut", message)
             }
             HubError::Failed(RequestFailure::Stopped) => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", message)

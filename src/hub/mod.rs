@@ -48,7 +48,11 @@ pub struct Hub {
 
 struct Inner {
     core: Mutex<Core>,
+    /// The safe config as last written: readers clone it and never wait for a disk.
     state: Mutex<HubState>,
+    /// Serialises writers of the state file; its fsync runs on a blocking thread while held
+    /// (never the core lock, never `state`'s lock).
+    state_writes: tokio::sync::Mutex<()>,
     state_dir: PathBuf,
     fleet_token: Secret,
     admin_token: Secret,
@@ -87,6 +91,37 @@ pub struct PushResult {
     pub roles: std::collections::BTreeMap<String, RoleOutcome>,
     /// Agents the config frame went to (their acks show in `/admin/status`).
     pub sent_to: Vec<String>,
+}
+
+/// A streamed chat in progress (see [`Hub::run_streaming`]).
+pub struct Streaming {
+    /// The chunks, in order, as they arrive.
+    pub chunks: tokio::sync::mpsc::UnboundedReceiver<serde_json::Value>,
+    /// How it ended (the whole completion, or why not), bounded by the request timeout.
+    pub outcome:
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<Completed, HubError>> + Send>>,
+}
+
+/// An accepted request: where its outcome arrives, and the guard that cancels it if the
+/// client stops waiting.
+struct Running {
+    guard: CancelOnDrop,
+    reply: tokio::sync::oneshot::Receiver<Result<Completed, RequestFailure>>,
+    timeout: Duration,
+}
+
+impl Running {
+    async fn outcome(mut self) -> Result<Completed, HubError> {
+        let result = tokio::time::timeout(self.timeout, &mut self.reply).await;
+        match result {
+            Ok(Ok(outcome)) => {
+                self.guard.armed = false;
+                Ok(outcome?)
+            }
+            Ok(Err(_)) => Err(RequestFailure::Stopped.into()),
+            Err(_) => Err(HubError::Timeout(self.timeout.as_secs())),
+        }
+    }
 }
 
 /// Cancels a request whose client stopped waiting (timeout, dropped connection).
@@ -129,6 +164,7 @@ impl Hub {
             inner: Arc::new(Inner {
                 core: Mutex::new(core),
                 state: Mutex::new(state),
+                state_writes: tokio::sync::Mutex::new(()),
                 state_dir: opts.state_dir,
                 fleet_token: opts.fleet_token,
                 admin_token: opts.admin_token,
@@ -172,19 +208,59 @@ impl Hub {
         shape: Shape,
         texts: Vec<String>,
     ) -> Result<Completed, HubError> {
+        self.accept(role, shape, texts, None).await?.outcome().await
+    }
+
+    /// As [`Hub::run`] for a chat that asked to stream: its chunks arrive on
+    /// [`Streaming::chunks`] as the provider sends them, then [`Streaming::outcome`] says how
+    /// it ended. Dropping it cancels the request (the upstream call is aborted).
+    pub async fn run_streaming(
+        &self,
+        role: Role,
+        shape: Shape,
+        texts: Vec<String>,
+    ) -> Result<Streaming, HubError> {
+        let (tx, chunks) = tokio::sync::mpsc::unbounded_channel();
+        let running = self.accept(role, shape, texts, Some(tx)).await?;
+        Ok(Streaming {
+            chunks,
+            outcome: Box::pin(running.outcome()),
+        })
+    }
+
+    /// Admits and queues a request (waiting a little while the fleet settles).
+    async fn accept(
+        &self,
+        role: Role,
+        shape: Shape,
+        texts: Vec<String>,
+        stream: Option<core::ChunkTx>,
+    ) -> Result<Running, HubError> {
         let (wait, mut changes) = {
             let core = self.core();
             (core.settings.admission_wait, core.watch_changes())
         };
         let give_up = tokio::time::Instant::now() + wait;
-        let (id, rx, timeout) = loop {
+        let mut stream = stream;
+        loop {
             let attempt = {
                 let mut core = self.core();
                 match core.admit(role, &shape) {
                     Ok(binding) => {
-                        let timeout = core.settings.request_timeout;
-                        let (id, rx) = core.enqueue(role, binding, shape, texts)?;
-                        break (id, rx, timeout);
+                        let timeout = core.settings.timings(role).request_timeout;
+                        let (id, reply) = core.enqueue(role, binding, shape, texts)?;
+                        if let Some(tx) = stream.take() {
+                            core.stream_to(id, tx);
+                        }
+                        return Ok(Running {
+                            guard: CancelOnDrop {
+                                hub: self.clone(),
+                                id,
+                                armed: true,
+                            },
+                            reply,
+                            timeout,
+                        });
                     }
                     Err(e) => e,
                 }
@@ -203,50 +279,36 @@ impl Hub {
                 }
                 other => return Err(other.into()),
             }
-        };
-        let mut guard = CancelOnDrop {
-            hub: self.clone(),
-            id,
-            armed: true,
-        };
-        let result = tokio::time::timeout(timeout, rx).await;
-        match result {
-            Ok(Ok(outcome)) => {
-                guard.armed = false;
-                Ok(outcome?)
-            }
-            Ok(Err(_)) => Err(RequestFailure::Stopped.into()),
-            Err(_) => Err(HubError::Timeout(timeout.as_secs())),
         }
     }
 
     /// Applies an admin push: merge (the hub holds no key, only that one was pushed),
     /// persist, send the push to every connected agent, then drop it (and the key with it).
-    pub fn push_config(&self, push: OpenRouterPush) -> Result<PushResult, PushError> {
-        // The state lock first: the file is written (and synced) before the core is held, so
-        // dispatch never waits on a disk.
-        let mut state = self.lock_state();
-        let mut next = state.clone();
-        let report = push::merge(&mut next.cloud, state.key.is_some(), &push)?;
+    pub async fn push_config(&self, push: OpenRouterPush) -> Result<PushResult, PushError> {
+        // Writers one at a time; the file is written (and synced) off the runtime's threads
+        // and before the core is held, so dispatch and status never wait on a disk.
+        let _writing = self.inner.state_writes.lock().await;
+        let mut next = self.state();
+        let report = push::merge(&mut next.cloud, next.key.is_some(), &push)?;
         let at = now_ms();
         next.last_push_ms = Some(at);
         if report.key_included {
             next.key = Some(KeyRecord {
                 pushed_at_ms: at,
-                pushes: state.key.as_ref().map_or(0, |k| k.pushes) + 1,
+                pushes: next.key.as_ref().map_or(0, |k| k.pushes) + 1,
             });
         }
-        next.save(&self.inner.state_dir)?;
+        let next = self.persist(next).await?;
+        let cloud = next.cloud.clone();
+        *self.lock_state() = next;
         let mut core = self.core();
-        core.cloud = next.cloud.clone();
+        core.cloud = cloud;
         // A push may fix what a route was refused for (its pin): it is asked again.
         core.push_applied();
         if report.key_included {
             // A new key: forget a hard stop and the old account's limits; ask again.
             core.budget.key_changed(Instant::now());
         }
-        *state = next;
-        drop(state);
         let id = format!(
             "cfg-{}",
             self.inner.next_config.fetch_add(1, Ordering::Relaxed)
@@ -279,43 +341,45 @@ impl Hub {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Applies `change` to a copy of the state, writes it, and only then makes it the state.
-    fn write_state(
-        &self,
-        state: &mut HubState,
-        change: impl FnOnce(&mut HubState),
-    ) -> Result<(), StateError> {
-        let mut next = state.clone();
-        change(&mut next);
-        next.save(&self.inner.state_dir)?;
-        *state = next;
-        Ok(())
+    /// Writes `next` to the state file on a blocking thread; it is the state once written.
+    async fn persist(&self, next: HubState) -> Result<HubState, StateError> {
+        let dir = self.inner.state_dir.clone();
+        let path = dir.join(state::STATE_FILE);
+        tokio::task::spawn_blocking(move || next.save(&dir).map(|()| next))
+            .await
+            .map_err(|e| StateError::Write {
+                path,
+                source: std::io::Error::other(e.to_string()),
+            })?
     }
 
     /// Persists the vector spaces (a new one was fingerprinted).
-    fn save_spaces(&self, spaces: std::collections::BTreeMap<String, gate::Space>) {
-        let mut state = self.lock_state();
-        match self.write_state(&mut state, |s| s.spaces = spaces) {
-            Ok(()) => {}
+    async fn save_spaces(&self, spaces: std::collections::BTreeMap<String, gate::Space>) {
+        let _writing = self.inner.state_writes.lock().await;
+        let mut next = self.state();
+        next.spaces = spaces;
+        match self.persist(next).await {
+            Ok(next) => *self.lock_state() = next,
             Err(e) => {
                 tracing::error!(error = %e, "the vector spaces could not be saved; trying again");
-                drop(state);
                 self.core().gate.mark_dirty();
             }
         }
     }
 
     /// The operator's live budget override (`None` clears it); persisted.
-    pub fn set_budget_override(&self, permits: Option<u32>) -> Result<(), StateError> {
-        let mut state = self.lock_state();
-        self.write_state(&mut state, |s| s.budget_override = permits)?;
-        // Applied under the state lock (state, then core: push_config's order), so two
-        // concurrent overrides leave the file and the live budget with the same number.
+    pub async fn set_budget_override(&self, permits: Option<u32>) -> Result<(), StateError> {
+        let _writing = self.inner.state_writes.lock().await;
+        let mut next = self.state();
+        next.budget_override = permits;
+        let next = self.persist(next).await?;
+        *self.lock_state() = next;
+        // Applied while the writers' lock is held, so two concurrent overrides leave the file
+        // and the live budget with the same number.
         let mut core = self.core();
         core.budget.set_override(permits, Instant::now());
         core.dispatch_all();
         drop(core);
-        drop(state);
         tracing::info!(permits = ?permits, "budget override set");
         Ok(())
     }
@@ -336,20 +400,55 @@ impl Hub {
                     return;
                 };
                 let hub = Hub { inner };
-                let mut core = hub.core();
-                let now = Instant::now();
-                core.expire(now);
-                core.discover_if_due(now);
-                core.gate_tick(now);
-                let spaces = core.gate.take_dirty();
-                drop(core);
+                let spaces = {
+                    let mut core = hub.core();
+                    let now = Instant::now();
+                    core.expire(now);
+                    core.discover_if_due(now);
+                    core.gate_tick(now);
+                    core.gate.take_dirty()
+                };
                 if let Some(spaces) = spaces {
-                    hub.save_spaces(spaces);
+                    hub.save_spaces(spaces).await;
                 }
-                let mut core = hub.core();
                 // A provider whose bench or pause ended gets work without waiting for a pull.
-                core.dispatch_all();
+                hub.core().dispatch_all();
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn status_and_the_config_never_wait_for_a_state_write_in_progress() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = Hub::open(HubOptions {
+            settings: HubSettings::default(),
+            state_dir: dir.path().to_path_buf(),
+            fleet_token: Secret::new("fleet-token-for-tests"),
+            admin_token: Secret::new("admin-token-for-tests"),
+            client_token: None,
+            gate: gate::GateSettings::default(),
+        })
+        .unwrap();
+        // A writer holds the state (its fsync under way on a blocking thread).
+        let writing = hub.inner.state_writes.lock().await;
+        let status = hub.status();
+        assert!(!status.config.key_pushed);
+        assert_eq!(hub.state().last_push_ms, None);
+        drop(writing);
+        // Writers take turns; the write lands, then the state shows it.
+        let (a, b) = tokio::join!(
+            hub.set_budget_override(Some(3)),
+            hub.set_budget_override(None)
+        );
+        a.unwrap();
+        b.unwrap();
+        assert_eq!(hub.state().budget_override, None);
+        let on_disk = HubState::load(dir.path()).unwrap();
+        assert_eq!(on_disk.budget_override, None);
     }
 }

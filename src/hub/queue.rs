@@ -52,6 +52,19 @@ impl Shape {
         }
     }
 
+    /// Bytes a work frame of this shape carries besides its items, as JSON (an upper bound
+    /// of the instruction, the rerank query, the chat body).
+    pub fn shared_json_bytes(&self) -> usize {
+        let text = |t: &str| t.len().saturating_mul(6).saturating_add(2);
+        match self {
+            Shape::Embed { instruction, .. } => instruction.as_deref().map_or(0, text),
+            Shape::Rerank { query, instruction } => {
+                text(query).saturating_add(instruction.as_deref().map_or(0, text))
+            }
+            Shape::Chat { body } => body.to_string().len(),
+        }
+    }
+
     /// Tokens a work frame pays once for all its items (the rerank query).
     fn shared_tokens(&self) -> usize {
         match self {

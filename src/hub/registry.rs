@@ -205,6 +205,10 @@ pub struct AgentEntry {
     pub hostname: String,
     pub version: String,
     pub connected_at: Instant,
+    /// When a frame of this session last arrived.
+    pub last_seen: Instant,
+    /// The agent process's random id (`hello.instance`), where it said one.
+    pub instance: Option<String>,
     pub tx: AgentTx,
     pub providers: BTreeMap<String, ProviderEntry>,
     pub devices: Vec<DeviceInfo>,

@@ -6,47 +6,41 @@
 //! unknown type, a frame before `hello`, an oversized control frame each get an `error`
 //! frame naming the problem. A wrong protocol version closes it (nothing useful can follow).
 
-use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket};
+use axum::extract::ws::{CloseFrame, Message, Utf8Bytes};
 use futures_util::{SinkExt, StreamExt};
 use tokio::sync::mpsc;
+
+use std::time::Duration;
+
+use axum::extract::ws::WebSocket as Socket;
+use futures_util::stream::SplitSink;
 
 use super::Hub;
 use super::registry::Outgoing;
 use crate::protocol::{self, AgentFrame, FrameError, HubFrame};
 
 /// Serves one authenticated agent socket until it closes.
-pub async fn serve_agent(socket: WebSocket, hub: Hub) {
-    let (mut sink, mut stream) = socket.split();
-    let (tx, mut rx) = mpsc::unbounded_channel::<Outgoing>();
-    let mut writer = tokio::spawn(async move {
-        while let Some(out) = rx.recv().await {
-            let sent = match out {
-                Outgoing::Frame(text) => sink.send(Message::Text(text.into())).await,
-                Outgoing::Close(reason) => {
-                    let close = CloseFrame {
-                        code: 4000,
-                        reason: Utf8Bytes::from(reason),
-                    };
-                    let _ = sink.send(Message::Close(Some(close))).await;
-                    break;
-                }
-            };
-            if sent.is_err() {
-                break;
-            }
-        }
-        let _ = sink.close().await;
-    });
-
-    let (max_frame, silence) = {
+pub async fn serve_agent(socket: Socket, hub: Hub) {
+    let (max_frame, heartbeat) = {
         let core = hub.core();
         (
             core.settings.max_frame_bytes,
-            core.settings.heartbeat_interval * 3,
+            core.settings.heartbeat_interval,
         )
     };
+    // Three heartbeats of silence end the socket, either way: nothing read (the agent
+    // heartbeats), or a write that does not complete (a stuck peer, a black-holed route).
+    let silence = heartbeat * 3;
+    let (sink, mut stream) = socket.split();
+    let (tx, rx) = mpsc::unbounded_channel::<Outgoing>();
+    let mut writer = tokio::spawn(write_frames(sink, rx, heartbeat, silence));
     let mut session: Option<(String, u64)> = None;
-    let error = |message: String| Outgoing::Frame(protocol::encode(&HubFrame::Error { message }));
+    let error = |message: String| {
+        Outgoing::Frame(protocol::encode(&HubFrame::Error {
+            message,
+            code: None,
+        }))
+    };
     loop {
         let next = tokio::select! {
             next = tokio::time::timeout(silence, stream.next()) => next,
@@ -96,16 +90,20 @@ pub async fn serve_agent(socket: WebSocket, hub: Hub) {
                 continue;
             };
             let agent_id = hello.agent_id.clone();
-            let version_ok = hello.protocol_version == protocol::PROTOCOL_VERSION;
             match hub.core().hello(hello, tx.clone()) {
                 Ok(sid) => {
                     tracing::info!(agent = %agent_id, session = sid, "agent connected");
                     session = Some((agent_id, sid));
                 }
-                Err(message) => {
-                    let _ = tx.send(error(message.clone()));
-                    if !version_ok {
-                        let _ = tx.send(Outgoing::Close(message));
+                Err(refused) => {
+                    let frame = HubFrame::Error {
+                        message: refused.message.clone(),
+                        code: refused.code,
+                    };
+                    let _ = tx.send(Outgoing::Frame(protocol::encode(&frame)));
+                    // A refusal with a code is final for this socket: nothing useful follows.
+                    if refused.code.is_some() {
+                        let _ = tx.send(Outgoing::Close(refused.message));
                         break;
                     }
                 }
@@ -119,6 +117,7 @@ pub async fn serve_agent(socket: WebSocket, hub: Hub) {
                 AgentFrame::Providers { providers } => core.set_providers(agent, *sid, providers),
                 AgentFrame::Heartbeat(hb) => core.heartbeat(agent, *sid, hb),
                 AgentFrame::Pull(pull) => core.pull(agent, *sid, &pull.provider, pull.credits),
+                AgentFrame::Chunk(chunk) => core.chunk(agent, *sid, chunk),
                 AgentFrame::Done(done) => core.done(agent, *sid, done),
                 AgentFrame::Failed(failed) => core.failed(agent, *sid, failed),
                 AgentFrame::ConfigAck(ack) => core.config_ack(agent, *sid, ack),
@@ -135,4 +134,44 @@ pub async fn serve_agent(socket: WebSocket, hub: Hub) {
     }
     drop(tx);
     let _ = writer.await;
+}
+
+/// The socket's writer: frames from the core, a ping every heartbeat, each write bounded by
+/// `write_timeout`. It ends (and so does the session) on a close it was asked to send, on a
+/// failed write, or on a write that did not complete in time: a stuck peer never holds it.
+async fn write_frames(
+    mut sink: SplitSink<Socket, Message>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+    heartbeat: Duration,
+    write_timeout: Duration,
+) {
+    let mut ping = tokio::time::interval(heartbeat);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ping.tick().await;
+    loop {
+        let (message, closing) = tokio::select! {
+            out = rx.recv() => match out {
+                Some(Outgoing::Frame(text)) => (Message::Text(text.into()), false),
+                Some(Outgoing::Close(reason)) => {
+                    let close = CloseFrame { code: 4000, reason: Utf8Bytes::from(reason) };
+                    (Message::Close(Some(close)), true)
+                }
+                None => break,
+            },
+            _ = ping.tick() => (Message::Ping(Default::default()), false),
+        };
+        match tokio::time::timeout(write_timeout, sink.send(message)).await {
+            Ok(Ok(())) if !closing => {}
+            Ok(Ok(())) => break,
+            Ok(Err(_)) => break,
+            Err(_) => {
+                tracing::warn!(
+                    timeout_s = write_timeout.as_secs_f64(),
+                    "a write to an agent did not complete in time; closing its socket"
+                );
+                return;
+            }
+        }
+    }
+    let _ = tokio::time::timeout(write_timeout, sink.close()).await;
 }

@@ -22,6 +22,8 @@ pub struct StatusView {
     pub sockets: BTreeMap<String, SocketCount>,
     pub roles: BTreeMap<Role, RoleView>,
     pub requests_waiting: usize,
+    /// Input bytes accepted requests hold (bounded by the hub's `max_held_mb`).
+    pub held_bytes: usize,
     pub config: ConfigView,
     /// The global cloud budget (DESIGN §5).
     pub budget: BudgetView,
@@ -95,6 +97,19 @@ pub struct ConfigView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_push_ms: Option<u64>,
     pub cloud_roles: Vec<Role>,
+    pub heartbeat_ms: u64,
+    /// Each role's lease, request timeout and call timeout, as the hub applies them now.
+    pub timings: BTreeMap<Role, TimingsView>,
+    pub max_held_bytes: usize,
+    pub max_inputs: usize,
+    pub max_input_chars: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TimingsView {
+    pub lease_s: f64,
+    pub request_timeout_s: f64,
+    pub call_timeout_s: f64,
 }
 
 impl Hub {
@@ -163,11 +178,28 @@ impl Hub {
             sockets: core.sockets().clone(),
             roles,
             requests_waiting: core.requests_waiting(),
+            held_bytes: core.held_bytes(),
             config: ConfigView {
                 key_pushed: state.key.is_some(),
                 key_pushed_at_ms: state.key.as_ref().map(|k| k.pushed_at_ms),
                 last_push_ms: state.last_push_ms,
                 cloud_roles: state.cloud.allowed_models.keys().copied().collect(),
+                heartbeat_ms: core.settings.heartbeat_interval.as_millis() as u64,
+                timings: Role::ALL
+                    .into_iter()
+                    .map(|r| {
+                        let t = core.settings.timings(r);
+                        let view = TimingsView {
+                            lease_s: t.lease.as_secs_f64(),
+                            request_timeout_s: t.request_timeout.as_secs_f64(),
+                            call_timeout_s: t.call_timeout.as_secs_f64(),
+                        };
+                        (r, view)
+                    })
+                    .collect(),
+                max_held_bytes: core.settings.limits.max_held_bytes,
+                max_inputs: core.settings.limits.max_inputs,
+                max_input_chars: core.settings.limits.max_input_chars,
             },
             budget,
             gate,
@@ -233,6 +265,12 @@ impl Hub {
             "Items waiting in a role queue.",
             depth,
         );
+        family(
+            "fantom_hub_held_bytes",
+            "gauge",
+            "Input bytes held by accepted requests (queued, leased or partly served).",
+            vec![(String::new(), core.held_bytes() as f64)],
+        );
         let leases = core.leases_by_role();
         let in_flight = Role::ALL
             .iter()
@@ -257,6 +295,12 @@ impl Hub {
                 ("{outcome=\"lost\"}".into(), c.leases_lost as f64),
                 ("{outcome=\"cancelled\"}".into(), c.leases_cancelled as f64),
             ],
+        );
+        family(
+            "fantom_hub_lease_renewals_total",
+            "counter",
+            "Leases renewed by a heartbeat (work still running on a live agent).",
+            vec![(String::new(), c.leases_renewed as f64)],
         );
         family(
             "fantom_hub_rejected_unservable_total",

@@ -46,11 +46,12 @@ struct TypeOnly<'a> {
     kind: Option<Cow<'a, str>>,
 }
 
-const AGENT_TYPES: [&str; 9] = [
+const AGENT_TYPES: [&str; 10] = [
     "hello",
     "providers",
     "heartbeat",
     "pull",
+    "chunk",
     "done",
     "failed",
     "config_ack",
@@ -210,6 +211,7 @@ mod tests {
                 memory_total_mb: Some(24000),
                 memory_free_mb: None,
             }],
+            instance: Some("0123abcd".into()),
         }));
         round_trip_agent(AgentFrame::Providers {
             providers: vec![provider()],
@@ -225,6 +227,12 @@ mod tests {
                 latency_p95_ms: Some(20.0),
             }],
             devices: vec![],
+            leases: vec![7, 9],
+        }));
+        round_trip_agent(AgentFrame::Chunk(Chunk {
+            lease: 7,
+            seq: 0,
+            data: serde_json::json!({"object": "chat.completion.chunk", "choices": []}),
         }));
         round_trip_agent(AgentFrame::Pull(Pull {
             provider: "embedding".into(),
@@ -285,6 +293,7 @@ mod tests {
         }));
         round_trip_hub(HubFrame::Error {
             message: "no".into(),
+            code: Some(ErrorCode::AgentIdInUse),
         });
         round_trip_hub(HubFrame::Work(Work {
             lease: 1,
@@ -297,6 +306,7 @@ mod tests {
                 instruction: None,
             }),
             deadline_ms: 1,
+            call_timeout_ms: Some(60_000),
         }));
         round_trip_hub(HubFrame::Work(Work {
             lease: 2,
@@ -308,6 +318,7 @@ mod tests {
                 instruction: None,
             }),
             deadline_ms: 1,
+            call_timeout_ms: Some(60_000),
         }));
         round_trip_hub(HubFrame::Probe(Probe {
             probe: "p".into(),
@@ -324,6 +335,7 @@ mod tests {
             role: Role::Embedding,
             input: WorkInput::Embed(EmbedInput::default()),
             deadline_ms: 0,
+            call_timeout_ms: None,
         }));
         assert!(work.contains("\"op\":\"embed\",\"input\":{"), "{work}");
     }

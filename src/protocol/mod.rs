@@ -32,6 +32,8 @@ pub enum AgentFrame {
     Heartbeat(Heartbeat),
     /// A provider can take `credits` more work frames (added to what it already offered).
     Pull(Pull),
+    /// One piece of a streamed chat, in order (`seq` from 0); `done` follows the last.
+    Chunk(Chunk),
     Done(Done),
     Failed(Failed),
     ConfigAck(ConfigAck),
@@ -46,8 +48,11 @@ pub enum AgentFrame {
 pub enum HubFrame {
     Welcome(Welcome),
     /// Something the agent sent was refused; the socket stays open unless it is closed next.
+    /// `code` names refusals an agent acts on (see [`ErrorCode`]).
     Error {
         message: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        code: Option<ErrorCode>,
     },
     /// A partial config push (DESIGN §4); the only frame that may carry the key.
     Config(ConfigFrame),
@@ -60,6 +65,17 @@ pub enum HubFrame {
     },
     /// Ask the account's limits with the pushed key (answered by `limits`).
     Discover,
+}
+
+/// Refusals an agent acts on rather than just logs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// `hello` named an agent id another live process (another `instance`) holds: this
+    /// process must not serve under it (it exits, naming the id and the other host).
+    AgentIdInUse,
+    /// `hello` spoke another protocol version: nothing useful can follow.
+    ProtocolVersion,
 }
 
 /// What an agent learned about the pushed key's account (`GET /key`, `GET /credits`). Numbers
@@ -92,6 +108,10 @@ pub struct Hello {
     pub providers: Vec<ProviderInfo>,
     #[serde(default)]
     pub devices: Vec<DeviceInfo>,
+    /// Random per process: the same instance reconnecting supersedes its old socket; another
+    /// instance claiming a live id is refused ([`ErrorCode::AgentIdInUse`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
 }
 
 /// Whether a provider computes here or calls a cloud upstream.
@@ -150,6 +170,10 @@ pub struct Heartbeat {
     pub providers: Vec<ProviderStats>,
     #[serde(default)]
     pub devices: Vec<DeviceInfo>,
+    /// The leases whose work is running here: each is renewed for its role's lease length,
+    /// so work slower than a lease on a live agent is never taken back.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub leases: Vec<u64>,
 }
 
 /// A provider's counters since the agent started.
@@ -184,6 +208,17 @@ pub struct Done {
     /// Tokens the model read (usage reports).
     #[serde(default)]
     pub tokens: u64,
+}
+
+/// One chunk of a streamed chat completion (an OpenAI `chat.completion.chunk` object, as the
+/// upstream sent it). The first chunk of a lease binds its request to that lease: from then
+/// on a lost lease fails the request (the client has part of an answer) instead of
+/// requeueing it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Chunk {
+    pub lease: u64,
+    pub seq: u64,
+    pub data: serde_json::Value,
 }
 
 /// What a failure means for the item and for the provider.
@@ -267,7 +302,10 @@ pub struct ProbeResult {
 pub struct Welcome {
     pub session: u64,
     pub protocol_version: u32,
+    /// Heartbeats (which renew running leases) come this often; the hub pings as often, and
+    /// three intervals of silence either way end the socket.
     pub heartbeat_interval_ms: u64,
+    /// The default lease length (a role may have its own: each work frame's deadline says).
     pub lease_ms: u64,
 }
 
@@ -291,8 +329,13 @@ pub struct Work {
     pub role: Role,
     #[serde(flatten)]
     pub input: WorkInput,
-    /// When the lease expires (milliseconds since the Unix epoch).
+    /// When the lease expires unless a heartbeat renews it (milliseconds since the Unix
+    /// epoch).
     pub deadline_ms: u64,
+    /// The longest the provider's call may take (the role's call timeout): past it the work
+    /// fails as fatal, so a stuck upstream is never billed again by a retry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call_timeout_ms: Option<u64>,
 }
 
 /// What to compute: `op` names the operation, `input` holds its arguments.

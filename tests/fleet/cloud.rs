@@ -202,9 +202,29 @@ async fn cloud_policy_serves_every_op_through_two_agents_without_local_models() 
         .filter_map(|l| l.strip_prefix("data: "))
         .collect();
     assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
-    let first: Value = serde_json::from_str(events[0]).unwrap();
-    assert_eq!(first["object"], "chat.completion.chunk");
-    assert_eq!(first["choices"][0]["delta"]["content"], "echo: hello fleet");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk")
+    );
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, "echo: hello fleet", "{text}");
+    assert!(
+        chunks.len() >= 4,
+        "the upstream's chunks, one by one: {text}"
+    );
+    assert_eq!(
+        chunks.last().unwrap()["provenance"]["model"],
+        CHAT_MODEL,
+        "the last chunk names who served it"
+    );
     // A chat role under `local` with no local chat model has no provider.
     let (code, body) = hub
         .post(

@@ -20,7 +20,7 @@ use crate::cloud::{CHAT_MODEL, KEY, RERANK_MODEL, cloud_agent, upstream, wait_fo
 use crate::support::*;
 
 /// A request running on its own; its answer is the task's output.
-fn spawn_post(hub: &HubProc, path: &str, body: Value) -> tokio::task::JoinHandle<(u16, Value)> {
+pub fn spawn_post(hub: &HubProc, path: &str, body: Value) -> tokio::task::JoinHandle<(u16, Value)> {
     let (http, url) = (hub.http.clone(), hub.url(path));
     tokio::spawn(async move {
         let r = http.post(url).json(&body).send().await.unwrap();
@@ -476,7 +476,7 @@ async fn the_last_passing_provider_suspended_mid_request_fails_the_waiting_items
 }
 
 /// A chat request body.
-fn chat(content: &str, stream: bool) -> Value {
+pub fn chat(content: &str, stream: bool) -> Value {
     json!({"model": "code-assistant", "stream": stream,
            "messages": [{"role": "user", "content": content}]})
 }

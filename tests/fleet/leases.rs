@@ -27,7 +27,13 @@ fn vectors_for(work: &Value, value: f32) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_lease_goes_back_to_the_front_and_its_late_result_is_dropped() {
     let dir = tempfile::tempdir().unwrap();
-    let hub = HubProc::start(dir.path(), None, &["--lease-s", "1"], &[], "hub.log");
+    let hub = HubProc::start(
+        dir.path(),
+        None,
+        &["--lease-s", "1", "--heartbeat-ms", "500"],
+        &[],
+        "hub.log",
+    );
     let mut slow = hub.raw_agent().await;
     slow.hello("slow", json!([fake_provider("embedding", "embedding", 8)]))
         .await;

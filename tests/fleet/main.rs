@@ -7,12 +7,14 @@ mod local_support;
 mod support;
 
 mod bad_input;
+mod black_hole;
 mod cloud;
 mod fantom_master;
 mod gate;
 mod integrity;
 mod kill;
 mod leases;
+mod liveness;
 mod masters;
 mod reconnect;
 mod relay;

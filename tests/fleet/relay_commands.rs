@@ -978,18 +978,13 @@ async fn the_chat_proxy_pins_the_slots_model_and_answers_fantoms_status_codes() 
     assert!(!has_sandbox(&later[0]), "{}", later[0].text);
 
     // Fantom's status codes: no header with two keyed slots 409, B without a sandbox 503,
-    // stream 400, bad JSON 400, a URL that does not byte-match 404.
+    // bad JSON 400, a URL that does not byte-match 404.
     let (code, body) = call(chat_to(&api, &[]).json(&ask("who am I"))).await;
     assert_eq!(code, 409, "{body}");
     envelope(&body);
     let as_b = [(MASTER_HEADER, b.http_url.as_str())];
     let (code, body) = call(chat_to(&api, &as_b).json(&ask("no sandbox"))).await;
     assert_eq!(code, 503, "{body}");
-    envelope(&body);
-    let mut streamed = ask("stream it");
-    streamed["stream"] = json!(true);
-    let (code, body) = call(chat_to(&api, &as_a).json(&streamed)).await;
-    assert_eq!(code, 400, "{body}");
     envelope(&body);
     let bad = chat_to(&api, &as_a)
         .header(reqwest::header::CONTENT_TYPE, "application/json")
@@ -1047,9 +1042,38 @@ async fn the_chat_proxy_pins_the_slots_model_and_answers_fantoms_status_codes() 
     let (code, body) = call(api.get("/api/v1/models")).await;
     assert_eq!(code, 409, "{body}");
 
-    // A's `rlm` virtual container counts both answers.
+    // `stream: true`: the upstream's chunks relayed as server-sent events as they come.
+    let mut streamed = ask("stream it");
+    streamed["stream"] = json!(true);
+    let r = chat_to(&api, &as_a).json(&streamed).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let text = r.text().await.unwrap();
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
+    let content: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(content, "echo: stream it", "{text}");
+    assert!(events.len() >= 5, "chunk by chunk: {text}");
+
+    // A's `rlm` virtual container counts the three answers.
     let row = api.master_row(&a.http_url).await.expect("A's row");
-    assert_eq!(virtual_rows(&row)["rlm"]["served"], 2, "{row}");
+    assert_eq!(virtual_rows(&row)["rlm"]["served"], 3, "{row}");
 
     // An upstream 429 is passed on with Fantom's envelope.
     up.state.set_capacity(Some(0));

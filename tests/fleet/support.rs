@@ -119,6 +119,20 @@ impl Proc {
         }
     }
 
+    /// Waits (bounded) for the process to exit by itself.
+    pub fn wait_exit(&mut self) -> ExitStatus {
+        let child = self.child.as_mut().expect("running");
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                self.child = None;
+                return status;
+            }
+            assert!(Instant::now() < deadline, "the process did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }

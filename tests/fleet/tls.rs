@@ -1,5 +1,6 @@
 //! `wss://` and `https://`: the hub serves TLS from a certificate (rustls), an agent that
-//! trusts its CA connects and serves; plain connections to the TLS port get nowhere.
+//! trusts its CA connects and serves; plain connections to the TLS port get nowhere; a hub
+//! listening beyond loopback without TLS warns that tokens would cross in the clear.
 
 use serde_json::json;
 
@@ -75,5 +76,24 @@ async fn an_agent_serves_over_wss_with_a_trusted_ca() {
         RawAgent::connect(&format!("wss://{addr}/v1/agent"), Some(&hub.fleet))
             .await
             .is_err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hub_beyond_loopback_without_tls_warns_that_tokens_would_cross_in_the_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    let all = "0.0.0.0:0".parse().unwrap();
+    let _open = HubProc::start(dir.path(), Some(all), &[], &[], "open.log");
+    let log = std::fs::read_to_string(dir.path().join("open.log")).unwrap();
+    assert!(
+        log.contains("in the clear") && log.contains("--tls-cert"),
+        "the warning says what crosses and how to fix it: {log}"
+    );
+    let quiet = tempfile::tempdir().unwrap();
+    let _local = HubProc::start(quiet.path(), None, &[], &[], "local.log");
+    let log = std::fs::read_to_string(quiet.path().join("local.log")).unwrap();
+    assert!(
+        !log.contains("in the clear"),
+        "loopback is not the network: {log}"
     );
 }

@@ -171,6 +171,8 @@ pub struct UpstreamState {
     key_answer: Mutex<Value>,
     credits_answer: Mutex<(u16, Value)>,
     hold: watch::Sender<bool>,
+    /// While on, a streamed chat stops after its first content chunk (until turned off).
+    stream_hold: watch::Sender<bool>,
     decided: watch::Sender<u64>,
 }
 
@@ -226,6 +228,7 @@ impl UpstreamState {
                 json!({"data": {"total_credits": 0, "total_usage": 0}}),
             )),
             hold: watch::Sender::new(false),
+            stream_hold: watch::Sender::new(false),
             decided: watch::Sender::new(0),
         }
     }
@@ -302,6 +305,11 @@ impl UpstreamState {
     /// they keep their in-flight slot. Turning it off releases them all.
     pub fn set_hold(&self, on: bool) {
         self.hold.send_replace(on);
+    }
+    /// While on, a streamed chat sends its processing comment and first content chunk, then
+    /// waits; turning it off sends the rest.
+    pub fn set_stream_hold(&self, on: bool) {
+        self.stream_hold.send_replace(on);
     }
     /// Resolves once `n` inference requests have been received and either answered with an
     /// error (auth, routing, limits) or admitted. Bound it with `tokio::time::timeout`.
@@ -597,7 +605,7 @@ async fn inference(
     let result = match route {
         Route::Embed => embed_answer(&s, &adm, id).await,
         Route::Rerank => rerank_answer(&adm, id),
-        Route::Chat => chat_answer(&adm, id),
+        Route::Chat => chat_answer(&s, &adm, id),
     };
     unanswered.answered = true;
     match result {
@@ -838,7 +846,7 @@ fn content_text(c: &Value) -> String {
     }
 }
 
-fn chat_answer(adm: &Admitted, id: u64) -> Result<(Response, u64), Response> {
+fn chat_answer(s: &UpstreamState, adm: &Admitted, id: u64) -> Result<(Response, u64), Response> {
     let req = &adm.req;
     let Some(messages) = req["messages"].as_array() else {
         return Err(err_msg(400, "missing field `messages`"));
@@ -867,7 +875,7 @@ fn chat_answer(adm: &Admitted, id: u64) -> Result<(Response, u64), Response> {
             "usage": usage});
         return Ok((Json(body).into_response(), 1));
     }
-    let mut out = String::new();
+    let mut out = vec![": OPENROUTER PROCESSING\n\n".to_string()];
     for (i, w) in content.split_whitespace().enumerate() {
         let piece = if i == 0 {
             w.to_string()
@@ -878,16 +886,38 @@ fn chat_answer(adm: &Admitted, id: u64) -> Result<(Response, u64), Response> {
             "model": model, "provider": slug,
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": piece},
                          "finish_reason": null}]});
-        out.push_str(&format!("data: {chunk}\n\n"));
+        out.push(format!("data: {chunk}\n\n"));
     }
     let last = json!({"id": gen_id, "object": "chat.completion.chunk", "created": created,
         "model": model, "provider": slug,
         "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": usage});
-    out.push_str(&format!("data: {last}\n\ndata: [DONE]\n\n"));
+    out.push(format!("data: {last}\n\n"));
+    out.push("data: [DONE]\n\n".to_string());
+    // Sent piece by piece, as an upstream does; a stream hold parks it after the first
+    // content chunk.
+    let hold = s.stream_hold.subscribe();
+    let pieces = futures_util::stream::unfold(
+        (out.into_iter(), 0usize, hold),
+        |(mut pieces, sent, mut hold)| async move {
+            if sent == 2 {
+                loop {
+                    let held = *hold.borrow_and_update();
+                    if !held || hold.changed().await.is_err() {
+                        break;
+                    }
+                }
+            }
+            let piece = pieces.next()?;
+            Some((
+                Ok::<_, std::convert::Infallible>(piece),
+                (pieces, sent + 1, hold),
+            ))
+        },
+    );
     let resp = (
         StatusCode::OK,
         [(header::CONTENT_TYPE, "text/event-stream")],
-        out,
+        axum::body::Body::from_stream(pieces),
     )
         .into_response();
     Ok((resp, 1))

@@ -7,8 +7,8 @@
 //! byte a slot's `serverUrl`) only selects among the slots that token owns (another one: 403).
 //! The operator's token may name any slot. With no token configured at all, nothing here
 //! answers ([`super::access`]). The caller's `model` is replaced by the slot's: the sidecar
-//! decides which model answers. Status codes as Fantom expects them: 400 (bad JSON,
-//! `stream: true`), 409 (no header while several of the caller's slots hold keys), 404 (unknown
+//! decides which model answers; `stream: true` relays OpenRouter's chunks as server-sent
+//! events as they arrive. Status codes as Fantom expects them: 400 (bad JSON), 409 (no header while several of the caller's slots hold keys), 404 (unknown
 //! master or nothing pushed), 503 (no sandbox model). The project and tools-token headers are
 //! neither used nor logged.
 
@@ -17,6 +17,7 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
@@ -122,13 +123,14 @@ async fn chat(
             .into_response();
         }
     };
-    if body.get("stream").and_then(Value::as_bool) == Some(true) {
-        return failure(
-            StatusCode::BAD_REQUEST,
-            "stream: true is not supported on this route",
-        )
-        .into_response();
-    }
+    let stream = match body.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return failure(StatusCode::BAD_REQUEST, "stream must be true or false")
+                .into_response();
+        }
+    };
     let master = match caller(&sidecar, &who, &headers) {
         Ok(master) => master,
         Err(refusal) => return refusal.into_response(),
@@ -138,6 +140,9 @@ async fn chat(
         Err(refusal) => return refusal.into_response(),
     };
     let key = Role::RlmSandbox.as_str();
+    if stream {
+        return stream_chat(sidecar, master, SlotRoute { client, route }, body).await;
+    }
     match metered(&sidecar.slots, &master, key, client.chat(&route, body)).await {
         Ok(done) => {
             tracing::info!(master = %master, model = %route.model(), tokens = done.tokens, "chat proxied");
@@ -153,6 +158,118 @@ async fn chat(
             failure(status, e.to_string()).into_response()
         }
     }
+}
+
+/// A streamed chat: OpenRouter's chunks relayed as server-sent events as they arrive. A
+/// failure before the first chunk is answered with its status, as a whole answer would be;
+/// one after it ends the stream with an `error` event. The client going away drops the call.
+async fn stream_chat(
+    sidecar: Arc<Sidecar>,
+    master: String,
+    SlotRoute { client, route }: SlotRoute,
+    body: Value,
+) -> Response {
+    let (tx, mut chunks) = tokio::sync::mpsc::unbounded_channel::<Value>();
+    let call: std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>> = {
+        let (sidecar, master) = (sidecar.clone(), master.clone());
+        Box::pin(async move {
+            let forward = move |chunk| {
+                let _ = tx.send(chunk);
+            };
+            let key = Role::RlmSandbox.as_str();
+            let done = metered(
+                &sidecar.slots,
+                &master,
+                key,
+                client.chat_stream(&route, body, forward),
+            )
+            .await;
+            (done, route.model().to_string())
+        })
+    };
+    let mut call = call;
+    let first = tokio::select! {
+        biased;
+        Some(first) = chunks.recv() => Some(first),
+        (done, model) = &mut call => {
+            // The call can finish in one poll when the whole stream was already there: its
+            // chunks wait in the channel.
+            let mut pending: std::collections::VecDeque<Event> = std::collections::VecDeque::new();
+            while let Ok(chunk) = chunks.try_recv() {
+                pending.push_back(Event::default().data(chunk.to_string()));
+            }
+            match done {
+                Err(e) if pending.is_empty() => {
+                    tracing::warn!(master = %master, error = %e, "chat proxy call failed");
+                    let status = match e.http_status() {
+                        401 | 403 => StatusCode::BAD_GATEWAY,
+                        code => StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_GATEWAY),
+                    };
+                    return failure(status, e.to_string()).into_response();
+                }
+                Err(e) => {
+                    tracing::warn!(master = %master, error = %e, "a streamed chat ended with an error");
+                    pending.push_back(stream_error(&e));
+                }
+                Ok(done) => {
+                    tracing::info!(master = %master, model = %model, tokens = done.tokens, "chat proxied (stream)");
+                    pending.push_back(Event::default().data("[DONE]"));
+                }
+            }
+            let events = pending.into_iter().map(Ok::<_, std::convert::Infallible>);
+            return Sse::new(futures_util::stream::iter(events)).into_response();
+        }
+    };
+    let Some(first) = first else {
+        return failure(StatusCode::BAD_GATEWAY, "the stream ended").into_response();
+    };
+    let state = (
+        Some(call),
+        chunks,
+        std::collections::VecDeque::from([Event::default().data(first.to_string())]),
+        master,
+    );
+    let events = futures_util::stream::unfold(
+        state,
+        |(mut call, mut chunks, mut pending, master)| async move {
+            loop {
+                if let Some(event) = pending.pop_front() {
+                    return Some((
+                        Ok::<_, std::convert::Infallible>(event),
+                        (call, chunks, pending, master),
+                    ));
+                }
+                let running = call.as_mut()?;
+                tokio::select! {
+                    biased;
+                    Some(chunk) = chunks.recv() => pending.push_back(Event::default().data(chunk.to_string())),
+                    (done, model) = running => {
+                        call = None;
+                        while let Ok(chunk) = chunks.try_recv() {
+                            pending.push_back(Event::default().data(chunk.to_string()));
+                        }
+                        match done {
+                            Ok(done) => {
+                                tracing::info!(master = %master, model = %model, tokens = done.tokens, "chat proxied (stream)");
+                                pending.push_back(Event::default().data("[DONE]"));
+                            }
+                            Err(e) => {
+                                tracing::warn!(master = %master, error = %e, "a streamed chat ended with an error");
+                                pending.push_back(stream_error(&e));
+                            }
+                        }
+                    }
+                }
+            }
+        },
+    );
+    Sse::new(events).into_response()
+}
+
+/// The `error` event that ends a stream cut short (Fantom's envelope, with the status).
+fn stream_error(e: &crate::cloud::CloudError) -> Event {
+    let body = json!({"error": {"message": e.to_string(), "code": e.http_status()}});
+    Event::default().data(body.to_string())
 }
 
 async fn models(

@@ -10,20 +10,50 @@ use crate::hub::budget;
 use crate::hub::gate::Candidate;
 use crate::hub::registry::{AgentEntry, AgentTx, Outgoing, ProviderEntry};
 use crate::protocol::{
-    self, AccountLimits, Backend, ConfigAck, Heartbeat, Hello, HubFrame, PROTOCOL_VERSION,
-    ProviderInfo, Welcome,
+    self, AccountLimits, Backend, ConfigAck, ErrorCode, Heartbeat, Hello, HubFrame,
+    PROTOCOL_VERSION, ProviderInfo, Welcome,
 };
+
+/// Why `hello` was refused; a `code` also closes the socket.
+#[derive(Debug)]
+pub struct HelloRefused {
+    pub message: String,
+    pub code: Option<ErrorCode>,
+}
+
+impl From<String> for HelloRefused {
+    fn from(message: String) -> Self {
+        Self {
+            message,
+            code: None,
+        }
+    }
+}
+
+impl From<&str> for HelloRefused {
+    fn from(message: &str) -> Self {
+        message.to_string().into()
+    }
+}
 use crate::roles::Role;
 
 impl Core {
     /// Registers an agent's session (superseding an older one of the same id) and sends
     /// `welcome` before anything else can reach the socket.
-    pub fn hello(&mut self, hello: Hello, tx: AgentTx) -> Result<u64, String> {
+    ///
+    /// One agent per id: the same `instance` (or one that does not say) supersedes its old
+    /// socket; another instance is refused while the id's session is live (a frame within
+    /// three heartbeats), so two hosts sharing an id never take turns requeueing each other's
+    /// work. A silent old session may be superseded by anyone.
+    pub fn hello(&mut self, hello: Hello, tx: AgentTx) -> Result<u64, HelloRefused> {
         if hello.protocol_version != PROTOCOL_VERSION {
-            return Err(format!(
-                "protocol version {} is not spoken here (this hub speaks {PROTOCOL_VERSION})",
-                hello.protocol_version
-            ));
+            return Err(HelloRefused {
+                message: format!(
+                    "protocol version {} is not spoken here (this hub speaks {PROTOCOL_VERSION})",
+                    hello.protocol_version
+                ),
+                code: Some(ErrorCode::ProtocolVersion),
+            });
         }
         if hello.agent_id.trim().is_empty() {
             return Err("hello needs a non-empty agent_id".into());
@@ -32,6 +62,21 @@ impl Core {
             return Err(
                 "an agent_id may not contain '/' or '|' (they separate provider names)".into(),
             );
+        }
+        let now = Instant::now();
+        if let Some(live) = self.agents.get(&hello.agent_id)
+            && let (Some(theirs), Some(ours)) = (&live.instance, &hello.instance)
+            && theirs != ours
+            && now.duration_since(live.last_seen) < self.settings.heartbeat_interval * 3
+        {
+            tracing::warn!(agent = %hello.agent_id, live_host = %live.hostname, claiming_host = %hello.hostname, "refused a second live process claiming an agent id");
+            return Err(HelloRefused {
+                message: format!(
+                    "agent id '{}' is in use by another live agent process (on host '{}'); give each host its own agent_id (--agent-id, or agent_id in the agent's config)",
+                    hello.agent_id, live.hostname
+                ),
+                code: Some(ErrorCode::AgentIdInUse),
+            });
         }
         let providers = build_providers(&hello.agent_id, hello.providers)?;
         if let Some(old) = self.agents.remove(&hello.agent_id) {
@@ -48,7 +93,14 @@ impl Core {
             session,
             protocol_version: PROTOCOL_VERSION,
             heartbeat_interval_ms: self.settings.heartbeat_interval.as_millis() as u64,
-            lease_ms: self.settings.lease.as_millis() as u64,
+            lease_ms: self
+                .settings
+                .timings
+                .values()
+                .map(|t| t.lease)
+                .min()
+                .unwrap_or_default()
+                .as_millis() as u64,
         });
         let _ = tx.send(Outgoing::Frame(protocol::encode(&welcome)));
         let count = self.sockets.entry(hello.agent_id.clone()).or_default();
@@ -61,7 +113,9 @@ impl Core {
                 session,
                 hostname: hello.hostname,
                 version: hello.version,
-                connected_at: Instant::now(),
+                connected_at: now,
+                last_seen: now,
+                instance: hello.instance,
                 tx,
                 providers,
                 devices: hello.devices,
@@ -118,9 +172,13 @@ impl Core {
         }
     }
 
+    /// The entry of a live session (a frame from it: it was seen now).
     fn session_agent(&mut self, agent: &str, session: u64) -> Result<&mut AgentEntry, String> {
         match self.agents.get_mut(agent) {
-            Some(a) if a.session == session => Ok(a),
+            Some(a) if a.session == session => {
+                a.last_seen = Instant::now();
+                Ok(a)
+            }
             _ => Err("this session was superseded or closed".into()),
         }
     }
@@ -168,12 +226,24 @@ impl Core {
         Ok(())
     }
 
+    /// A heartbeat: the providers' counters, and the leases still running there, each renewed
+    /// for its role's lease length (a lease of another agent or session is left alone).
     pub fn heartbeat(&mut self, agent: &str, session: u64, hb: Heartbeat) -> Result<(), String> {
         let entry = self.session_agent(agent, session)?;
         entry.devices = hb.devices;
         for stats in hb.providers {
             if let Some(p) = entry.providers.get_mut(&stats.provider) {
                 p.heartbeat = Some(stats);
+            }
+        }
+        let now = Instant::now();
+        for id in hb.leases {
+            if let Some(lease) = self.leases.get_mut(&id)
+                && lease.agent == agent
+                && lease.session == session
+            {
+                lease.deadline = now + self.settings.timings(lease.role).lease;
+                self.counters.leases_renewed += 1;
             }
         }
         Ok(())

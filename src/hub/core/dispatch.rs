@@ -236,13 +236,15 @@ impl Core {
         }
         let lease_id = self.next_lease;
         self.next_lease += 1;
+        let timings = self.settings.timings(role);
+        let ms = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         let frame = HubFrame::Work(Work {
             lease: lease_id,
             provider: pid.to_string(),
             role,
             input: shape.work_input(items.iter().map(|i| i.text.clone()).collect()),
-            deadline_ms: crate::hub::now_ms()
-                .saturating_add(u64::try_from(self.settings.lease.as_millis()).unwrap_or(u64::MAX)),
+            deadline_ms: crate::hub::now_ms().saturating_add(ms(timings.lease)),
+            call_timeout_ms: Some(ms(timings.call_timeout)),
         });
         let (session, sent) = match self.agents.get(agent_id) {
             Some(a) => (a.session, a.send(protocol::encode(&frame))),
@@ -290,7 +292,7 @@ impl Core {
                 scorer,
                 role,
                 items,
-                deadline: now + self.settings.lease,
+                deadline: now + timings.lease,
             },
         );
     }

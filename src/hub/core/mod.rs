@@ -32,15 +32,18 @@ use super::gate::{Candidate, Gate, GateSettings, Space};
 use super::queue::{Item, RequestId, RoleQueue, Shape};
 pub use super::registry::ScorerRef;
 use super::registry::{AgentEntry, ProviderEntry, ProviderRef, SocketCount};
+use crate::config::hub::RequestLimits;
 use crate::config::push::CloudSettings;
+use crate::config::timings::RoleTimings;
 use crate::protocol::{self, Score};
 use crate::roles::{Op, Policy, Role};
 
 /// Hub behaviour settings.
 #[derive(Clone, Debug)]
 pub struct HubSettings {
-    /// A lease not done by then goes back to the front of its queue.
-    pub lease: Duration,
+    /// Each role's lease, request timeout and call timeout.
+    pub timings: BTreeMap<Role, RoleTimings>,
+    /// Heartbeats renew leases; three intervals of silence end a socket.
     pub heartbeat_interval: Duration,
     /// Items per role queue; beyond it clients get 429.
     pub queue_capacity: usize,
@@ -50,8 +53,8 @@ pub struct HubSettings {
     pub bench: Duration,
     /// Largest frame with vectors.
     pub max_frame_bytes: usize,
-    /// How long a client request may wait for all its items.
-    pub request_timeout: Duration,
+    /// Inputs per request, characters per input, bytes held by all accepted requests.
+    pub limits: RequestLimits,
     /// How long a request may wait to be admitted while the only hope is a gate probe under
     /// way (or a provider that just left); then it is answered 503 with `Retry-After`.
     pub admission_wait: Duration,
@@ -63,16 +66,29 @@ pub struct HubSettings {
 impl Default for HubSettings {
     fn default() -> Self {
         Self {
-            lease: Duration::from_secs(120),
+            timings: Role::ALL
+                .into_iter()
+                .map(|r| (r, RoleTimings::default_for(r)))
+                .collect(),
             heartbeat_interval: Duration::from_secs(5),
             queue_capacity: 100_000,
             max_attempts: 5,
             bench: Duration::from_secs(30),
             max_frame_bytes: protocol::codec::DEFAULT_MAX_FRAME_BYTES,
-            request_timeout: Duration::from_secs(600),
+            limits: RequestLimits::default(),
             admission_wait: Duration::from_secs(10),
             vanish_grace: Duration::from_secs(15),
         }
+    }
+}
+
+impl HubSettings {
+    /// `role`'s timings (its defaults where the table lacks it).
+    pub fn timings(&self, role: Role) -> RoleTimings {
+        self.timings
+            .get(&role)
+            .copied()
+            .unwrap_or_else(|| RoleTimings::default_for(role))
     }
 }
 
@@ -125,6 +141,10 @@ pub enum RequestFailure {
     Unservable(Unservable),
     #[error("the hub is shutting down")]
     Stopped,
+    /// A streamed chat lost its lease after chunks went out: the client has part of an
+    /// answer, so it is not served again (a retry would bill and send a second answer).
+    #[error("the stream was cut after {chunks} chunks: {why}; send the request again")]
+    StreamCut { chunks: u64, why: String },
 }
 
 /// Why a request was not accepted.
@@ -155,6 +175,54 @@ pub enum SubmitError {
         items: usize,
         capacity: usize,
     },
+    #[error(
+        "{items} inputs is more than one request may carry ({limit}, the hub's max_inputs); split the request"
+    )]
+    TooManyInputs { items: usize, limit: usize },
+    #[error(
+        "input {index} has {chars} characters, more than one input may have ({limit}, the hub's max_input_chars); split or truncate it"
+    )]
+    InputTooLong {
+        index: usize,
+        chars: usize,
+        limit: usize,
+    },
+    #[error(
+        "input {index} needs a work frame of about {bytes} bytes, more than a frame may carry ({limit} bytes); split or truncate it"
+    )]
+    InputTooLargeForFrame {
+        index: usize,
+        bytes: usize,
+        limit: usize,
+    },
+    #[error(
+        "the request holds {bytes} bytes of input, more than the hub holds for all requests ({limit}, max_held_mb); split the request"
+    )]
+    TooManyBytes { bytes: usize, limit: usize },
+    #[error(
+        "the hub holds {held} bytes of accepted input and this request's {bytes} would pass its limit ({limit}); retry after {retry_after_s} s"
+    )]
+    HeldBytesFull {
+        held: usize,
+        bytes: usize,
+        limit: usize,
+        retry_after_s: u64,
+    },
+}
+
+/// Bytes of a work frame around its one input: the frame's keys, lease, provider, deadline.
+const FRAME_OVERHEAD_BYTES: usize = 1024;
+
+/// The length of `s` as a JSON string (quotes and escapes included).
+fn json_len(s: &str) -> usize {
+    2 + s
+        .bytes()
+        .map(|b| match b {
+            b'"' | b'\\' | b'\n' | b'\r' | b'\t' | 0x08 | 0x0c => 2,
+            0..0x20 => 6,
+            _ => 1,
+        })
+        .sum::<usize>()
 }
 
 type Reply = oneshot::Sender<Result<Completed, RequestFailure>>;
@@ -179,11 +247,27 @@ enum Slot {
 
 struct Pending {
     role: Role,
+    /// Input bytes this request holds (counted in [`Core::held_bytes`] until it ends).
+    bytes: usize,
     binding: Binding,
     slots: Vec<Slot>,
     remaining: usize,
     tokens: u64,
     reply: Reply,
+    /// A streamed chat's chunks go here as they arrive.
+    stream: Option<ChunkTx>,
+    /// Once a chunk went out: the lease that streams it and the next chunk's number. From
+    /// then on the request is that lease's: losing it fails the request, never requeues it.
+    streamed: Option<Streamed>,
+}
+
+/// Where a streamed chat's chunks go (the client's SSE response).
+pub type ChunkTx = tokio::sync::mpsc::UnboundedSender<serde_json::Value>;
+
+#[derive(Clone, Copy, Debug)]
+struct Streamed {
+    lease: u64,
+    next_seq: u64,
 }
 
 impl Pending {
@@ -228,6 +312,8 @@ pub struct Counters {
     /// Requests refused at admission because nothing could serve them, by reason.
     pub rejected_unservable: BTreeMap<&'static str, u64>,
     pub leases_granted: u64,
+    /// Lease renewals by heartbeats (work still running on a live agent).
+    pub leases_renewed: u64,
     pub leases_expired: u64,
     pub leases_lost: u64,
     /// Leases taken back because their requests went away (the agent was told to stop).
@@ -249,6 +335,8 @@ pub struct Core {
     pub gate: Gate,
     queues: BTreeMap<Role, RoleQueue>,
     requests: HashMap<RequestId, Pending>,
+    /// Input bytes of every accepted request not yet answered.
+    held_bytes: usize,
     leases: HashMap<u64, Lease>,
     agents: BTreeMap<String, AgentEntry>,
     sockets: BTreeMap<String, SocketCount>,
@@ -287,6 +375,7 @@ impl Core {
             gate: Gate::new(gate, spaces),
             queues,
             requests: HashMap::new(),
+            held_bytes: 0,
             leases: HashMap::new(),
             agents: BTreeMap::new(),
             sockets: BTreeMap::new(),
@@ -353,6 +442,7 @@ impl Core {
         texts: Vec<String>,
     ) -> Result<Accepted, SubmitError> {
         let n = texts.len();
+        let bytes = self.check_limits(&shape, &texts)?;
         let queue = &self.queues[&role];
         if n > queue.capacity() {
             return Err(SubmitError::TooLarge {
@@ -369,6 +459,17 @@ impl Core {
                 retry_after_s: self.retry_after_s(role),
             });
         }
+        let limit = self.settings.limits.max_held_bytes;
+        if self.held_bytes.saturating_add(bytes) > limit {
+            *self.counters.rejected_full.entry(role).or_default() += 1;
+            return Err(SubmitError::HeldBytesFull {
+                held: self.held_bytes,
+                bytes,
+                limit,
+                retry_after_s: self.retry_after_s(role),
+            });
+        }
+        self.held_bytes += bytes;
         let id = self.next_request;
         self.next_request += 1;
         let (reply, rx) = oneshot::channel();
@@ -376,11 +477,14 @@ impl Core {
             id,
             Pending {
                 role,
+                bytes,
                 binding,
                 slots: std::iter::repeat_with(|| Slot::Waiting).take(n).collect(),
                 remaining: n,
                 tokens: 0,
                 reply,
+                stream: None,
+                streamed: None,
             },
         );
         let shape = Arc::new(shape);
@@ -400,6 +504,69 @@ impl Core {
         *self.counters.items_accepted.entry(role).or_default() += n as u64;
         self.dispatch(role);
         Ok((id, rx))
+    }
+
+    /// The request's input bytes, if it is within the per-request limits: inputs, characters
+    /// per input, one input per work frame, and no more than every request together may hold.
+    fn check_limits(&self, shape: &Shape, texts: &[String]) -> Result<usize, SubmitError> {
+        let limits = self.settings.limits;
+        if texts.len() > limits.max_inputs {
+            return Err(SubmitError::TooManyInputs {
+                items: texts.len(),
+                limit: limits.max_inputs,
+            });
+        }
+        let shared = shape.shared_json_bytes();
+        let frame_limit = self.settings.max_frame_bytes;
+        let mut bytes = shared;
+        for (index, text) in texts.iter().enumerate() {
+            // Bytes first: a text is never shorter in bytes than in characters.
+            if text.len() > limits.max_input_chars {
+                let chars = text.chars().count();
+                if chars > limits.max_input_chars {
+                    return Err(SubmitError::InputTooLong {
+                        index,
+                        chars,
+                        limit: limits.max_input_chars,
+                    });
+                }
+            }
+            let frame = FRAME_OVERHEAD_BYTES + shared + json_len(text);
+            if frame > frame_limit {
+                return Err(SubmitError::InputTooLargeForFrame {
+                    index,
+                    bytes: frame,
+                    limit: frame_limit,
+                });
+            }
+            bytes = bytes.saturating_add(text.len());
+        }
+        if bytes > limits.max_held_bytes {
+            return Err(SubmitError::TooManyBytes {
+                bytes,
+                limit: limits.max_held_bytes,
+            });
+        }
+        Ok(bytes)
+    }
+
+    /// Sends the chunks of request `id` (a chat that asked to stream) to `tx`.
+    pub fn stream_to(&mut self, id: RequestId, tx: ChunkTx) {
+        if let Some(p) = self.requests.get_mut(&id) {
+            p.stream = Some(tx);
+        }
+    }
+
+    /// Removes a request that ended (answered, failed, cancelled); its bytes are free again.
+    fn take_request(&mut self, id: RequestId) -> Option<Pending> {
+        let pending = self.requests.remove(&id)?;
+        self.held_bytes = self.held_bytes.saturating_sub(pending.bytes);
+        Some(pending)
+    }
+
+    /// Input bytes accepted requests hold now.
+    pub fn held_bytes(&self) -> usize {
+        self.held_bytes
     }
 
     /// The space an embedding request of `role` is admitted under: the role's current one.
@@ -508,7 +675,7 @@ impl Core {
     /// queue, and leases that carry nothing else are taken back (the agent is told to stop,
     /// a cloud permit comes back at once).
     pub fn cancel_request(&mut self, id: RequestId) {
-        if self.requests.remove(&id).is_some() {
+        if self.take_request(id).is_some() {
             // Its waiting items leave the queue: they must not hold room others could use.
             for q in self.queues.values_mut() {
                 q.remove_request(id);

@@ -12,7 +12,9 @@ use super::{Binding, Completed, Core, ItemOutput, Lease, RequestFailure, Served,
 use crate::hub::budget;
 use crate::hub::queue::{Item, RequestId, Shape};
 use crate::hub::registry::ProviderEntry;
-use crate::protocol::{self, Backend, Done, Failed, FailureClass, HubFrame, Refusal, WorkOutput};
+use crate::protocol::{
+    self, Backend, Chunk, Done, Failed, FailureClass, HubFrame, Refusal, WorkOutput,
+};
 use crate::roles::Role;
 
 pub(super) fn failure_name(class: FailureClass) -> &'static str {
@@ -206,7 +208,7 @@ impl Core {
             self.dispatch(role);
             return;
         }
-        if let Some(done) = self.requests.remove(&request) {
+        if let Some(done) = self.take_request(request) {
             let scorer = match done.binding {
                 Binding::Scorer(s) => s,
                 _ => None,
@@ -225,6 +227,53 @@ impl Core {
                 scorer,
             }));
         }
+    }
+
+    /// A chunk of a streamed chat: the first one binds the request to its lease; each goes
+    /// to the client in order (a repeat is dropped, a gap fails the request).
+    pub fn chunk(&mut self, agent: &str, session: u64, chunk: Chunk) -> Result<(), String> {
+        let Some(lease) = self.leases.get(&chunk.lease) else {
+            self.counters.late_results += 1;
+            return Ok(());
+        };
+        if lease.agent != agent || lease.session != session {
+            return Err(format!("lease {} is not this session's", chunk.lease));
+        }
+        let Some(request) = lease.items.first().map(|i| i.request) else {
+            return Ok(());
+        };
+        let Some(pending) = self.requests.get_mut(&request) else {
+            return Ok(());
+        };
+        if pending.streamed.is_some_and(|s| s.lease != chunk.lease) {
+            return Err(format!(
+                "the request of lease {} streams from another lease",
+                chunk.lease
+            ));
+        }
+        let next = pending.streamed.map_or(0, |s| s.next_seq);
+        if chunk.seq < next {
+            return Ok(());
+        }
+        if chunk.seq > next {
+            let message = format!("chunk {} came when {next} was due", chunk.seq);
+            self.fail_request(
+                request,
+                RequestFailure::StreamCut {
+                    chunks: next,
+                    why: message.clone(),
+                },
+            );
+            return Err(message);
+        }
+        pending.streamed = Some(super::Streamed {
+            lease: chunk.lease,
+            next_seq: next.saturating_add(1),
+        });
+        if let Some(tx) = &pending.stream {
+            let _ = tx.send(chunk.data);
+        }
+        Ok(())
     }
 
     pub fn failed(&mut self, agent: &str, session: u64, failed: Failed) -> Result<(), String> {
@@ -360,7 +409,7 @@ impl Core {
     }
 
     pub(super) fn fail_request(&mut self, id: RequestId, failure: RequestFailure) {
-        if let Some(pending) = self.requests.remove(&id) {
+        if let Some(pending) = self.take_request(id) {
             self.counters.requests_failed += 1;
             tracing::info!(request = id, role = %pending.role, reason = %failure, "request failed");
             let _ = pending.reply.send(Err(failure));
@@ -447,7 +496,18 @@ impl Core {
         let max = self.settings.max_attempts;
         let mut kept = Vec::with_capacity(items.len());
         for mut item in items {
-            if !self.requests.contains_key(&item.request) {
+            let Some(pending) = self.requests.get(&item.request) else {
+                continue;
+            };
+            if let Some(streamed) = pending.streamed {
+                // Part of its answer is with the client already: never served twice.
+                self.fail_request(
+                    item.request,
+                    RequestFailure::StreamCut {
+                        chunks: streamed.next_seq,
+                        why: why.to_string(),
+                    },
+                );
                 continue;
             }
             if count_attempt {

@@ -4,7 +4,7 @@ use tokio::sync::mpsc;
 
 use super::*;
 use crate::hub::registry::Outgoing;
-use crate::protocol::{Backend, Hello, PROTOCOL_VERSION, ProviderInfo};
+use crate::protocol::{Backend, ErrorCode, Hello, PROTOCOL_VERSION, ProviderInfo};
 use crate::protocol::{Done, Pull, WorkOutput};
 
 fn provider(id: &str, role: Role, model: &str, max_items: usize) -> ProviderInfo {
@@ -43,6 +43,7 @@ fn connect(
                 protocol_version: PROTOCOL_VERSION,
                 providers: vec![info],
                 devices: Vec::new(),
+                instance: None,
             },
             tx,
         )
@@ -250,4 +251,175 @@ fn an_embedding_role_with_no_possible_reference_is_refused_at_once() {
         "{}",
         u.message
     );
+}
+
+fn hello_as(agent: &str, instance: Option<&str>) -> Hello {
+    Hello {
+        agent_id: agent.into(),
+        hostname: format!("host-of-{}", instance.unwrap_or("none")),
+        version: "0".into(),
+        protocol_version: PROTOCOL_VERSION,
+        providers: vec![provider("e", Role::Embedding, "m", 8)],
+        devices: Vec::new(),
+        instance: instance.map(str::to_string),
+    }
+}
+
+#[test]
+fn another_instance_claiming_a_live_id_is_refused_and_the_same_one_supersedes() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let first = core.hello(hello_as("twin", Some("a")), tx).unwrap();
+    let (tx, _rx2) = mpsc::unbounded_channel();
+    let refused = core.hello(hello_as("twin", Some("b")), tx).unwrap_err();
+    assert_eq!(refused.code, Some(ErrorCode::AgentIdInUse));
+    assert!(
+        refused.message.contains("host-of-a") && refused.message.contains("agent_id"),
+        "{}",
+        refused.message
+    );
+    assert_eq!(
+        core.agents()["twin"].session,
+        first,
+        "the live one keeps its session"
+    );
+    // The same process reconnecting supersedes its old socket, as does one that names none.
+    let (tx, _rx3) = mpsc::unbounded_channel();
+    let again = core.hello(hello_as("twin", Some("a")), tx).unwrap();
+    assert_ne!(again, first);
+    // An old session silent past three heartbeats may be taken over by another process.
+    core.agents.get_mut("twin").unwrap().last_seen =
+        Instant::now() - core.settings.heartbeat_interval * 4;
+    let (tx, _rx4) = mpsc::unbounded_channel();
+    let taken = core.hello(hello_as("twin", Some("b")), tx).unwrap();
+    assert_eq!(core.agents()["twin"].session, taken);
+    let (tx, _rx5) = mpsc::unbounded_channel();
+    core.hello(hello_as("twin", None), tx).unwrap();
+}
+
+#[test]
+fn a_heartbeat_renews_its_own_sessions_leases_only() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (sa, mut a) = connect(
+        &mut core,
+        "a",
+        provider("c", Role::CodeAssistant, "m", 1),
+        1,
+    );
+    let (sb, _b) = connect(
+        &mut core,
+        "b",
+        provider("c", Role::CodeAssistant, "m", 1),
+        0,
+    );
+    let shape = Shape::Chat {
+        body: serde_json::json!({"messages": []}),
+    };
+    let _accepted = core
+        .submit(Role::CodeAssistant, shape, vec![String::new()])
+        .unwrap();
+    let work = next_work(&mut a);
+    let lease = work["lease"].as_u64().unwrap();
+    assert_eq!(
+        work["call_timeout_ms"],
+        serde_json::json!(600_000),
+        "the role's call timeout travels with the work"
+    );
+    let beat = |leases: Vec<u64>| protocol::Heartbeat {
+        leases,
+        ..Default::default()
+    };
+    core.heartbeat("b", sb, beat(vec![lease])).unwrap();
+    assert_eq!(core.counters.leases_renewed, 0, "b does not hold it");
+    core.heartbeat("a", sa, beat(vec![lease, 999])).unwrap();
+    assert_eq!(core.counters.leases_renewed, 1);
+    // Renewed now: it lives a whole lease from now, and only then expires.
+    let length = core.settings.timings(Role::CodeAssistant).lease;
+    core.expire(Instant::now() + length - Duration::from_secs(1));
+    assert_eq!(core.counters.leases_expired, 0);
+    core.expire(Instant::now() + length + Duration::from_secs(1));
+    assert_eq!(core.counters.leases_expired, 1);
+}
+
+#[test]
+fn requests_past_the_inputs_characters_frame_or_held_bytes_are_refused_at_admission() {
+    let settings = HubSettings {
+        limits: RequestLimits {
+            max_held_bytes: 100,
+            max_inputs: 3,
+            max_input_chars: 40,
+        },
+        max_frame_bytes: 1024 + 2 + 60,
+        ..HubSettings::default()
+    };
+    let mut core = Core::new(settings, CloudSettings::default());
+    let (s, mut rx) = connect(
+        &mut core,
+        "a",
+        provider("c", Role::CodeAssistant, "m", 1),
+        0,
+    );
+    let chat = |body: serde_json::Value| Shape::Chat { body };
+    let texts = |n: usize, len: usize| vec!["é".repeat(len / 2); n];
+    let submit = |core: &mut Core, n: usize, len: usize| {
+        core.submit(
+            Role::CodeAssistant,
+            chat(serde_json::json!({})),
+            texts(n, len),
+        )
+    };
+    assert!(matches!(
+        submit(&mut core, 4, 2),
+        Err(SubmitError::TooManyInputs { items: 4, limit: 3 })
+    ));
+    // 42 bytes but 21 characters: the limit counts characters.
+    assert!(submit(&mut core, 1, 42).is_ok());
+    assert!(matches!(
+        core.submit(
+            Role::CodeAssistant,
+            chat(serde_json::json!({})),
+            vec!["x".repeat(41)]
+        ),
+        Err(SubmitError::InputTooLong {
+            index: 0,
+            chars: 41,
+            limit: 40
+        })
+    ));
+    // Control characters escape to six bytes each: 12 of them do not fit a 60-byte item.
+    let escaped = core.submit(
+        Role::CodeAssistant,
+        chat(serde_json::json!({})),
+        vec!["ok".into(), "\u{1}".repeat(12)],
+    );
+    assert!(
+        matches!(
+            escaped,
+            Err(SubmitError::InputTooLargeForFrame { index: 1, .. })
+        ),
+        "{escaped:?}"
+    );
+    // Held: 42 + 2 bytes (the empty body) so far; 60 more passes 100.
+    assert_eq!(core.held_bytes(), 44);
+    let full = submit(&mut core, 2, 30);
+    assert!(
+        matches!(full, Err(SubmitError::HeldBytesFull { held: 44, .. })),
+        "{full:?}"
+    );
+    // The held request is answered: its bytes are free again.
+    core.pull("a", s, "c", 1).unwrap();
+    let work = next_work(&mut rx);
+    core.done(
+        "a",
+        s,
+        Done {
+            lease: work["lease"].as_u64().unwrap(),
+            output: WorkOutput::Chat(serde_json::json!({"choices": []})),
+            latency_ms: 1.0,
+            tokens: 1,
+        },
+    )
+    .unwrap();
+    assert_eq!(core.held_bytes(), 0);
+    assert!(submit(&mut core, 2, 30).is_ok());
 }
