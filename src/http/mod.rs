@@ -55,6 +55,9 @@ pub fn hub_router(hub: Hub) -> Router {
         .with_state(hub)
 }
 
+/// The read buffer of one agent's socket on the hub.
+const AGENT_READ_BUFFER_BYTES: usize = 16 * 1024;
+
 /// `GET /v1/agent`: the fleet token is checked before the upgrade.
 async fn agent_socket(
     State(hub): State<Hub>,
@@ -66,6 +69,10 @@ async fn agent_socket(
     Ok(ws
         .max_message_size(max)
         .max_frame_size(max)
+        // tungstenite zero-fills its read buffer up to this size on every read: its default
+        // (128 KiB) would be most of an idle agent's cost to the hub. The buffer still grows
+        // for a large frame.
+        .read_buffer_size(AGENT_READ_BUFFER_BYTES)
         .on_upgrade(move |socket| serve_agent(socket, hub))
         .into_response())
 }

@@ -1,0 +1,336 @@
+//! The hub at fleet scale: one real `fantom-sidecar hub` process, and 1, 10, 100 then 1 000
+//! agents connected to it from this process (real [`Agent`]s over real loopback WebSockets,
+//! each hosting a provider that answers at once with 8 floats). For each fleet size:
+//!
+//! * items/s: 1 000-text embedding requests, 8 in flight, for a fixed count;
+//! * added latency: one-text requests one after another, p50/p99, next to the same request
+//!   answered straight from an axum handler in this process (the reference; their difference
+//!   is what the hub and the protocol add);
+//! * hub memory per connected agent: the hub process's resident set (`/proc/<pid>/status`)
+//!   with the fleet connected and idle, minus before any agent, over the agents (measured
+//!   first, as the fleet grows with no traffic; then the fleet leaves and grows again for the
+//!   traffic).
+//!
+//! `cargo bench --bench fleet_scale` prints the table (the one in `docs/benchmarks.md`).
+//! Bounded: every wait has a deadline, and the hub process is killed at the end.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fantom_sidecar::agent::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
+use fantom_sidecar::agent::{Agent, AgentOptions};
+use fantom_sidecar::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
+use fantom_sidecar::protocol::{Backend, ProviderInfo, WorkInput, WorkOutput};
+use fantom_sidecar::roles::Role;
+use fantom_sidecar::secret::Secret;
+use serde_json::json;
+
+const FLEETS: [usize; 4] = [1, 10, 100, 1000];
+const BIG_REQUESTS: usize = 200;
+const IN_FLIGHT: usize = 8;
+const ONE_TEXT_REQUESTS: usize = 1000;
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Answers every item with the same 8 floats, at once.
+struct NullProvider;
+
+impl Provider for NullProvider {
+    fn info(&self) -> ProviderInfo {
+        ProviderInfo {
+            id: "embedding".into(),
+            role: Role::Embedding,
+            backend: Backend::Local,
+            model: "null".into(),
+            revision: Some("bench".into()),
+            upstream: None,
+            dims: Some(8),
+            dtype: None,
+            device: None,
+            max_batch_items: 64,
+            max_batch_tokens: 1 << 20,
+            score_activation: None,
+        }
+    }
+
+    fn pipeline_depth(&self) -> u32 {
+        4
+    }
+
+    fn run(&self, input: WorkInput) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
+        let n = input.items();
+        Box::pin(async move {
+            Ok(WorkResult {
+                output: WorkOutput::Embeddings(vec![vec![0.125; 8]; n]),
+                tokens: n as u64,
+            })
+        })
+    }
+}
+
+/// The hub process, killed when dropped.
+struct HubProcess {
+    child: Child,
+    addr: SocketAddr,
+    fleet_token: Secret,
+    _state: tempfile::TempDir,
+}
+
+impl Drop for HubProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_hub() -> HubProcess {
+    let state = tempfile::tempdir().expect("a temp dir");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fantom-sidecar"))
+        .args(["--log-format", "json", "hub", "--listen", "127.0.0.1:0"])
+        .arg("--state-dir")
+        .arg(state.path())
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the hub starts");
+    let stdout = child.stdout.take().expect("its stdout");
+    let mut addr = None;
+    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
+            && v["listening"] == "hub"
+        {
+            addr = v["addr"].as_str().and_then(|a| a.parse().ok());
+            break;
+        }
+    }
+    let addr = addr.expect("the hub listens");
+    let token = std::fs::read_to_string(state.path().join("fleet.token")).expect("its token");
+    HubProcess {
+        child,
+        addr,
+        fleet_token: Secret::new(token.trim()),
+        _state: state,
+    }
+}
+
+/// The hub's resident set, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn metrics(client: &reqwest::Client, addr: SocketAddr) -> String {
+    match client.get(format!("http://{addr}/metrics")).send().await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+/// Waits until `n` agents are connected and their providers pass the gate.
+async fn wait_for_fleet(client: &reqwest::Client, addr: SocketAddr, n: usize) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let text = metrics(client, addr).await;
+        let connected = text
+            .lines()
+            .find_map(|l| l.strip_prefix("fantom_hub_agents_connected "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0) as usize;
+        let passing = text
+            .lines()
+            .filter(|l| l.starts_with("fantom_hub_gate_verdict{") && l.contains("state=\"pass\""))
+            .count();
+        if connected >= n && passing >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{connected}/{n} agents connected, {passing} passing"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn embed(client: &reqwest::Client, addr: SocketAddr, texts: &[String]) {
+    let r = client
+        .post(format!("http://{addr}/v1/embeddings"))
+        .json(&json!({"model": "embedding", "input": texts}))
+        .send()
+        .await
+        .expect("the request is sent");
+    assert!(r.status().is_success(), "{}", r.status());
+    let _ = r.bytes().await.expect("the answer is read");
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    sorted[((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+async fn one_text_latencies(client: &reqwest::Client, addr: SocketAddr) -> Vec<f64> {
+    let one = vec!["fn main() {}".to_string()];
+    let mut v = Vec::with_capacity(ONE_TEXT_REQUESTS);
+    for _ in 0..ONE_TEXT_REQUESTS {
+        let t = Instant::now();
+        embed(client, addr, &one).await;
+        v.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+async fn items_per_s(client: &reqwest::Client, addr: SocketAddr) -> f64 {
+    let batch: Arc<Vec<String>> = Arc::new((0..1000).map(|i| format!("text number {i}")).collect());
+    let started = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    let sem = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
+    for _ in 0..BIG_REQUESTS {
+        let (client, batch, sem) = (client.clone(), batch.clone(), sem.clone());
+        set.spawn(async move {
+            let _permit = sem.acquire_owned().await.expect("the semaphore");
+            embed(&client, addr, &batch).await
+        });
+    }
+    while let Some(done) = set.join_next().await {
+        done.expect("a request task");
+    }
+    (BIG_REQUESTS * 1000) as f64 / started.elapsed().as_secs_f64()
+}
+
+/// The reference: one embedding answered straight from a handler, same HTTP stack.
+fn start_direct() -> SocketAddr {
+    let direct = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let addr = direct.local_addr().expect("its address");
+    let echo = axum::Router::new().route(
+        "/v1/embeddings",
+        axum::routing::post(|axum::Json(_): axum::Json<serde_json::Value>| async {
+            axum::Json(
+                json!({"object":"list","data":[{"object":"embedding","index":0,
+                "embedding":vec![0.125f32; 8]}],"model":"embedding"}),
+            )
+        }),
+    );
+    tokio::spawn(fantom_sidecar::http::serve(
+        direct,
+        echo,
+        None,
+        std::future::pending(),
+    ));
+    addr
+}
+
+/// The agents of this process, each with a stop switch.
+#[derive(Default)]
+struct Fleet {
+    stops: Vec<tokio::sync::watch::Sender<bool>>,
+    next_id: usize,
+}
+
+impl Fleet {
+    /// Connects agents until `n` serve (dialling in waves of 100: the accept backlog holds).
+    async fn grow(&mut self, client: &reqwest::Client, hub: &HubProcess, n: usize) {
+        while self.stops.len() < n {
+            let agent = Agent::new(AgentOptions {
+                hub_url: Some(format!("ws://{}/v1/agent", hub.addr)),
+                agent_id: format!("scale-{}", self.next_id),
+                fleet_token: hub.fleet_token.clone(),
+                ca_file: None,
+                drain_timeout: Duration::from_secs(5),
+                max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+                providers: vec![Arc::new(NullProvider)],
+                cloud: Default::default(),
+            });
+            self.next_id += 1;
+            let (stop, rx) = tokio::sync::watch::channel(false);
+            self.stops.push(stop);
+            tokio::spawn(agent.run(rx));
+            if self.stops.len() % 100 == 0 {
+                wait_for_fleet(client, hub.addr, self.stops.len()).await;
+            }
+        }
+        wait_for_fleet(client, hub.addr, n).await;
+    }
+
+    /// Every agent drains and leaves.
+    async fn leave(&mut self, client: &reqwest::Client, addr: SocketAddr) {
+        for stop in self.stops.drain(..) {
+            let _ = stop.send(true);
+        }
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let text = metrics(client, addr).await;
+            let connected = text
+                .lines()
+                .find_map(|l| l.strip_prefix("fantom_hub_agents_connected "))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .unwrap_or(f64::MAX);
+            if connected == 0.0 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{connected} agents still connected"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        // `cargo test --benches` / `cargo bench -- --list`: nothing to list, nothing to run.
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let hub = start_hub();
+    let pid = hub.child.id();
+    let client = reqwest::Client::new();
+    let mut rows = Vec::new();
+    rt.block_on(async {
+        let direct = start_direct();
+        let reference = one_text_latencies(&client, direct).await;
+        let ref_p50 = percentile(&reference, 0.5);
+        let _ = metrics(&client, hub.addr).await;
+        // Memory first, with no traffic: the fleet grows, idle, and the hub's resident set is
+        // read at each size (then the fleet leaves).
+        let baseline_kib = rss_kib(pid);
+        let mut fleet = Fleet::default();
+        let mut memory = Vec::new();
+        for n in FLEETS {
+            fleet.grow(&client, &hub, n).await;
+            memory.push(rss_kib(pid).saturating_sub(baseline_kib) as f64 / n as f64);
+        }
+        fleet.leave(&client, hub.addr).await;
+        // Then traffic, at each size.
+        for (n, per_agent_kib) in FLEETS.into_iter().zip(memory) {
+            fleet.grow(&client, &hub, n).await;
+            let rate = items_per_s(&client, hub.addr).await;
+            let via_hub = one_text_latencies(&client, hub.addr).await;
+            let (p50, p99) = (percentile(&via_hub, 0.5), percentile(&via_hub, 0.99));
+            println!(
+                "{n} agents: {rate:.0} items/s; one text p50 {p50:.3} ms, p99 {p99:.3} ms (direct p50 {ref_p50:.3} ms); {per_agent_kib:.1} KiB of hub memory per idle agent"
+            );
+            rows.push((n, rate, p50 - ref_p50, p99 - ref_p50, per_agent_kib));
+        }
+        fleet.leave(&client, hub.addr).await;
+    });
+    println!("\nfleet_scale (one hub process, agents over loopback WebSockets, null provider):");
+    println!(
+        "| agents | items/s (1 000-text requests, 8 in flight) | added p50 | added p99 | hub memory per idle agent |"
+    );
+    println!("|---:|---:|---:|---:|---:|");
+    for (n, rate, p50, p99, kib) in rows {
+        println!("| {n} | {rate:.0} | {p50:.3} ms | {p99:.3} ms | {kib:.1} KiB |");
+    }
+}
