@@ -19,52 +19,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use fantom_sidecar::agent::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
 use fantom_sidecar::agent::{Agent, AgentOptions};
 use fantom_sidecar::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
-use fantom_sidecar::protocol::{Backend, ProviderInfo, WorkInput, WorkOutput};
-use fantom_sidecar::roles::Role;
 use serde_json::json;
 use tokio::runtime::Runtime;
 
 #[path = "support/inprocess_hub.rs"]
 mod inprocess_hub;
+#[path = "support/null_provider.rs"]
+mod null_provider;
 
-/// Answers every item with the same 8 floats, at once.
-struct NullProvider;
-
-impl Provider for NullProvider {
-    fn info(&self) -> ProviderInfo {
-        ProviderInfo {
-            id: "embedding".into(),
-            role: Role::Embedding,
-            backend: Backend::Local,
-            model: "null".into(),
-            revision: None,
-            upstream: None,
-            dims: Some(8),
-            dtype: None,
-            device: None,
-            max_batch_items: 64,
-            max_batch_tokens: 1 << 20,
-            score_activation: None,
-        }
-    }
-
-    fn pipeline_depth(&self) -> u32 {
-        4
-    }
-
-    fn run(&self, input: WorkInput) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
-        let n = input.items();
-        Box::pin(async move {
-            Ok(WorkResult {
-                output: WorkOutput::Embeddings(vec![vec![0.125; 8]; n]),
-                tokens: n as u64,
-            })
-        })
-    }
-}
+use null_provider::{NullProvider, start_direct};
 
 struct Fleet {
     hub_addr: SocketAddr,
@@ -82,23 +47,7 @@ fn start(rt: &Runtime) -> Fleet {
             bench_hub.fleet_token.clone(),
         );
         // The reference server: one embedding straight from a handler, same stack.
-        let direct = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let direct_addr = direct.local_addr().unwrap();
-        let echo = axum::Router::new().route(
-            "/v1/embeddings",
-            axum::routing::post(|axum::Json(_): axum::Json<serde_json::Value>| async {
-                axum::Json(
-                    json!({"object":"list","data":[{"object":"embedding","index":0,
-                    "embedding":vec![0.125f32; 8]}],"model":"embedding"}),
-                )
-            }),
-        );
-        tokio::spawn(fantom_sidecar::http::serve(
-            direct,
-            echo,
-            None,
-            std::future::pending(),
-        ));
+        let direct_addr = start_direct();
         for i in 0..2 {
             let agent = Agent::new(AgentOptions {
                 hub_url: Some(format!("ws://{hub_addr}/v1/agent")),

@@ -20,55 +20,21 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fantom_sidecar::agent::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
 use fantom_sidecar::agent::{Agent, AgentOptions};
 use fantom_sidecar::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
-use fantom_sidecar::protocol::{Backend, ProviderInfo, WorkInput, WorkOutput};
-use fantom_sidecar::roles::Role;
 use fantom_sidecar::secret::Secret;
 use serde_json::json;
+
+#[path = "support/null_provider.rs"]
+mod null_provider;
+
+use null_provider::{NullProvider, start_direct};
 
 const FLEETS: [usize; 4] = [1, 10, 100, 1000];
 const BIG_REQUESTS: usize = 200;
 const IN_FLIGHT: usize = 8;
 const ONE_TEXT_REQUESTS: usize = 1000;
 const WAIT: Duration = Duration::from_secs(120);
-
-/// Answers every item with the same 8 floats, at once.
-struct NullProvider;
-
-impl Provider for NullProvider {
-    fn info(&self) -> ProviderInfo {
-        ProviderInfo {
-            id: "embedding".into(),
-            role: Role::Embedding,
-            backend: Backend::Local,
-            model: "null".into(),
-            revision: Some("bench".into()),
-            upstream: None,
-            dims: Some(8),
-            dtype: None,
-            device: None,
-            max_batch_items: 64,
-            max_batch_tokens: 1 << 20,
-            score_activation: None,
-        }
-    }
-
-    fn pipeline_depth(&self) -> u32 {
-        4
-    }
-
-    fn run(&self, input: WorkInput) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
-        let n = input.items();
-        Box::pin(async move {
-            Ok(WorkResult {
-                output: WorkOutput::Embeddings(vec![vec![0.125; 8]; n]),
-                tokens: n as u64,
-            })
-        })
-    }
-}
 
 /// The hub process, killed when dropped.
 struct HubProcess {
@@ -134,16 +100,20 @@ async fn metrics(client: &reqwest::Client, addr: SocketAddr) -> String {
     }
 }
 
+/// `fantom_hub_agents_connected` in a `/metrics` text.
+fn agents_connected(metrics: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("fantom_hub_agents_connected "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 /// Waits until `n` agents are connected and their providers pass the gate.
 async fn wait_for_fleet(client: &reqwest::Client, addr: SocketAddr, n: usize) {
     let deadline = Instant::now() + WAIT;
     loop {
         let text = metrics(client, addr).await;
-        let connected = text
-            .lines()
-            .find_map(|l| l.strip_prefix("fantom_hub_agents_connected "))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .unwrap_or(0.0) as usize;
+        let connected = agents_connected(&text).unwrap_or(0.0) as usize;
         let passing = text
             .lines()
             .filter(|l| l.starts_with("fantom_hub_gate_verdict{") && l.contains("state=\"pass\""))
@@ -204,28 +174,6 @@ async fn items_per_s(client: &reqwest::Client, addr: SocketAddr) -> f64 {
     (BIG_REQUESTS * 1000) as f64 / started.elapsed().as_secs_f64()
 }
 
-/// The reference: one embedding answered straight from a handler, same HTTP stack.
-fn start_direct() -> SocketAddr {
-    let direct = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
-    let addr = direct.local_addr().expect("its address");
-    let echo = axum::Router::new().route(
-        "/v1/embeddings",
-        axum::routing::post(|axum::Json(_): axum::Json<serde_json::Value>| async {
-            axum::Json(
-                json!({"object":"list","data":[{"object":"embedding","index":0,
-                "embedding":vec![0.125f32; 8]}],"model":"embedding"}),
-            )
-        }),
-    );
-    tokio::spawn(fantom_sidecar::http::serve(
-        direct,
-        echo,
-        None,
-        std::future::pending(),
-    ));
-    addr
-}
-
 /// The agents of this process, each with a stop switch.
 #[derive(Default)]
 struct Fleet {
@@ -265,12 +213,7 @@ impl Fleet {
         }
         let deadline = Instant::now() + WAIT;
         loop {
-            let text = metrics(client, addr).await;
-            let connected = text
-                .lines()
-                .find_map(|l| l.strip_prefix("fantom_hub_agents_connected "))
-                .and_then(|v| v.trim().parse::<f64>().ok())
-                .unwrap_or(f64::MAX);
+            let connected = agents_connected(&metrics(client, addr).await).unwrap_or(f64::MAX);
             if connected == 0.0 {
                 return;
             }

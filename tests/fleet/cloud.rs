@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::support::{HubProc, Proc, eventually, fake_provider, start_agent_toml};
+use crate::support::{
+    HubProc, Proc, eventually, fake_provider, read_sse, start_agent_toml, streamed_content,
+};
 use crate::upstream::{Endpoint, EndpointKind, Upstream, UpstreamConfig};
 
 pub const KEY: &str = "sk-or-v1-cloud-test-0123456789abcdef0123456789abcdef";
@@ -189,19 +191,12 @@ async fn cloud_policy_serves_every_op_through_two_agents_without_local_models() 
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 200);
-    assert!(
-        r.headers()["content-type"]
-            .to_str()
-            .unwrap()
-            .starts_with("text/event-stream")
+    let events = read_sse(r).await;
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
     );
-    let text = r.text().await.unwrap();
-    let events: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect();
-    assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
     let chunks: Vec<Value> = events[..events.len() - 1]
         .iter()
         .map(|e| serde_json::from_str(e).unwrap())
@@ -211,14 +206,11 @@ async fn cloud_policy_serves_every_op_through_two_agents_without_local_models() 
             .iter()
             .all(|c| c["object"] == "chat.completion.chunk")
     );
-    let content: String = chunks
-        .iter()
-        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
-        .collect();
-    assert_eq!(content, "echo: hello fleet", "{text}");
+    let content = streamed_content(&events);
+    assert_eq!(content, "echo: hello fleet", "{events:?}");
     assert!(
         chunks.len() >= 4,
-        "the upstream's chunks, one by one: {text}"
+        "the upstream's chunks, one by one: {events:?}"
     );
     assert_eq!(
         chunks.last().unwrap()["provenance"]["model"],

@@ -596,17 +596,7 @@ async fn a_hard_402_and_a_rejected_key_fail_waiting_cloud_work_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_goes_away_cancels_the_upstream_call_and_frees_the_permit() {
     let dir = tempfile::tempdir().unwrap();
-    let up = upstream(|_| {}).await;
-    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
-    let _cloud = cloud_agent(dir.path(), &hub, "cloud", &up);
-    hub.wait_for_agent("cloud").await;
-    let (code, body) = hub
-        .push(json!({"openrouter": {"apiKey": KEY,
-            "allowedModels": {"code-assistant": {"model": CHAT_MODEL}},
-            "modeByRole": {"code-assistant": "cloud"}}}))
-        .await;
-    assert_eq!(code, 200, "{body}");
-    wait_for_cloud(&hub, "cloud", 1).await;
+    let (up, hub, _cloud) = crate::liveness::chat_fleet(dir.path(), "cloud").await;
     up.state.set_hold(true);
     for (n, stream) in [(1u64, false), (2, true)] {
         let client = spawn_post(&hub, "/v1/chat/completions", chat("a long one", stream));

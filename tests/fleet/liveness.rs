@@ -24,6 +24,17 @@ async fn push_chat(hub: &HubProc) {
     assert_eq!(code, 200, "{body}");
 }
 
+/// The OpenRouter stand-in, a hub, and one cloud agent `id` serving the chat route.
+pub async fn chat_fleet(dir: &std::path::Path, id: &str) -> (Upstream, HubProc, Proc) {
+    let up = upstream(|_| {}).await;
+    let hub = HubProc::start(dir, None, &[], &[], "hub.log");
+    let agent = cloud_agent(dir, &hub, id, &up);
+    hub.wait_for_agent(id).await;
+    push_chat(&hub).await;
+    wait_for_cloud(&hub, id, 1).await;
+    (up, hub, agent)
+}
+
 /// A chat held at the upstream until `n` upstream requests were seen.
 async fn chat_reaches_upstream(up: &Upstream, n: u64) {
     tokio::time::timeout(PATIENCE, up.state.wait_for_requests(n))
@@ -214,27 +225,10 @@ async fn read_events(
     }
 }
 
-fn content_of(events: &[String]) -> String {
-    events
-        .iter()
-        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
-        .filter_map(|c| {
-            c["choices"][0]["delta"]["content"]
-                .as_str()
-                .map(str::to_string)
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_arrives_chunk_by_chunk_and_a_lost_agent_ends_it_with_an_error_event() {
     let dir = tempfile::tempdir().unwrap();
-    let up = upstream(|_| {}).await;
-    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
-    let mut agent = cloud_agent(dir.path(), &hub, "streamer", &up);
-    hub.wait_for_agent("streamer").await;
-    push_chat(&hub).await;
-    wait_for_cloud(&hub, "streamer", 1).await;
+    let (up, hub, mut agent) = chat_fleet(dir.path(), "streamer").await;
     let streamed = |text: &str| {
         hub.http
             .post(hub.url("/v1/chat/completions"))
@@ -248,10 +242,14 @@ async fn a_stream_arrives_chunk_by_chunk_and_a_lost_agent_ends_it_with_an_error_
     assert_eq!(r.status(), 200);
     let mut events = Vec::new();
     assert!(read_events(&mut r, &mut events, |d| d.contains("echo:")).await);
-    assert_eq!(content_of(&events), "echo:", "only the first chunk so far");
+    assert_eq!(
+        streamed_content(&events),
+        "echo:",
+        "only the first chunk so far"
+    );
     up.state.set_stream_hold(false);
     assert!(read_events(&mut r, &mut events, |d| d == "[DONE]").await);
-    assert_eq!(content_of(&events), "echo: one two three");
+    assert_eq!(streamed_content(&events), "echo: one two three");
     assert!(
         events.iter().all(|e| !e.contains("\"error\"")),
         "{events:?}"

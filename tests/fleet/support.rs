@@ -599,3 +599,28 @@ pub fn files_containing(dir: &Path, needle: &str, skip: &[&Path]) -> Vec<String>
     }
     hits
 }
+
+/// A whole server-sent-event answer (200, `text/event-stream`): each event's `data:`, in order.
+pub async fn read_sse(r: reqwest::Response) -> Vec<String> {
+    assert_eq!(r.status(), 200);
+    let kind = r.headers()["content-type"].to_str().unwrap().to_string();
+    assert!(kind.starts_with("text/event-stream"), "{kind}");
+    let text = r.text().await.unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The content a stream's chunks add up to (`choices[0].delta.content`, in order).
+pub fn streamed_content(events: &[String]) -> String {
+    events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect()
+}
