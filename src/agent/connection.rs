@@ -179,11 +179,9 @@ async fn session(
 ) -> SessionEnd {
     let (sink, mut stream) = ws.split();
     let (tx, rx) = mpsc::unbounded_channel::<Message>();
-    // Until welcome says the heartbeat, writes get the default silence bound.
-    let write_timeout = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(
-        u64::try_from(DEFAULT_SILENCE.as_millis()).unwrap_or(u64::MAX),
-    ));
-    let mut writer = tokio::spawn(write_frames(sink, rx, write_timeout.clone()));
+    // Until welcome says the heartbeat, writes are bounded as for the default one.
+    let heartbeat_ms = Arc::new(std::sync::atomic::AtomicU64::new(DEFAULT_HEARTBEAT_MS));
+    let mut writer = tokio::spawn(write_frames(sink, rx, heartbeat_ms.clone()));
     let send = |frame: &AgentFrame| {
         let _ = tx.send(Message::Text(encode_agent(frame).into()));
     };
@@ -236,17 +234,21 @@ async fn session(
         }));
     }
 
-    let heartbeat_every = Duration::from_millis(welcome.heartbeat_interval_ms.max(100));
+    // A number off the wire: kept within the hub's own bounds.
+    let (lo, hi) = crate::config::timings::HEARTBEAT_MS_RANGE;
+    let heartbeat_every = Duration::from_millis(welcome.heartbeat_interval_ms.clamp(lo, hi));
     // Three heartbeats with nothing from the hub (it pings every one): the socket is dead,
-    // whatever TCP thinks; so is a write that takes as long.
+    // whatever TCP thinks; so is a write that does not complete (`protocol::write_timeout`).
     let silence = heartbeat_every * 3;
-    write_timeout.store(
-        u64::try_from(silence.as_millis()).unwrap_or(u64::MAX),
+    heartbeat_ms.store(
+        u64::try_from(heartbeat_every.as_millis()).unwrap_or(u64::MAX),
         Ordering::Relaxed,
     );
     let mut heartbeat = tokio::time::interval(heartbeat_every);
     heartbeat.tick().await;
     let mut last_heard = Instant::now();
+    // A hub of an older build does not ping (a mixed fleet): it is never taken for a dead one.
+    let hub_pings = welcome.pings;
     let mut tasks: JoinSet<(Result<WorkResult, ProviderFailure>, f64)> = JoinSet::new();
     let mut running: HashMap<tokio::task::Id, InFlight> = HashMap::new();
     let mut by_lease: HashMap<u64, tokio::task::AbortHandle> = HashMap::new();
@@ -393,7 +395,7 @@ async fn session(
                     leases: by_lease.keys().copied().collect(),
                 }));
             }
-            _ = silent => {
+            _ = silent, if hub_pings => {
                 break format!("nothing from the hub for {} s (three heartbeats)", silence.as_secs_f64());
             }
             _ = &mut writer => {
@@ -533,20 +535,21 @@ fn start_work(
     by_lease.insert(work.lease, handle);
 }
 
-/// How long a write may take before the welcome names the heartbeat.
-const DEFAULT_SILENCE: Duration = Duration::from_secs(15);
+/// The heartbeat writes are bounded by until the welcome names the hub's.
+const DEFAULT_HEARTBEAT_MS: u64 = 5_000;
 
-/// The socket's writer: each write bounded by `timeout_ms` (three heartbeats); it ends on a
-/// close it sent, a failed write or one that did not complete in time (the session ends
-/// with it).
+/// The socket's writer: each write bounded by [`protocol::write_timeout`] for the heartbeat in
+/// `heartbeat_ms`; it ends on a close it sent, a failed write or one that did not complete in
+/// time (the session ends with it).
 async fn write_frames(
     mut sink: futures_util::stream::SplitSink<WsStream, Message>,
     mut rx: mpsc::UnboundedReceiver<Message>,
-    timeout_ms: Arc<std::sync::atomic::AtomicU64>,
+    heartbeat_ms: Arc<std::sync::atomic::AtomicU64>,
 ) {
+    let heartbeat = || Duration::from_millis(heartbeat_ms.load(Ordering::Relaxed));
     while let Some(msg) = rx.recv().await {
         let closing = matches!(msg, Message::Close(_));
-        let limit = Duration::from_millis(timeout_ms.load(Ordering::Relaxed));
+        let limit = protocol::write_timeout(heartbeat(), msg.len());
         match tokio::time::timeout(limit, sink.send(msg)).await {
             Ok(Ok(())) if !closing => {}
             Ok(_) => break,
@@ -559,8 +562,7 @@ async fn write_frames(
             }
         }
     }
-    let limit = Duration::from_millis(timeout_ms.load(Ordering::Relaxed));
-    let _ = tokio::time::timeout(limit, sink.close()).await;
+    let _ = tokio::time::timeout(heartbeat().saturating_mul(3), sink.close()).await;
 }
 
 async fn end(

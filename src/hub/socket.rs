@@ -33,7 +33,7 @@ pub async fn serve_agent(socket: Socket, hub: Hub) {
     let silence = heartbeat * 3;
     let (sink, mut stream) = socket.split();
     let (tx, rx) = mpsc::unbounded_channel::<Outgoing>();
-    let mut writer = tokio::spawn(write_frames(sink, rx, heartbeat, silence));
+    let mut writer = tokio::spawn(write_frames(sink, rx, heartbeat));
     let mut session: Option<(String, u64)> = None;
     let error = |message: String| {
         Outgoing::Frame(protocol::encode(&HubFrame::Error {
@@ -137,29 +137,33 @@ pub async fn serve_agent(socket: Socket, hub: Hub) {
 }
 
 /// The socket's writer: frames from the core, a ping every heartbeat, each write bounded by
-/// `write_timeout`. It ends (and so does the session) on a close it was asked to send, on a
-/// failed write, or on a write that did not complete in time: a stuck peer never holds it.
+/// [`protocol::write_timeout`]. It ends (and so does the session) on a close it was asked to
+/// send, on a failed write, or on a write that did not complete in time: a stuck peer never
+/// holds it.
 async fn write_frames(
     mut sink: SplitSink<Socket, Message>,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
     heartbeat: Duration,
-    write_timeout: Duration,
 ) {
     let mut ping = tokio::time::interval(heartbeat);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ping.tick().await;
     loop {
-        let (message, closing) = tokio::select! {
+        let (message, closing, bytes) = tokio::select! {
             out = rx.recv() => match out {
-                Some(Outgoing::Frame(text)) => (Message::Text(text.into()), false),
+                Some(Outgoing::Frame(text)) => {
+                    let bytes = text.len();
+                    (Message::Text(text.into()), false, bytes)
+                }
                 Some(Outgoing::Close(reason)) => {
                     let close = CloseFrame { code: 4000, reason: Utf8Bytes::from(reason) };
-                    (Message::Close(Some(close)), true)
+                    (Message::Close(Some(close)), true, 0)
                 }
                 None => break,
             },
-            _ = ping.tick() => (Message::Ping(Default::default()), false),
+            _ = ping.tick() => (Message::Ping(Default::default()), false, 0),
         };
+        let write_timeout = protocol::write_timeout(heartbeat, bytes);
         match tokio::time::timeout(write_timeout, sink.send(message)).await {
             Ok(Ok(())) if !closing => {}
             Ok(Ok(())) => break,
@@ -173,5 +177,5 @@ async fn write_frames(
             }
         }
     }
-    let _ = tokio::time::timeout(write_timeout, sink.close()).await;
+    let _ = tokio::time::timeout(heartbeat * 3, sink.close()).await;
 }

@@ -25,6 +25,7 @@ pub struct StatusView {
     /// Input bytes accepted requests hold (bounded by the hub's `max_held_mb`).
     pub held_bytes: usize,
     pub config: ConfigView,
+    pub settings: SettingsView,
     /// The global cloud budget (DESIGN §5).
     pub budget: BudgetView,
     /// The compatibility gate: spaces, verdicts with their evidence (DESIGN §6).
@@ -97,8 +98,13 @@ pub struct ConfigView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_push_ms: Option<u64>,
     pub cloud_roles: Vec<Role>,
+}
+
+/// The hub's own settings as they apply now (a SIGHUP may have changed them).
+#[derive(Debug, Serialize)]
+pub struct SettingsView {
     pub heartbeat_ms: u64,
-    /// Each role's lease, request timeout and call timeout, as the hub applies them now.
+    /// Each role's lease, request timeout and call timeout.
     pub timings: BTreeMap<Role, TimingsView>,
     pub max_held_bytes: usize,
     pub max_inputs: usize,
@@ -184,6 +190,8 @@ impl Hub {
                 key_pushed_at_ms: state.key.as_ref().map(|k| k.pushed_at_ms),
                 last_push_ms: state.last_push_ms,
                 cloud_roles: state.cloud.allowed_models.keys().copied().collect(),
+            },
+            settings: SettingsView {
                 heartbeat_ms: core.settings.heartbeat_interval.as_millis() as u64,
                 timings: Role::ALL
                     .into_iter()

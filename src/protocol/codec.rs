@@ -199,6 +199,17 @@ mod tests {
     }
 
     #[test]
+    fn a_write_may_take_three_heartbeats_plus_its_size_at_the_slowest_link() {
+        let beat = std::time::Duration::from_secs(5);
+        assert_eq!(write_timeout(beat, 0).as_secs(), 15);
+        assert_eq!(write_timeout(beat, 64 << 20).as_secs(), 15 + 256);
+        assert_eq!(
+            write_timeout(beat, usize::MAX).as_secs(),
+            15 + u64::MAX / (256 * 1024)
+        );
+    }
+
+    #[test]
     fn every_agent_frame_round_trips_with_type_first() {
         round_trip_agent(AgentFrame::Hello(Hello {
             agent_id: "gpu-1".into(),
@@ -290,6 +301,7 @@ mod tests {
             protocol_version: PROTOCOL_VERSION,
             heartbeat_interval_ms: 5000,
             lease_ms: 120_000,
+            pings: true,
         }));
         round_trip_hub(HubFrame::Error {
             message: "no".into(),

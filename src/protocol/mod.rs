@@ -19,6 +19,19 @@ pub use codec::{FrameError, decode_agent, decode_hub, encode};
 /// The protocol version this build speaks; `hello` carries it and the hub refuses others.
 pub const PROTOCOL_VERSION: u32 = 1;
 
+/// The slowest link a healthy peer is assumed to have (bytes per second): a large frame may
+/// take its size at this rate to write before the peer is taken for stuck.
+pub const MIN_LINK_BYTES_PER_S: u64 = 256 * 1024;
+
+/// How long writing a frame of `bytes` may take: the silence bound (three heartbeats) plus the
+/// frame's size at [`MIN_LINK_BYTES_PER_S`]. A write that takes longer is a stuck peer.
+pub fn write_timeout(heartbeat: std::time::Duration, bytes: usize) -> std::time::Duration {
+    let transfer = u64::try_from(bytes).unwrap_or(u64::MAX) / MIN_LINK_BYTES_PER_S;
+    heartbeat
+        .saturating_mul(3)
+        .saturating_add(std::time::Duration::from_secs(transfer))
+}
+
 /// Frames an agent sends.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -307,6 +320,10 @@ pub struct Welcome {
     pub heartbeat_interval_ms: u64,
     /// The default lease length (a role may have its own: each work frame's deadline says).
     pub lease_ms: u64,
+    /// The hub pings every heartbeat interval: three intervals with nothing from it mean a
+    /// dead socket. (Absent from hubs of older builds, which do not ping.)
+    #[serde(default)]
+    pub pings: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -1,6 +1,7 @@
 //! Bad input at every front door gets a clear error and leaves the process (and, where the
 //! stream is sound, the socket) up: wrong tokens, malformed frames, unknown types, frames
-//! before hello, oversized frames, unknown roles, malformed request bodies.
+//! before hello, oversized frames, unknown roles, malformed request bodies, requests past the
+//! hub's limits (413 naming the limit).
 
 use serde_json::json;
 
@@ -249,5 +250,53 @@ async fn bad_http_requests_get_clear_errors() {
     assert_eq!(
         config["openrouter"]["modeByRole"]["reranker"], "backup",
         "unchanged"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_the_hubs_limits_get_413_naming_the_limit_and_reach_no_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = HubProc::start(
+        dir.path(),
+        None,
+        &["--max-inputs", "3", "--max-input-chars", "10"],
+        &[],
+        "hub.log",
+    );
+    let mut agent = hub.raw_agent().await;
+    agent
+        .hello(
+            "scorer",
+            json!([{"id":"reranker","role":"reranker","backend":"local","model":"m",
+                    "revision":"r1","score_activation":"sigmoid",
+                    "max_batch_items":8,"max_batch_tokens":1_000_000}]),
+        )
+        .await;
+    let rerank = |docs: serde_json::Value| json!({"query": "q", "documents": docs});
+    let (code, body) = hub
+        .post("/v1/rerank", &rerank(json!(["a", "b", "c", "d"])))
+        .await;
+    assert_eq!(code, 413, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("max_inputs") && message.contains('3'),
+        "{message}"
+    );
+    let (code, body) = hub
+        .post("/v1/rerank", &rerank(json!(["short", "eleven chars"])))
+        .await;
+    assert_eq!(code, 413, "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("input 1") && message.contains("max_input_chars"),
+        "{message}"
+    );
+    assert_eq!(body["error"]["code"], "input_too_large");
+    let status = hub.status().await;
+    assert_eq!(status["settings"]["max_inputs"], 3);
+    assert_eq!(status["held_bytes"], 0, "nothing refused is held");
+    assert_eq!(
+        status["roles"]["reranker"]["leases"], 0,
+        "nothing reached the agent"
     );
 }

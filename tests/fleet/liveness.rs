@@ -59,7 +59,7 @@ async fn a_chat_slower_than_its_lease_is_renewed_and_served_once_and_a_call_time
     hub.wait_for_agent("cloud").await;
     push_chat(&hub).await;
     wait_for_cloud(&hub, "cloud", 1).await;
-    let lease_s = hub.status().await["config"]["timings"]["code-assistant"]["lease_s"].clone();
+    let lease_s = hub.status().await["settings"]["timings"]["code-assistant"]["lease_s"].clone();
     assert_eq!(lease_s, json!(2.0));
 
     // The chat takes many lease lengths: the agent's heartbeats keep its lease alive.
@@ -91,7 +91,7 @@ async fn a_chat_slower_than_its_lease_is_renewed_and_served_once_and_a_call_time
     hub.proc.signal("HUP");
     eventually("the call timeout applies", || async {
         let s = hub.status().await;
-        (s["config"]["timings"]["code-assistant"]["call_timeout_s"] == json!(1.0)).then_some(())
+        (s["settings"]["timings"]["code-assistant"]["call_timeout_s"] == json!(1.0)).then_some(())
     })
     .await;
     up.state.set_hold(true);

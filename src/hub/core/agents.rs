@@ -101,6 +101,7 @@ impl Core {
                 .min()
                 .unwrap_or_default()
                 .as_millis() as u64,
+            pings: true,
         });
         let _ = tx.send(Outgoing::Frame(protocol::encode(&welcome)));
         let count = self.sockets.entry(hello.agent_id.clone()).or_default();
