@@ -197,8 +197,16 @@ async fn session(
     }));
 
     let max_frame = agent.opts.max_frame_bytes;
-    // The first frame must be welcome.
-    let welcome = match tokio::time::timeout(Duration::from_secs(10), stream.next()).await {
+    // The first frame must be welcome (pings and pongs aside).
+    let first = async {
+        loop {
+            match stream.next().await {
+                Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+                other => return other,
+            }
+        }
+    };
+    let welcome = match tokio::time::timeout(Duration::from_secs(10), first).await {
         Ok(Some(Ok(Message::Text(text)))) => match protocol::decode_hub(text.as_str(), max_frame) {
             Ok(HubFrame::Welcome(w)) => w,
             Ok(HubFrame::Error {

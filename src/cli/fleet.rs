@@ -404,7 +404,7 @@ async fn reload_hub_on_hangup(
         {
             let mut core = hub.core();
             if (&new.timings, &new.roles) != (&running.timings, &running.roles) {
-                let (timings, clamps) = new.role_timings();
+                let (timings, clamps) = new.role_timings_beating(running.heartbeat());
                 for note in clamps {
                     tracing::warn!(note = %note, "a timing was clamped");
                 }

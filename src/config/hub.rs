@@ -176,7 +176,16 @@ impl HubConfig {
 
     /// Every role's timings, and the clamps applied to get them (to log).
     pub fn role_timings(&self) -> (BTreeMap<Role, RoleTimings>, Vec<String>) {
-        timings::resolve(&self.timings, &self.roles, self.heartbeat())
+        self.role_timings_beating(self.heartbeat())
+    }
+
+    /// As [`HubConfig::role_timings`], clamped against `heartbeat` (the one that runs: a
+    /// reload does not change the heartbeat).
+    pub fn role_timings_beating(
+        &self,
+        heartbeat: Duration,
+    ) -> (BTreeMap<Role, RoleTimings>, Vec<String>) {
+        timings::resolve(&self.timings, &self.roles, heartbeat)
     }
 
     /// The keys that differ from `other` and cannot change under a running hub.

@@ -93,6 +93,22 @@ pub struct PushResult {
     pub sent_to: Vec<String>,
 }
 
+/// Runs `work` to its end even if the caller stops waiting (an admin client that disconnects
+/// mid-push): a state write is never cut between the file and the state in memory, and the
+/// writers' lock is held until it is done.
+async fn to_the_end<T: Send + 'static>(
+    work: impl std::future::Future<Output = T> + Send + 'static,
+) -> Result<T, StateError> {
+    match tokio::spawn(work).await {
+        Ok(done) => Ok(done),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => Err(StateError::Write {
+            path: state::STATE_FILE.into(),
+            source: std::io::Error::other(e.to_string()),
+        }),
+    }
+}
+
 /// A streamed chat in progress (see [`Hub::run_streaming`]).
 pub struct Streaming {
     /// The chunks, in order, as they arrive.
@@ -285,6 +301,13 @@ impl Hub {
     /// Applies an admin push: merge (the hub holds no key, only that one was pushed),
     /// persist, send the push to every connected agent, then drop it (and the key with it).
     pub async fn push_config(&self, push: OpenRouterPush) -> Result<PushResult, PushError> {
+        let hub = self.clone();
+        to_the_end(async move { hub.apply_push(push).await })
+            .await
+            .unwrap_or_else(|e| Err(PushError::State(e)))
+    }
+
+    async fn apply_push(&self, push: OpenRouterPush) -> Result<PushResult, PushError> {
         // Writers one at a time; the file is written (and synced) off the runtime's threads
         // and before the core is held, so dispatch and status never wait on a disk.
         let _writing = self.inner.state_writes.lock().await;
@@ -369,6 +392,13 @@ impl Hub {
 
     /// The operator's live budget override (`None` clears it); persisted.
     pub async fn set_budget_override(&self, permits: Option<u32>) -> Result<(), StateError> {
+        let hub = self.clone();
+        to_the_end(async move { hub.apply_budget_override(permits).await })
+            .await
+            .unwrap_or_else(Err)
+    }
+
+    async fn apply_budget_override(&self, permits: Option<u32>) -> Result<(), StateError> {
         let _writing = self.inner.state_writes.lock().await;
         let mut next = self.state();
         next.budget_override = permits;

@@ -148,6 +148,9 @@ async fn write_frames(
     let mut ping = tokio::time::interval(heartbeat);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ping.tick().await;
+    // Pings start after the first frame (welcome, or the refusal of hello): an agent waits
+    // for welcome as the first message.
+    let mut greeted = false;
     loop {
         let (message, closing, bytes) = tokio::select! {
             out = rx.recv() => match out {
@@ -161,8 +164,12 @@ async fn write_frames(
                 }
                 None => break,
             },
-            _ = ping.tick() => (Message::Ping(Default::default()), false, 0),
+            _ = ping.tick(), if greeted => (Message::Ping(Default::default()), false, 0),
         };
+        if !greeted && bytes > 0 {
+            greeted = true;
+            ping.reset();
+        }
         let write_timeout = protocol::write_timeout(heartbeat, bytes);
         match tokio::time::timeout(write_timeout, sink.send(message)).await {
             Ok(Ok(())) if !closing => {}
