@@ -13,6 +13,8 @@ mod upstream;
 
 #[path = "support/inprocess_hub.rs"]
 mod inprocess_hub;
+#[path = "support/latency.rs"]
+mod latency;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -20,6 +22,7 @@ use std::time::{Duration, Instant};
 use fantom_sidecar::agent::{Agent, AgentOptions, CloudOptions};
 use fantom_sidecar::config::push::OpenRouterPush;
 use fantom_sidecar::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
+use latency::percentile;
 use serde_json::{Value, json};
 use upstream::{Endpoint, EndpointKind, Upstream, UpstreamConfig};
 
@@ -44,10 +47,6 @@ async fn first_token_ms(request: reqwest::RequestBuilder) -> f64 {
     first.expect("a content chunk")
 }
 
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    sorted[((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1]
-}
-
 async fn measure(make: impl Fn() -> reqwest::RequestBuilder) -> Vec<f64> {
     let mut v = Vec::with_capacity(CHATS);
     for _ in 0..CHATS {
@@ -66,11 +65,7 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a runtime");
+    let rt = latency::runtime();
     rt.block_on(async {
         let up = Upstream::start(UpstreamConfig {
             key: KEY.into(),

@@ -21,15 +21,17 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput};
 use fantom_sidecar::agent::{Agent, AgentOptions};
 use fantom_sidecar::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
-use serde_json::json;
 use tokio::runtime::Runtime;
 
 #[path = "support/inprocess_hub.rs"]
 mod inprocess_hub;
+#[path = "support/latency.rs"]
+mod latency;
 #[path = "support/null_provider.rs"]
 mod null_provider;
 
-use null_provider::{NullProvider, start_direct};
+use latency::percentile;
+use null_provider::{NullProvider, embed, start_direct};
 
 struct Fleet {
     hub_addr: SocketAddr,
@@ -82,21 +84,6 @@ fn start(rt: &Runtime) -> Fleet {
     })
 }
 
-async fn embed(client: &reqwest::Client, addr: SocketAddr, texts: &[String]) {
-    let r = client
-        .post(format!("http://{addr}/v1/embeddings"))
-        .json(&json!({"model": "embedding", "input": texts}))
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "{}", r.status());
-    let _ = r.bytes().await.unwrap();
-}
-
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    sorted[((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1]
-}
-
 fn latencies(rt: &Runtime, fleet: &Fleet, addr: SocketAddr, n: usize) -> Vec<f64> {
     let one = vec!["fn main() {}".to_string()];
     let mut out: Vec<f64> = rt.block_on(async {
@@ -113,11 +100,7 @@ fn latencies(rt: &Runtime, fleet: &Fleet, addr: SocketAddr, n: usize) -> Vec<f64
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = latency::runtime();
     let fleet = start(&rt);
     let batch: Vec<String> = (0..1000).map(|i| format!("text number {i}")).collect();
     let one = vec!["fn main() {}".to_string()];

@@ -23,12 +23,14 @@ use std::time::{Duration, Instant};
 use fantom_sidecar::agent::{Agent, AgentOptions};
 use fantom_sidecar::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
 use fantom_sidecar::secret::Secret;
-use serde_json::json;
 
+#[path = "support/latency.rs"]
+mod latency;
 #[path = "support/null_provider.rs"]
 mod null_provider;
 
-use null_provider::{NullProvider, start_direct};
+use latency::percentile;
+use null_provider::{NullProvider, embed, start_direct};
 
 const FLEETS: [usize; 4] = [1, 10, 100, 1000];
 const BIG_REQUESTS: usize = 200;
@@ -129,21 +131,6 @@ async fn wait_for_fleet(client: &reqwest::Client, addr: SocketAddr, n: usize) {
     }
 }
 
-async fn embed(client: &reqwest::Client, addr: SocketAddr, texts: &[String]) {
-    let r = client
-        .post(format!("http://{addr}/v1/embeddings"))
-        .json(&json!({"model": "embedding", "input": texts}))
-        .send()
-        .await
-        .expect("the request is sent");
-    assert!(r.status().is_success(), "{}", r.status());
-    let _ = r.bytes().await.expect("the answer is read");
-}
-
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    sorted[((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1]
-}
-
 async fn one_text_latencies(client: &reqwest::Client, addr: SocketAddr) -> Vec<f64> {
     let one = vec!["fn main() {}".to_string()];
     let mut v = Vec::with_capacity(ONE_TEXT_REQUESTS);
@@ -231,11 +218,7 @@ fn main() {
         // `cargo test --benches` / `cargo bench -- --list`: nothing to list, nothing to run.
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a runtime");
+    let rt = latency::runtime();
     let hub = start_hub();
     let pid = hub.child.id();
     let client = reqwest::Client::new();

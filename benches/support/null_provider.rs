@@ -1,6 +1,7 @@
 //! What benchmarks of the hub measure against: a provider that does no inference (every item
-//! answered at once with the same 8 floats), and the reference server that answers the same
-//! embedding straight from an axum handler (call inside a Tokio runtime).
+//! answered at once with the same 8 floats), the reference server that answers the same
+//! embedding straight from an axum handler (call inside a Tokio runtime), and the client call
+//! both are measured with.
 
 use fantom_sidecar::agent::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
 use fantom_sidecar::protocol::{Backend, ProviderInfo, WorkInput, WorkOutput};
@@ -64,4 +65,16 @@ pub fn start_direct() -> std::net::SocketAddr {
         std::future::pending(),
     ));
     addr
+}
+
+/// One `/v1/embeddings` request of `texts` to `addr`, its answer read to the end.
+pub async fn embed(client: &reqwest::Client, addr: std::net::SocketAddr, texts: &[String]) {
+    let r = client
+        .post(format!("http://{addr}/v1/embeddings"))
+        .json(&json!({"model": "embedding", "input": texts}))
+        .send()
+        .await
+        .expect("the request is sent");
+    assert!(r.status().is_success(), "{}", r.status());
+    let _ = r.bytes().await.expect("the answer is read");
 }
