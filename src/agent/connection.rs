@@ -3,6 +3,12 @@
 //!
 //! One socket, ever: the loop below is sequential, so a new socket is dialled only after the
 //! previous one has ended, and nothing outlives the session that owns it.
+//!
+//! Liveness: heartbeats list the leases whose work runs (the hub renews them); a streamed
+//! chat's chunks go out as `chunk` frames ahead of its `done`; three heartbeats with nothing
+//! from a hub that pings, or a write that does not complete, end the session (then redial);
+//! `hello` carries this process's instance id, and a hub that says another live process holds
+//! the id ends the run ([`Refused`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;

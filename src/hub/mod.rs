@@ -3,6 +3,10 @@
 //! the routing policy ([`policy`]), the global cloud budget ([`budget`]), the compatibility
 //! gate ([`gate`]), the safe persisted config ([`state`]) and the views of it all
 //! ([`status`]). HTTP front doors live in [`crate::http`]; they call the [`Hub`] handle.
+//!
+//! State writes (a push, the budget override, a new space) run on a blocking thread under the
+//! writers' lock, to their end even if the caller goes away; readers clone the last state
+//! written and never wait for a disk.
 
 pub mod budget;
 pub mod core;

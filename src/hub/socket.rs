@@ -4,7 +4,12 @@
 //!
 //! Bad input never kills the socket where the stream is still sound: a malformed frame, an
 //! unknown type, a frame before `hello`, an oversized control frame each get an `error`
-//! frame naming the problem. A wrong protocol version closes it (nothing useful can follow).
+//! frame naming the problem. A wrong protocol version, or another live process claiming the
+//! agent's id, closes it (nothing useful can follow).
+//!
+//! Liveness: the writer pings every heartbeat once the first frame is out and bounds every
+//! write ([`crate::protocol::write_timeout`]); the reader ends the socket after three silent
+//! heartbeats. Either way the session is released and its leases requeued within seconds.
 
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes};
 use futures_util::{SinkExt, StreamExt};

@@ -2,17 +2,21 @@
 //! providers, and the dispatcher that forms work for pullers. One mutex guards it all; every
 //! operation is short (no I/O: frames go to per-socket channels).
 //!
-//! * this file: the state, admission ([`Core::submit`]), cancellation and the agents' frames;
+//! * this file: the state, admission ([`Core::submit`]: the request limits and the bytes
+//!   held), cancellation;
+//! * `agents`: the agents' frames (`hello` with one live process per id, heartbeats that
+//!   renew leases);
 //! * [`binding`]: what each request is bound to (one space, one scorer) and whether anything
 //!   can still serve it;
 //! * [`dispatch`]: forming work frames for providers with credits;
-//! * [`results`]: `done`, `failed`, expiry, requeueing and completion.
+//! * [`results`]: `done`, `chunk`, `failed`, expiry, requeueing and completion.
 //!
 //! Invariants: an accepted item is always in exactly one place (its queue, or one live
 //! lease) until its request completes or fails; a result counts only for an item that has
 //! none yet (the first completion wins) and only from a provider of the request's binding; a
 //! lease that comes back (expiry, disconnect, transient failure) returns its items to the
-//! front of their queue; a request nothing can serve any more fails at once with the reason.
+//! front of their queue, except a streamed chat's after its first chunk, which fails; a
+//! request nothing can serve any more fails at once with the reason.
 
 mod agents;
 pub mod binding;
