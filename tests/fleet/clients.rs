@@ -1,7 +1,7 @@
 //! The clients people already use, against the fleet: the official `openai` Python SDK
 //! streaming a chat through the hub (chunk by chunk as the upstream sends them), and raising
-//! when the stream is cut. `.ci/run` installs the SDK (PyPI `openai`) into
-//! `.cache/pypi-clients`; `FANTOM_TEST_PY_CLIENTS` points elsewhere.
+//! when the stream is cut. The SDK (PyPI `openai`) lives in `.cache/pypi-clients`, where
+//! `.ci/run` (or the first test run) installs it; `FANTOM_TEST_PY_CLIENTS` points elsewhere.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -12,18 +12,35 @@ use serde_json::Value;
 use crate::liveness::chat_fleet;
 use crate::support::*;
 
+/// The version of the SDK tested (`.ci/run` installs the same).
+const OPENAI_SDK: &str = "openai==3.57.0";
+
+/// Where the SDK is: `FANTOM_TEST_PY_CLIENTS`, else `.cache/pypi-clients` in the checkout,
+/// where `.ci/run` installs it. When missing there, it is installed once with pip (PyPI is
+/// reachable wherever the tests run); failing that, the test fails saying what to do.
 fn py_clients() -> PathBuf {
-    let dir = std::env::var_os("FANTOM_TEST_PY_CLIENTS").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/pypi-clients"),
-        PathBuf::from,
-    );
-    assert!(
-        dir.join("openai").is_dir(),
-        "the openai SDK is not in {} (.ci/run installs it: python3 -m pip install --target {} openai)",
-        dir.display(),
-        dir.display()
-    );
-    dir
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::env::var_os("FANTOM_TEST_PY_CLIENTS").map_or_else(
+            || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/pypi-clients"),
+            PathBuf::from,
+        );
+        if !dir.join("openai").is_dir() {
+            let status = Command::new("python3")
+                .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+                .args(["--no-warn-conflicts", "--target"])
+                .arg(&dir)
+                .arg(OPENAI_SDK)
+                .status();
+            assert!(
+                matches!(status, Ok(s) if s.success()) && dir.join("openai").is_dir(),
+                "the openai SDK is missing: run `python3 -m pip install --target {} {OPENAI_SDK}` or set FANTOM_TEST_PY_CLIENTS (pip said: {status:?})",
+                dir.display()
+            );
+        }
+        dir
+    })
+    .clone()
 }
 
 /// The SDK's script on a thread: its JSON lines arrive on the receiver as it prints them.
