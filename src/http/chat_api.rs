@@ -161,9 +161,7 @@ impl Relay {
                         Err(e) => {
                             let e = ApiError::from(e);
                             tracing::warn!(code = e.code, error = %e.message, "a streamed chat ended with an error");
-                            let kind = if e.status.is_server_error() { "server_error" } else { "invalid_request_error" };
-                            let body = json!({"error": {"message": e.message, "type": kind, "code": e.code}});
-                            self.pending.push_back(Event::default().data(body.to_string()));
+                            self.pending.push_back(Event::default().data(e.body().to_string()));
                         }
                     }
                 }

@@ -30,16 +30,22 @@ impl ApiError {
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
     }
-}
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+    /// OpenAI's error body: `{"error": {"message", "type", "code"}}` (also a stream's last
+    /// event when it is cut short).
+    pub fn body(&self) -> serde_json::Value {
         let kind = if self.status.is_server_error() {
             "server_error"
         } else {
             "invalid_request_error"
         };
-        let body = json!({"error": {"message": self.message, "type": kind, "code": self.code}});
+        json!({"error": {"message": self.message, "type": kind, "code": self.code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = self.body();
         let mut response = (self.status, Json(body)).into_response();
         if let Some(s) = self.retry_after_s
             && let Ok(v) = HeaderValue::from_str(&s.to_string())

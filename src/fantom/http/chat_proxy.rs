@@ -150,12 +150,7 @@ async fn chat(
         }
         Err(e) => {
             tracing::warn!(master = %master, error = %e, "chat proxy call failed");
-            // OpenRouter refusing the key is not the master's credentials failing here.
-            let status = match e.http_status() {
-                401 | 403 => StatusCode::BAD_GATEWAY,
-                code => StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_GATEWAY),
-            };
-            failure(status, e.to_string()).into_response()
+            upstream_failure(&e)
         }
     }
 }
@@ -201,11 +196,7 @@ async fn stream_chat(
             match done {
                 Err(e) if pending.is_empty() => {
                     tracing::warn!(master = %master, error = %e, "chat proxy call failed");
-                    let status = match e.http_status() {
-                        401 | 403 => StatusCode::BAD_GATEWAY,
-                        code => StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_GATEWAY),
-                    };
-                    return failure(status, e.to_string()).into_response();
+                    return upstream_failure(&e);
                 }
                 Err(e) => {
                     tracing::warn!(master = %master, error = %e, "a streamed chat ended with an error");
@@ -264,6 +255,16 @@ async fn stream_chat(
         },
     );
     Sse::new(events).into_response()
+}
+
+/// An upstream failure as Fantom's envelope with its status; OpenRouter refusing the key is
+/// not the master's credentials failing here (502, not 401/403).
+fn upstream_failure(e: &crate::cloud::CloudError) -> Response {
+    let status = match e.http_status() {
+        401 | 403 => StatusCode::BAD_GATEWAY,
+        code => StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_GATEWAY),
+    };
+    failure(status, e.to_string()).into_response()
 }
 
 /// The `error` event that ends a stream cut short (Fantom's envelope, with the status).
