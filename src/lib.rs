@@ -7,6 +7,7 @@
 //!   proof that they are the pinned bytes.
 //! * [`inference`]: the local engine: tokenization, batching, the model thread, model code.
 //! * [`roles`]: the five inference roles and the routing policies.
+//! * [`histogram`]: Prometheus histograms (fixed buckets, text exposition).
 //! * [`secret`]: the type that holds the OpenRouter key and tokens without leaking them.
 //! * [`protocol`]: the fleet protocol's frames (hub ⇄ agent) and their codec.
 //! * [`config`]: config pushes and their merge, the agent's file, model choices, tokens.
@@ -24,6 +25,7 @@ pub mod cli;
 pub mod cloud;
 pub mod config;
 pub mod fantom;
+pub mod histogram;
 pub mod http;
 pub mod hub;
 pub mod inference;

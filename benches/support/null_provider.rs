@@ -23,6 +23,8 @@ impl Provider for NullProvider {
             dims: Some(8),
             dtype: None,
             device: None,
+            max_input_tokens: None,
+            pooling: None,
             max_batch_items: 64,
             max_batch_tokens: 1 << 20,
             score_activation: None,

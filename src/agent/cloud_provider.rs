@@ -52,6 +52,8 @@ impl CloudProvider {
                 .and_then(|p| p.quantization())
                 .map(str::to_string),
             device: None,
+            max_input_tokens: None,
+            pooling: None,
             max_batch_items: max_items,
             max_batch_tokens: MAX_TOKENS_PER_CALL,
             // OpenRouter's rerank answers relevance probabilities (logits are derived from

@@ -98,6 +98,8 @@ impl LocalProvider {
             dims: role.is_embedding().then_some(e.dims),
             dtype: Some(e.dtype.clone()),
             device: Some(e.device.clone()),
+            max_input_tokens: Some(e.max_tokens),
+            pooling: e.pooling.clone().filter(|_| role.is_embedding()),
             max_batch_items: max_items,
             max_batch_tokens: e.max_batch_tokens,
             score_activation: (role.op() == crate::roles::Op::Rerank).then_some(e.score_activation),

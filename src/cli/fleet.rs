@@ -96,6 +96,10 @@ pub struct HubArgs {
     /// healthy local provider in a stable order).
     #[arg(long)]
     gate_reference: Option<String>,
+    /// Roles `GET /ready` waits for, comma-separated (every role a provider or a cloud route
+    /// has offered counts too; `serve` adds the roles it loads).
+    #[arg(long, value_delimiter = ',')]
+    ready_roles: Option<Vec<Role>>,
 }
 
 impl HubArgs {
@@ -119,6 +123,7 @@ impl HubArgs {
             gate_min_cosine: self.gate_min_cosine,
             gate_sentinel_s: self.gate_sentinel_s,
             gate_reference: self.gate_reference.clone(),
+            ready_roles: self.ready_roles.clone(),
             tls_cert: tls.and_then(|t| t.tls_cert.clone()),
             tls_key: tls.and_then(|t| t.tls_key.clone()),
         }
@@ -298,6 +303,7 @@ fn open_hub(args: &HubConfig) -> anyhow::Result<Hub> {
         heartbeat_interval: args.heartbeat(),
         queue_capacity: args.queue_capacity.max(1),
         limits: args.limits,
+        ready_roles: args.ready_roles.iter().copied().collect(),
         ..HubSettings::default()
     };
     warn_if_plaintext(args.listen, args.tls_cert.is_some(), "hub");
@@ -704,7 +710,11 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
         );
     }
     let providers = agent::load_providers(&models).await?;
-    let hub_cfg = cmd.hub.resolve(None)?;
+    let mut hub_cfg = cmd.hub.resolve(None)?;
+    // Ready once the roles it loads can serve.
+    hub_cfg
+        .ready_roles
+        .extend(models.iter().flat_map(|m| m.roles.iter().copied()));
     let hub = open_hub(&hub_cfg)?;
     let listener = bind(hub_cfg.listen, "hub")?;
     let bound = listener.local_addr()?;

@@ -8,6 +8,7 @@ mod input;
 mod kernel_check;
 mod models;
 mod oneshot;
+mod progress;
 mod reload;
 mod stream;
 

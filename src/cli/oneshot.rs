@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use super::ModelArgs;
 use super::input::read_json_lines;
+use super::progress::{Meter, Progress};
 use super::stream::{self, run_in_order, write_json_line};
 use crate::inference::{EmbedOptions, Engine, EngineConfig, RerankOptions};
 use crate::model_spec::Task;
@@ -68,6 +69,18 @@ pub(super) async fn load_engine_with(
     args.choice().load_with(task, cfg).await
 }
 
+/// The engine's rows and tokens so far (what the progress bar follows).
+fn meter(engine: &Engine) -> Meter {
+    let engine = engine.clone();
+    std::sync::Arc::new(move || {
+        let s = engine.stats();
+        (
+            s.rows.load(std::sync::atomic::Ordering::Relaxed),
+            s.tokens.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    })
+}
+
 fn read_stdin() -> anyhow::Result<Vec<String>> {
     Ok(read_json_lines(std::io::stdin().lock())?)
 }
@@ -81,6 +94,7 @@ pub async fn embed(args: EmbedArgs) -> anyhow::Result<()> {
         dimensions: args.dimensions,
     };
     let mut out = stream::stdout();
+    let progress = Progress::start(texts.len(), "texts", meter(&engine));
     run_in_order(
         texts,
         |chunk| {
@@ -91,6 +105,7 @@ pub async fn embed(args: EmbedArgs) -> anyhow::Result<()> {
     )
     .await?;
     out.flush()?;
+    progress.finish("embedded");
     Ok(())
 }
 
@@ -102,6 +117,7 @@ pub async fn rerank(args: RerankArgs) -> anyhow::Result<()> {
         instruction: args.instruction,
     };
     let mut out = stream::stdout();
+    let progress = Progress::start(documents.len(), "documents", meter(&engine));
     run_in_order(
         documents,
         |chunk| {
@@ -119,5 +135,6 @@ pub async fn rerank(args: RerankArgs) -> anyhow::Result<()> {
     )
     .await?;
     out.flush()?;
+    progress.finish("reranked");
     Ok(())
 }

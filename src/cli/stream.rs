@@ -1,14 +1,13 @@
 //! Running a long input through the engine in chunks, writing results in input order.
 //!
 //! Chunks run concurrently (so the engine's queue holds enough entries to bucket by length)
-//! but results are written strictly in order, as soon as the oldest chunk is done. A progress
-//! bar counts finished inputs on stderr when stderr is a terminal.
+//! but results are written strictly in order, as soon as the oldest chunk is done. Progress is
+//! not counted here (a chunk finishes late when its longest input does): the bar follows the
+//! engine's own counters ([`super::progress`]).
 
 use std::collections::VecDeque;
 use std::future::Future;
-use std::io::{IsTerminal, Write};
-
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::Write;
 
 use crate::inference::InferenceError;
 
@@ -30,8 +29,6 @@ where
     F: Fn(Vec<T>) -> Fut,
     Fut: Future<Output = Result<Vec<O>, InferenceError>> + Send + 'static,
 {
-    let total = items.len();
-    let progress = progress_bar(total);
     let mut pending = VecDeque::new();
     let mut iter = items.into_iter();
     let mut next_index = 0usize;
@@ -54,9 +51,7 @@ where
             write(next_index, out)?;
             next_index += 1;
         }
-        progress.set_position(next_index as u64);
     }
-    progress.finish_and_clear();
     Ok(())
 }
 
@@ -74,19 +69,6 @@ fn absolute(e: InferenceError, offset: usize) -> anyhow::Error {
         .into(),
         other => other.into(),
     }
-}
-
-fn progress_bar(total: usize) -> ProgressBar {
-    if total <= CHUNK || !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::with_draw_target(Some(total as u64), ProgressDrawTarget::stderr());
-    if let Ok(style) = ProgressStyle::with_template(
-        "{spinner} [{elapsed_precise}] {wide_bar} {pos}/{len} ({per_sec}, eta {eta})",
-    ) {
-        bar.set_style(style);
-    }
-    bar
 }
 
 /// A buffered, locked stdout that is flushed at the end.

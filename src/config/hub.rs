@@ -39,6 +39,8 @@ pub struct HubLayer {
     pub gate_reference: Option<String>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
+    /// Roles `/ready` waits for (besides every role a provider or a cloud route has served).
+    pub ready_roles: Option<Vec<Role>>,
     /// Per-role timings (`[roles.<role>]`); file only.
     #[serde(default)]
     pub roles: BTreeMap<Role, RoleTimingsLayer>,
@@ -85,6 +87,7 @@ pub struct HubConfig {
     pub gate_reference: Option<String>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
+    pub ready_roles: Vec<Role>,
 }
 
 impl HubLayer {
@@ -160,6 +163,7 @@ impl HubLayer {
             gate_reference: pick(&self.gate_reference, &under.gate_reference),
             tls_cert,
             tls_key,
+            ready_roles: pick(&self.ready_roles, &under.ready_roles).unwrap_or_default(),
         })
     }
 }
@@ -215,6 +219,7 @@ impl HubConfig {
             self.queue_capacity != other.queue_capacity,
         );
         check("heartbeat_ms", self.heartbeat_ms != other.heartbeat_ms);
+        check("ready_roles", self.ready_roles != other.ready_roles);
         check(
             "tls",
             (&self.tls_cert, &self.tls_key) != (&other.tls_cert, &other.tls_key),

@@ -121,6 +121,8 @@ mod tests {
             dims: None,
             dtype: None,
             device: Some(device.into()),
+            max_input_tokens: None,
+            pooling: None,
             max_batch_items: 16,
             max_batch_tokens: 1024,
             score_activation: None,

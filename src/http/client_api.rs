@@ -1,82 +1,310 @@
-//! The client API: `POST /v1/embeddings` (OpenAI-compatible; `model` names a role) and
-//! `POST /v1/rerank` (Cohere/TEI shape). Each request is split into items on its role's
-//! shared queue; every vector comes back with its provenance (which provider made it).
+//! What every client family's routes share (OpenAI's, Cohere's, TEI's, Ollama's): the client
+//! token, the body, the role a request names (a role name, or the model id a role serves),
+//! the inputs (strings only: token ids are refused), and one embed or rerank run through the
+//! hub with its timings (TEI's `x-queue-time`, `x-inference-time`, `x-total-time`). Also our
+//! own `POST /v1/rerank` (Cohere/TEI shape). Every vector and score keeps its provenance.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
-use axum::http::HeaderMap;
-use base64::Engine as _;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::IntoResponse;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use super::auth;
 use super::error::ApiError;
 use crate::hub::Hub;
-use crate::hub::core::{ItemOutput, ScorerRef, SpaceRef};
+use crate::hub::core::{Completed, ItemOutput, ScorerRef, SpaceRef};
 use crate::hub::queue::Shape;
 use crate::hub::registry::ProviderRef;
 use crate::roles::{Op, Role};
-
-/// Inputs one request may carry.
-pub const MAX_INPUTS: usize = 8192;
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-pub enum TextInput {
-    One(String),
-    Many(Vec<String>),
-}
-
-#[derive(Deserialize)]
-pub struct EmbeddingsRequest {
-    /// A role: `embedding` or `code-embedding`.
-    pub model: String,
-    pub input: TextInput,
-    #[serde(default)]
-    pub dimensions: Option<usize>,
-    /// `float` (default) or `base64` (little-endian f32).
-    #[serde(default)]
-    pub encoding_format: Option<String>,
-    /// `query` applies the model's query template; `document` (default) does not.
-    #[serde(default)]
-    pub input_type: Option<String>,
-    /// The instruction of instruction-aware models (with `input_type: query`).
-    #[serde(default)]
-    pub instruction: Option<String>,
-    #[serde(default)]
-    pub user: Option<String>,
-}
-
-#[derive(Serialize)]
-pub struct EmbeddingsResponse {
-    pub object: &'static str,
-    pub data: Vec<EmbeddingData>,
-    pub model: String,
-    pub usage: Usage,
-}
-
-#[derive(Serialize)]
-pub struct EmbeddingData {
-    pub object: &'static str,
-    pub index: usize,
-    pub embedding: EmbeddingValue,
-    pub provenance: ProviderRef,
-    /// The vector space (role, model, dims) whose gate the provider passed.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub space: Option<SpaceRef>,
-}
-
-#[derive(Serialize)]
-#[serde(untagged)]
-pub enum EmbeddingValue {
-    Float(Vec<f32>),
-    Base64(String),
-}
 
 #[derive(Serialize)]
 pub struct Usage {
     pub prompt_tokens: u64,
     pub total_tokens: u64,
+}
+
+impl Usage {
+    pub fn of(tokens: u64) -> Self {
+        Self {
+            prompt_tokens: tokens,
+            total_tokens: tokens,
+        }
+    }
+}
+
+pub(super) fn client_auth(hub: &Hub, headers: &HeaderMap) -> Result<(), ApiError> {
+    match hub.client_token() {
+        Some(token) => auth::require(headers, token, "client"),
+        None => Ok(()),
+    }
+}
+
+/// The JSON body, or a 400 that shows what was wrong (secrets redacted).
+pub(super) fn json_body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
+    body.map(|Json(b)| b).map_err(|e| {
+        let shown = crate::secret::redact(&e.body_text());
+        ApiError::bad_request(format!("invalid request body: {shown}"))
+    })
+}
+
+/// The role a request names, checked against the operation of its endpoint.
+pub(super) fn role_for(name: &str, op: Op) -> Result<Role, ApiError> {
+    let role: Role = name.parse().map_err(|e: crate::roles::UnknownRole| {
+        ApiError::bad_request(crate::secret::redact(&e.to_string()))
+    })?;
+    check_op(role, op)?;
+    Ok(role)
+}
+
+fn check_op(role: Role, op: Op) -> Result<(), ApiError> {
+    if role.op() != op {
+        let endpoint = match role.op() {
+            Op::Embed => "/v1/embeddings",
+            Op::Rerank => "/v1/rerank",
+            Op::Chat => "/v1/chat/completions",
+        };
+        return Err(ApiError::bad_request(format!(
+            "role '{role}' is not served here; use {endpoint}"
+        )));
+    }
+    Ok(())
+}
+
+/// The role a client's `model` names: a role name, or the model id one of the hub's roles of
+/// `op` serves (the first such role in role order; Ollama's `:latest` tag is ignored).
+/// `None` when neither matches.
+pub(super) fn role_named(hub: &Hub, name: &str, op: Op) -> Result<Option<Role>, ApiError> {
+    if let Ok(role) = name.parse::<Role>() {
+        check_op(role, op)?;
+        return Ok(Some(role));
+    }
+    let name = name.strip_suffix(":latest").unwrap_or(name);
+    Ok(hub
+        .catalog()
+        .into_iter()
+        .find(|c| c.role.op() == op && c.model.as_deref() == Some(name))
+        .map(|c| c.role))
+}
+
+/// As [`role_named`], with a 400 naming the roles when `name` is neither a role nor a model.
+pub(super) fn resolve_role(hub: &Hub, name: &str, op: Op) -> Result<Role, ApiError> {
+    role_named(hub, name, op)?.ok_or_else(|| {
+        let unknown = crate::roles::UnknownRole(name.to_string());
+        ApiError::bad_request(crate::secret::redact(&format!(
+            "{unknown}, or the model id one serves (GET /v1/models lists them)"
+        )))
+    })
+}
+
+/// The inputs of a request: a string or an array of strings. Token ids (an array of
+/// integers, or of arrays of them) are refused with the reason: ids are the client's
+/// tokenizer's, not the model's, and would embed as another text.
+pub(super) fn texts_of(value: Value, field: &str) -> Result<Vec<String>, ApiError> {
+    let is_ids = |v: &Value| match v {
+        Value::Number(_) => true,
+        Value::Array(a) => a.iter().all(Value::is_number),
+        _ => false,
+    };
+    match value {
+        Value::String(s) => Ok(vec![s]),
+        Value::Array(items) if !items.is_empty() && items.iter().all(is_ids) => {
+            Err(token_ids_refused(field))
+        }
+        Value::Array(items) => items
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| match v {
+                Value::String(s) => Ok(s),
+                _ => Err(ApiError::bad_request(format!(
+                    "{field}[{i}] is not a string; {field} is a string or an array of strings"
+                ))),
+            })
+            .collect(),
+        _ => Err(ApiError::bad_request(format!(
+            "{field} must be a string or an array of strings"
+        ))),
+    }
+}
+
+fn token_ids_refused(field: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_REQUEST,
+        "token_ids_refused",
+        format!(
+            "{field} holds token ids: this server embeds text only. Token ids belong to the \
+             client's tokenizer (LangChain's OpenAIEmbeddings sends tiktoken ids by default), \
+             not to the served model's, and would be embedded as other text into a table that \
+             lives for months. Send the texts themselves; with LangChain, pass \
+             OpenAIEmbeddings(check_embedding_ctx_length=False)"
+        ),
+    )
+}
+
+fn check_texts(texts: &[String], what: &str) -> Result<(), ApiError> {
+    if texts.is_empty() {
+        return Err(ApiError::bad_request(format!("{what} is empty")));
+    }
+    if let Some(i) = texts.iter().position(|t| t.is_empty()) {
+        return Err(ApiError::bad_request(format!(
+            "{what}[{i}] is an empty string"
+        )));
+    }
+    Ok(())
+}
+
+/// How long a request spent, for TEI's timing headers (milliseconds).
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    pub queue: Duration,
+    pub inference: Duration,
+    pub total: Duration,
+}
+
+impl Timing {
+    fn of(done: &Completed, started: Instant) -> Self {
+        Self {
+            queue: done.queue_time,
+            inference: done.inference_time,
+            total: started.elapsed(),
+        }
+    }
+
+    /// `x-queue-time`, `x-inference-time`, `x-total-time`, in whole milliseconds as TEI sends.
+    pub fn headers(&self) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for (name, d) in [
+            ("x-queue-time", self.queue),
+            ("x-inference-time", self.inference),
+            ("x-total-time", self.total),
+        ] {
+            headers.insert(name, HeaderValue::from(d.as_millis() as u64));
+        }
+        headers
+    }
+}
+
+/// An embedding request as every family's route reduces it.
+pub(super) struct EmbedCall {
+    pub role: Role,
+    pub texts: Vec<String>,
+    pub dimensions: Option<usize>,
+    pub is_query: bool,
+    pub instruction: Option<String>,
+}
+
+pub(super) struct Embedding {
+    pub vector: Vec<f32>,
+    pub provider: Arc<ProviderRef>,
+    pub space: Option<Arc<SpaceRef>>,
+}
+
+pub(super) struct Embedded {
+    pub vectors: Vec<Embedding>,
+    pub tokens: u64,
+    pub timing: Timing,
+}
+
+/// Runs an embedding request through the hub: every vector of one space, in input order.
+pub(super) async fn embed(hub: &Hub, call: EmbedCall) -> Result<Embedded, ApiError> {
+    let started = Instant::now();
+    check_texts(&call.texts, "input")?;
+    if call.dimensions == Some(0) {
+        return Err(ApiError::bad_request("dimensions must be at least 1"));
+    }
+    let shape = Shape::Embed {
+        dimensions: call.dimensions,
+        is_query: call.is_query,
+        instruction: call.instruction,
+    };
+    let done = hub.run(call.role, shape, call.texts).await?;
+    let timing = Timing::of(&done, started);
+    let vectors = done
+        .items
+        .into_iter()
+        .map(|served| match served.output {
+            ItemOutput::Vector(vector) => Ok(Embedding {
+                vector,
+                provider: served.provider,
+                space: served.space,
+            }),
+            _ => Err(bad_output("scores", "an embedding")),
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Embedded {
+        vectors,
+        tokens: done.tokens,
+        timing,
+    })
+}
+
+fn bad_output(what: &str, request: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "bad_output",
+        format!("a provider returned {what} for {request} request"),
+    )
+}
+
+pub(super) struct Ranked {
+    pub index: usize,
+    /// The scorer's probability where it defines one, else its raw score.
+    pub relevance: f32,
+    /// The raw logit.
+    pub raw: f32,
+    pub provider: Arc<ProviderRef>,
+}
+
+pub(super) struct Reranked {
+    /// Best first.
+    pub results: Vec<Ranked>,
+    pub scorer: Option<Arc<ScorerRef>>,
+    pub tokens: u64,
+    pub timing: Timing,
+}
+
+/// Runs a rerank request through the hub: every score from one scorer, sorted best first.
+pub(super) async fn rerank(
+    hub: &Hub,
+    role: Role,
+    query: String,
+    documents: Vec<String>,
+    instruction: Option<String>,
+) -> Result<Reranked, ApiError> {
+    let started = Instant::now();
+    if query.is_empty() {
+        return Err(ApiError::bad_request("query is an empty string"));
+    }
+    check_texts(&documents, "documents")?;
+    let shape = Shape::Rerank { query, instruction };
+    let done = hub.run(role, shape, documents).await?;
+    let timing = Timing::of(&done, started);
+    let mut results = done
+        .items
+        .into_iter()
+        .enumerate()
+        .map(|(index, served)| match served.output {
+            ItemOutput::Score(s) => Ok(Ranked {
+                index,
+                relevance: s.probability.unwrap_or(s.score),
+                raw: s.score,
+                provider: served.provider,
+            }),
+            _ => Err(bad_output("vectors", "a rerank")),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    results.sort_by(|a, b| b.relevance.total_cmp(&a.relevance));
+    Ok(Reranked {
+        results,
+        scorer: done.scorer,
+        tokens: done.tokens,
+        timing,
+    })
 }
 
 #[derive(Deserialize)]
@@ -120,177 +348,39 @@ pub struct RerankDocument {
     pub text: String,
 }
 
-pub(super) fn client_auth(hub: &Hub, headers: &HeaderMap) -> Result<(), ApiError> {
-    match hub.client_token() {
-        Some(token) => auth::require(headers, token, "client"),
-        None => Ok(()),
-    }
-}
-
-fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, ApiError> {
-    body.map(|Json(b)| b).map_err(|e| {
-        let shown = crate::secret::redact(&e.body_text());
-        ApiError::bad_request(format!("invalid request body: {shown}"))
-    })
-}
-
-/// The role a request names, checked against the operation of its endpoint.
-pub(super) fn role_for(name: &str, op: Op) -> Result<Role, ApiError> {
-    let role: Role = name
-        .parse()
-        .map_err(|e: crate::roles::UnknownRole| ApiError::bad_request(e.to_string()))?;
-    if role.op() != op {
-        let endpoint = match role.op() {
-            Op::Embed => "/v1/embeddings",
-            Op::Rerank => "/v1/rerank",
-            Op::Chat => "/v1/chat/completions",
-        };
-        return Err(ApiError::bad_request(format!(
-            "role '{role}' is not served here; use {endpoint}"
-        )));
-    }
-    Ok(role)
-}
-
-fn check_texts(texts: &[String], what: &str) -> Result<(), ApiError> {
-    if texts.is_empty() {
-        return Err(ApiError::bad_request(format!("{what} is empty")));
-    }
-    if texts.len() > MAX_INPUTS {
-        return Err(ApiError::bad_request(format!(
-            "{what} has {} entries; at most {MAX_INPUTS} per request",
-            texts.len()
-        )));
-    }
-    if let Some(i) = texts.iter().position(|t| t.is_empty()) {
-        return Err(ApiError::bad_request(format!(
-            "{what}[{i}] is an empty string"
-        )));
-    }
-    Ok(())
-}
-
-pub async fn embeddings(
-    State(hub): State<Hub>,
-    headers: HeaderMap,
-    request: Result<Json<EmbeddingsRequest>, JsonRejection>,
-) -> Result<Json<EmbeddingsResponse>, ApiError> {
-    client_auth(&hub, &headers)?;
-    let req = body(request)?;
-    let role = role_for(&req.model, Op::Embed)?;
-    let texts = match req.input {
-        TextInput::One(t) => vec![t],
-        TextInput::Many(ts) => ts,
-    };
-    check_texts(&texts, "input")?;
-    let base64 = match req.encoding_format.as_deref() {
-        None | Some("float") => false,
-        Some("base64") => true,
-        Some(other) => {
-            return Err(ApiError::bad_request(format!(
-                "encoding_format '{other}' is not supported; use float or base64"
-            )));
-        }
-    };
-    let is_query = match req.input_type.as_deref() {
-        None | Some("document") => false,
-        Some("query") => true,
-        Some(other) => {
-            return Err(ApiError::bad_request(format!(
-                "input_type '{other}' is not supported; use query or document"
-            )));
-        }
-    };
-    if req.dimensions == Some(0) {
-        return Err(ApiError::bad_request("dimensions must be at least 1"));
-    }
-    let shape = Shape::Embed {
-        dimensions: req.dimensions,
-        is_query,
-        instruction: req.instruction,
-    };
-    let done = hub.run(role, shape, texts).await?;
-    let mut data = Vec::with_capacity(done.items.len());
-    for (index, served) in done.items.into_iter().enumerate() {
-        let ItemOutput::Vector(v) = served.output else {
-            return Err(ApiError::new(
-                axum::http::StatusCode::BAD_GATEWAY,
-                "bad_output",
-                "a provider returned scores for an embedding request",
-            ));
-        };
-        let embedding = if base64 {
-            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            EmbeddingValue::Base64(base64::engine::general_purpose::STANDARD.encode(bytes))
-        } else {
-            EmbeddingValue::Float(v)
-        };
-        data.push(EmbeddingData {
-            object: "embedding",
-            index,
-            embedding,
-            provenance: (*served.provider).clone(),
-            space: served.space.as_deref().cloned(),
-        });
-    }
-    Ok(Json(EmbeddingsResponse {
-        object: "list",
-        data,
-        model: role.to_string(),
-        usage: Usage {
-            prompt_tokens: done.tokens,
-            total_tokens: done.tokens,
-        },
-    }))
-}
-
-pub async fn rerank(
+/// `POST /v1/rerank`: our own shape (Cohere's v1 with provenance).
+pub async fn rerank_v1(
     State(hub): State<Hub>,
     headers: HeaderMap,
     request: Result<Json<RerankRequest>, JsonRejection>,
-) -> Result<Json<RerankResponse>, ApiError> {
+) -> Result<impl IntoResponse, ApiError> {
     client_auth(&hub, &headers)?;
-    let req = body(request)?;
+    let req = json_body(request)?;
     let role = role_for(req.model.as_deref().unwrap_or("reranker"), Op::Rerank)?;
-    if req.query.is_empty() {
-        return Err(ApiError::bad_request("query is an empty string"));
-    }
-    check_texts(&req.documents, "documents")?;
     let keep = req.return_documents.then(|| req.documents.clone());
-    let shape = Shape::Rerank {
-        query: req.query,
-        instruction: req.instruction,
-    };
-    let done = hub.run(role, shape, req.documents).await?;
-    let mut results = Vec::with_capacity(done.items.len());
-    for (index, served) in done.items.into_iter().enumerate() {
-        let ItemOutput::Score(s) = served.output else {
-            return Err(ApiError::new(
-                axum::http::StatusCode::BAD_GATEWAY,
-                "bad_output",
-                "a provider returned vectors for a rerank request",
-            ));
-        };
-        results.push(RerankResult {
-            index,
-            relevance_score: s.probability.unwrap_or(s.score),
-            document: keep.as_ref().map(|d| RerankDocument {
-                text: d[index].clone(),
-            }),
-            provenance: (*served.provider).clone(),
-        });
-    }
-    results.sort_by(|a, b| b.relevance_score.total_cmp(&a.relevance_score));
+    let mut done = rerank(&hub, role, req.query, req.documents, req.instruction).await?;
     if let Some(n) = req.top_n {
-        results.truncate(n);
+        done.results.truncate(n);
     }
-    Ok(Json(RerankResponse {
-        model: role.to_string(),
-        scorer: done.scorer.as_deref().cloned(),
-        results,
-        usage: Usage {
-            prompt_tokens: done.tokens,
-            total_tokens: done.tokens,
-        },
-    }))
+    let results = done
+        .results
+        .into_iter()
+        .map(|r| RerankResult {
+            index: r.index,
+            relevance_score: r.relevance,
+            document: keep.as_ref().map(|d| RerankDocument {
+                text: d[r.index].clone(),
+            }),
+            provenance: (*r.provider).clone(),
+        })
+        .collect();
+    Ok((
+        done.timing.headers(),
+        Json(RerankResponse {
+            model: role.to_string(),
+            scorer: done.scorer.as_deref().cloned(),
+            results,
+            usage: Usage::of(done.tokens),
+        }),
+    ))
 }

@@ -1,5 +1,7 @@
-//! API errors as HTTP responses: a status, OpenAI's error body, and `Retry-After` where the
-//! client should come back.
+//! API errors as HTTP responses: a status, the error body of the client family whose route
+//! answers ([`ErrorShape`]: OpenAI's by default, Cohere's, TEI's, Ollama's), `Retry-After`
+//! where the client should come back, and `x-should-retry: false` where coming back cannot
+//! help (the openai SDK obeys it instead of retrying a 503 twice).
 
 use axum::Json;
 use axum::http::{HeaderValue, StatusCode, header};
@@ -15,6 +17,8 @@ pub struct ApiError {
     pub code: &'static str,
     pub message: String,
     pub retry_after_s: Option<u64>,
+    /// Sending the same request again cannot succeed soon (`x-should-retry: false`).
+    pub final_answer: bool,
 }
 
 impl ApiError {
@@ -24,6 +28,7 @@ impl ApiError {
             code,
             message: message.into(),
             retry_after_s: None,
+            final_answer: false,
         }
     }
 
@@ -39,25 +44,80 @@ impl ApiError {
         } else {
             "invalid_request_error"
         };
-        json!({"error": {"message": self.message, "type": kind, "code": self.code}})
+        json!({"error": {"message": self.message, "type": kind, "param": null, "code": self.code}})
+    }
+}
+
+/// Which client family's error body a route answers with (each client reads its own).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorShape {
+    /// `{"error": {"message", "type", "param", "code"}}`
+    OpenAi,
+    /// `{"message", "code"}`
+    Cohere,
+    /// `{"error": "...", "error_type": "Validation"}`
+    Tei,
+    /// `{"error": "..."}`
+    Ollama,
+}
+
+/// An [`ApiError`] in the body shape of one client family.
+#[derive(Debug)]
+pub struct Shaped(pub ApiError, pub ErrorShape);
+
+impl ApiError {
+    pub fn shaped(self, shape: ErrorShape) -> Shaped {
+        Shaped(self, shape)
+    }
+
+    fn body_in(&self, shape: ErrorShape) -> serde_json::Value {
+        match shape {
+            ErrorShape::OpenAi => self.body(),
+            ErrorShape::Cohere => json!({"message": self.message, "code": self.code}),
+            ErrorShape::Tei => {
+                let kind = match self.status {
+                    StatusCode::TOO_MANY_REQUESTS => "Overloaded",
+                    StatusCode::SERVICE_UNAVAILABLE => "Unhealthy",
+                    s if s.is_server_error() => "Backend",
+                    _ => "Validation",
+                };
+                json!({"error": self.message, "error_type": kind, "code": self.code})
+            }
+            ErrorShape::Ollama => json!({"error": self.message}),
+        }
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = self.body();
-        let mut response = (self.status, Json(body)).into_response();
-        if let Some(s) = self.retry_after_s
+        Shaped(self, ErrorShape::OpenAi).into_response()
+    }
+}
+
+impl IntoResponse for Shaped {
+    fn into_response(self) -> Response {
+        let Shaped(err, shape) = self;
+        let body = err.body_in(shape);
+        let mut response = (err.status, Json(body)).into_response();
+        let headers = response.headers_mut();
+        if let Some(s) = err.retry_after_s
             && let Ok(v) = HeaderValue::from_str(&s.to_string())
         {
-            response.headers_mut().insert(header::RETRY_AFTER, v);
+            headers.insert(header::RETRY_AFTER, v);
         }
-        if self.status == StatusCode::UNAUTHORIZED {
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        if err.status == StatusCode::UNAUTHORIZED {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if err.final_answer {
+            headers.insert("x-should-retry", HeaderValue::from_static("false"));
         }
         response
+    }
+}
+
+impl From<HubError> for Shaped {
+    fn from(e: HubError) -> Self {
+        Shaped(e.into(), ErrorShape::OpenAi)
     }
 }
 
@@ -116,6 +176,8 @@ impl ApiError {
         };
         let mut err = Self::new(status, u.code.as_str(), u.to_string());
         err.retry_after_s = u.retry_after_s;
+        // Nothing is coming that could serve it: a retry would only wait to hear it again.
+        err.final_answer = status.is_server_error() && u.retry_after_s.is_none();
         err
     }
 }

@@ -1,14 +1,22 @@
-//! The HTTP front doors: the hub's client API ([`client_api`]), its admin API
-//! ([`admin_api`]), health and metrics ([`ops`]), and the agents' WebSocket endpoint; the
-//! agent's own small health/metrics server is in [`crate::agent::http`]. Errors are JSON in
-//! OpenAI's shape (`{"error": {"message", "type", "code"}}`).
+//! The HTTP front doors of the hub: the client APIs in the shapes of the clients people use
+//! ([`openai_api`], [`cohere_api`], [`tei_api`], [`ollama_api`], chat in [`chat_api`], what
+//! they share in [`client_api`]), the admin API ([`admin_api`]), health, readiness and metrics
+//! ([`ops`]), the request ids and route latencies around them all ([`request_id`]), and the
+//! agents' WebSocket endpoint; the agent's own small health/metrics server is in
+//! [`crate::agent::http`]. Each family's routes answer errors in its own shape
+//! ([`error::ErrorShape`]); everything else in OpenAI's.
 
 pub mod admin_api;
 pub mod auth;
 pub mod chat_api;
 pub mod client_api;
+pub mod cohere_api;
 pub mod error;
+pub mod ollama_api;
+pub mod openai_api;
 pub mod ops;
+pub mod request_id;
+pub mod tei_api;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -36,11 +44,32 @@ pub struct TlsFiles {
 
 /// Every route of the hub.
 pub fn hub_router(hub: Hub) -> Router {
+    let routes = std::sync::Arc::new(request_id::RouteMetrics::default());
+    let metrics = {
+        let routes = routes.clone();
+        move |State(hub): State<Hub>| async move { ops::metrics_text(&hub, &routes) }
+    };
     Router::new()
         .route("/v1/agent", get(agent_socket))
-        .route("/v1/embeddings", post(client_api::embeddings))
-        .route("/v1/rerank", post(client_api::rerank))
+        // OpenAI (also without the /v1 prefix, for a base_url that lacks it)
+        .route("/v1/embeddings", post(openai_api::embeddings))
+        .route("/embeddings", post(openai_api::embeddings))
+        .route("/v1/models", get(openai_api::models))
+        .route("/v1/models/{id}", get(openai_api::model))
         .route("/v1/chat/completions", post(chat_api::completions))
+        // ours (Cohere v1's shape with provenance)
+        .route("/v1/rerank", post(client_api::rerank_v1))
+        // Cohere v2
+        .route("/v2/embed", post(cohere_api::embed))
+        .route("/v2/rerank", post(cohere_api::rerank))
+        // text-embeddings-inference
+        .route("/", post(tei_api::root))
+        .route("/embed", post(tei_api::embed))
+        .route("/rerank", post(tei_api::rerank))
+        .route("/similarity", post(tei_api::similarity))
+        .route("/info", get(tei_api::info))
+        // Ollama
+        .route("/api/embed", post(ollama_api::embed))
         .route(
             "/admin/config",
             get(admin_api::get_config).post(admin_api::post_config),
@@ -49,8 +78,13 @@ pub fn hub_router(hub: Hub) -> Router {
         .route("/admin/budget", post(admin_api::post_budget))
         .route("/admin/gate/verify", post(admin_api::post_gate_verify))
         .route("/health", get(ops::health))
-        .route("/metrics", get(ops::metrics))
+        .route("/ready", get(ops::ready))
+        .route("/metrics", get(metrics))
         .fallback(ops::not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            routes,
+            request_id::observe,
+        ))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(hub)
 }

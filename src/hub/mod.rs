@@ -159,6 +159,16 @@ impl Drop for CancelOnDrop {
     }
 }
 
+tokio::task_local! {
+    /// The client's request id (`X-Request-Id`) while the HTTP layer serves its request: the
+    /// hub keeps it with the request it accepts, for the log lines about that request.
+    pub static REQUEST_ID: Arc<str>;
+}
+
+fn current_request_id() -> Option<Arc<str>> {
+    REQUEST_ID.try_with(Arc::clone).ok()
+}
+
 /// Milliseconds since the Unix epoch (what status and the state file show).
 pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
@@ -268,7 +278,8 @@ impl Hub {
                 match core.admit(role, &shape) {
                     Ok(binding) => {
                         let timeout = core.settings.timings(role).request_timeout;
-                        let (id, reply) = core.enqueue(role, binding, shape, texts)?;
+                        let (id, reply) =
+                            core.enqueue(role, binding, shape, texts, current_request_id())?;
                         if let Some(tx) = stream.take() {
                             core.stream_to(id, tx);
                         }

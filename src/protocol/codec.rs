@@ -192,6 +192,8 @@ mod tests {
             dims: Some(384),
             dtype: Some("f32".into()),
             device: Some("cpu".into()),
+            max_input_tokens: None,
+            pooling: None,
             max_batch_items: 64,
             max_batch_tokens: 16384,
             score_activation: None,

@@ -157,6 +157,13 @@ pub struct ProviderInfo {
     pub dtype: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
+    /// The most tokens of one input (longer ones are truncated, or refused when the agent
+    /// runs with `--no-truncate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_input_tokens: Option<usize>,
+    /// An embedder's pooling (`mean`, `cls`, `last`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pooling: Option<String>,
     /// The most items (texts, documents) one work frame may carry.
     pub max_batch_items: usize,
     /// The most tokens (estimated by the hub) one work frame may carry.

@@ -1,55 +1,54 @@
-//! The clients people already use, against the fleet: the official `openai` Python SDK
-//! streaming a chat through the hub (chunk by chunk as the upstream sends them), and raising
-//! when the stream is cut. The SDK (PyPI `openai`) lives in `.cache/pypi-clients`, where
-//! `.ci/run` (or the first test run) installs it; `FANTOM_TEST_PY_CLIENTS` points elsewhere.
+//! The clients people already use, unchanged, against the fleet: the official `openai`,
+//! `cohere`, `huggingface_hub`, `ollama` and `langchain-openai` Python packages against a real
+//! `serve` (tests/clients/ecosystem.py, each vector and ranking checked against the one-shot
+//! tools), and the `openai` SDK streaming a chat through the hub (chunk by chunk as the
+//! upstream sends them, raising when the stream is cut). The SDKs live in a virtual
+//! environment that `scripts/client-sdks.sh` makes from the pins in
+//! tests/clients/requirements.txt (`.ci/run` runs it first; here it is a no-op then), at
+//! `.cache/clients-venv` or `FANTOM_TEST_CLIENTS_VENV`.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::liveness::chat_fleet;
+use crate::local_support::{assemble_cross_encoder, json_lines, run_cli};
 use crate::support::*;
 
-/// The version of the SDK tested (`.ci/run` installs the same).
-const OPENAI_SDK: &str = "openai==3.57.0";
-
-/// Where the SDK is: `FANTOM_TEST_PY_CLIENTS`, else `.cache/pypi-clients` in the checkout,
-/// where `.ci/run` installs it. When missing there, it is installed once with pip (PyPI is
-/// reachable wherever the tests run); failing that, the test fails saying what to do.
-fn py_clients() -> PathBuf {
-    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = std::env::var_os("FANTOM_TEST_PY_CLIENTS").map_or_else(
-            || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".cache/pypi-clients"),
-            PathBuf::from,
-        );
-        if !dir.join("openai").is_dir() {
-            let status = Command::new("python3")
-                .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
-                .args(["--no-warn-conflicts", "--target"])
-                .arg(&dir)
-                .arg(OPENAI_SDK)
-                .status();
+/// The venv's python, made (or found up to date) by `scripts/client-sdks.sh` once per run.
+/// It needs PyPI, which is reachable wherever the tests run; without it the test fails saying
+/// what to do.
+fn clients_python() -> PathBuf {
+    static PYTHON: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+            let venv = std::env::var_os("FANTOM_TEST_CLIENTS_VENV")
+                .map_or_else(|| root.join(".cache/clients-venv"), PathBuf::from);
+            let out = Command::new("bash")
+                .arg(root.join("scripts/client-sdks.sh"))
+                .arg(&venv)
+                .output()
+                .expect("bash runs");
             assert!(
-                matches!(status, Ok(s) if s.success()) && dir.join("openai").is_dir(),
-                "the openai SDK is missing: run `python3 -m pip install --target {} {OPENAI_SDK}` or set FANTOM_TEST_PY_CLIENTS (pip said: {status:?})",
-                dir.display()
+                out.status.success(),
+                "the client SDKs' venv could not be made: run `scripts/client-sdks.sh {}` (it needs PyPI): {}",
+                venv.display(),
+                String::from_utf8_lossy(&out.stderr)
             );
-        }
-        dir
-    })
-    .clone()
+            venv.join("bin/python")
+        })
+        .clone()
 }
 
 /// The SDK's script on a thread: its JSON lines arrive on the receiver as it prints them.
 fn stream_with_sdk(base_url: &str, text: &str) -> std::sync::mpsc::Receiver<Value> {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_stream.py");
-    let mut child = Command::new("python3")
+    let mut child = Command::new(clients_python())
         .arg(script)
         .args([base_url, text])
-        .env("PYTHONPATH", py_clients())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .spawn()
@@ -101,4 +100,274 @@ async fn the_openai_sdk_streams_a_chat_and_raises_when_the_stream_is_cut() {
     let end = next(&rx);
     up.state.set_stream_hold(false);
     assert_eq!(end["code"], "stream_cut", "{end}");
+}
+
+/// Short texts of several kinds (prose, code, a question, non-ASCII).
+fn ecosystem_texts() -> Vec<String> {
+    [
+        "fn main() { println!(\"hello\"); }",
+        "How do I print a line in Rust?",
+        "def add(a, b):\n    return a + b",
+        "The quick brown fox jumps over the lazy dog.",
+        "SELECT name FROM users WHERE id = 42;",
+        "Les vecteurs d'un même espace partagent une table.",
+        "println! writes a line to standard output",
+        "bananas are yellow",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn cli_json(args: &[&str], texts: &[String]) -> Vec<Value> {
+    let out = run_cli(args, &json_lines(texts), &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_clients_work_unchanged_against_serve() {
+    let python = clients_python();
+    let dir = tempfile::tempdir().unwrap();
+    let minilm = minilm_dir().display().to_string();
+    let cross = assemble_cross_encoder(dir.path()).display().to_string();
+    let state = dir.path().join("state");
+    let args: Vec<String> = [
+        "serve",
+        "--model",
+        "all-minilm-l6-v2",
+        "--model-dir",
+        &minilm,
+        "--reranker-model-dir",
+        &cross,
+        "--listen",
+        "127.0.0.1:0",
+        "--state-dir",
+        &state.display().to_string(),
+        "--agent-id",
+        "solo",
+    ]
+    .map(String::from)
+    .to_vec();
+    let log = dir.path().join("serve.log");
+    let hub = HubProc::around(Proc::start(&args, &[], &log, "hub"), state);
+
+    // Ready once every role it loads can serve (the gate founded the embedding spaces).
+    let ready = eventually("serve is ready", || async {
+        let r = hub.http.get(hub.url("/ready")).send().await.unwrap();
+        let code = r.status().as_u16();
+        let body: Value = r.json().await.unwrap();
+        (code == 200).then_some(body)
+    })
+    .await;
+    for role in ["embedding", "code-embedding", "reranker"] {
+        assert_eq!(ready["roles"][role]["ready"], true, "{ready}");
+    }
+
+    // What the clients' answers are checked against: the one-shot tools on the same files.
+    let texts = ecosystem_texts();
+    let vectors = |extra: &[&str]| -> Vec<Value> {
+        let mut a = vec![
+            "embed",
+            "--model",
+            "all-minilm-l6-v2",
+            "--model-dir",
+            &minilm,
+        ];
+        a.extend_from_slice(extra);
+        cli_json(&a, &texts)
+            .into_iter()
+            .map(|l| l["embedding"].clone())
+            .collect()
+    };
+    let query = "How do I print a line in Rust?";
+    let documents = texts[2..].to_vec();
+    let scored = cli_json(
+        &["rerank", "--model-dir", &cross, "--query", query],
+        &documents,
+    );
+    let scores: Vec<f64> = scored
+        .iter()
+        .map(|l| l["probability"].as_f64().expect("a probability"))
+        .collect();
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|a, b| scores[*b].total_cmp(&scores[*a]));
+    let refs = json!({
+        "texts": texts,
+        "document_vectors": vectors(&[]),
+        "query_vectors": vectors(&["--query"]),
+        "dims": 384,
+        "embedding_model": "all-minilm-l6-v2",
+        "rerank": {"query": query, "documents": documents, "order": order, "scores": scores},
+    });
+    let refs_file = dir.path().join("refs.json");
+    std::fs::write(&refs_file, refs.to_string()).unwrap();
+
+    // Every client, through its public API only.
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/ecosystem.py");
+    let base = hub.url("");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .arg(script)
+            .args(["--base-url", &base, "--refs"])
+            .arg(&refs_file)
+            .stdin(Stdio::null())
+            .output()
+            .expect("python runs")
+    })
+    .await
+    .unwrap();
+    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let failed: Vec<&Value> = lines.iter().filter(|l| l["ok"] == false).collect();
+    assert!(
+        out.status.success() && failed.is_empty(),
+        "client checks failed: {failed:#?}\nstderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let passed = lines.iter().filter(|l| l["ok"] == true).count();
+    assert!(passed >= 25, "only {passed} checks ran: {lines:#?}");
+
+    // The models list names each role's model, and an embedding role's space and width.
+    let models: Value = hub
+        .http
+        .get(hub.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let embedding = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["id"] == "embedding")
+        .expect("the embedding role is listed");
+    assert_eq!(embedding["x_fantom"]["model"], "all-minilm-l6-v2");
+    assert_eq!(embedding["x_fantom"]["dims"], 384);
+    assert!(embedding["x_fantom"]["space"].is_string(), "{embedding}");
+
+    // TEI's /info for the reranker role.
+    let info: Value = hub
+        .http
+        .get(hub.url("/info?model=reranker"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(info["model_type"]["reranker"].is_object(), "{info}");
+    assert_eq!(info["max_input_length"], 512, "{info}");
+
+    // The request id: the client's echoed, a key-shaped one replaced; timings in ms.
+    let r = hub
+        .http
+        .post(hub.url("/embed"))
+        .header("x-request-id", "trace-ok-1")
+        .json(&json!({"inputs": "hello"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-request-id"], "trace-ok-1");
+    let ms = |name: &str| -> u64 { r.headers()[name].to_str().unwrap().parse().unwrap() };
+    let (queue, inference, total) = (
+        ms("x-queue-time"),
+        ms("x-inference-time"),
+        ms("x-total-time"),
+    );
+    assert!(
+        total >= queue && total >= inference,
+        "{queue} {inference} {total}"
+    );
+    assert!(
+        r.headers()["x-fantom-space"]
+            .to_str()
+            .unwrap()
+            .contains("embedding")
+    );
+    let key_shaped = "sk-or-v1-0123456789abcdef0123456789abcdef";
+    let r = hub
+        .http
+        .post(hub.url("/embed"))
+        .header("x-request-id", key_shaped)
+        .json(&json!({"inputs": "hello", "truncate": false}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let generated = r.headers()["x-request-id"].to_str().unwrap().to_string();
+    assert_eq!(generated.len(), 32, "{generated}");
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(
+        body["error_type"], "Validation",
+        "TEI's error shape: {body}"
+    );
+    // Every log line about a request names it; the key-shaped value never reaches the log.
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        logged
+            .lines()
+            .any(|l| l.contains(&generated) && l.contains("\"status\":400")),
+        "no log line names request {generated}"
+    );
+    assert!(!logged.contains(key_shaped));
+
+    // Per-route latency, queue time, batch sizes and tokens in /metrics.
+    let route = hub
+        .metric("fantom_http_request_duration_seconds_count{route=\"/v2/embed\",status=\"200\"}")
+        .await;
+    assert!(route >= 3.0, "{route}");
+    for name in [
+        "fantom_hub_queue_seconds_count{role=\"embedding\"}",
+        "fantom_hub_batch_items_count{role=\"reranker\"}",
+        "fantom_hub_request_tokens_count{role=\"embedding\"}",
+    ] {
+        assert!(hub.metric(name).await > 0.0, "{name}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_is_503_with_the_reason_until_a_role_can_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = HubProc::start(
+        dir.path(),
+        None,
+        &["--ready-roles", "embedding,reranker"],
+        &[],
+        "hub.log",
+    );
+    let r = hub.http.get(hub.url("/ready")).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["status"], "not_ready");
+    for role in ["embedding", "reranker"] {
+        assert_eq!(body["roles"][role]["ready"], false, "{body}");
+        assert_eq!(body["roles"][role]["code"], "no_provider", "{body}");
+    }
+    // Liveness is apart: the process is up.
+    let r = hub.http.get(hub.url("/health")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    // A hub with no role at all is not ready either, and says why.
+    let bare_dir = dir.path().join("bare");
+    std::fs::create_dir_all(&bare_dir).unwrap();
+    let bare = HubProc::start(&bare_dir, None, &[], &[], "bare.log");
+    let r = bare.http.get(bare.url("/ready")).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    let body: Value = r.json().await.unwrap();
+    assert!(
+        body["message"].as_str().unwrap().contains("no role"),
+        "{body}"
+    );
 }

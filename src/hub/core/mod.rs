@@ -23,7 +23,7 @@ pub mod binding;
 mod dispatch;
 mod results;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,6 +39,7 @@ use super::registry::{AgentEntry, ProviderEntry, ProviderRef, SocketCount};
 use crate::config::hub::RequestLimits;
 use crate::config::push::CloudSettings;
 use crate::config::timings::RoleTimings;
+use crate::histogram::Histogram;
 use crate::protocol::{self, Score};
 use crate::roles::{Op, Policy, Role};
 
@@ -65,6 +66,8 @@ pub struct HubSettings {
     /// How long accepted work waits for a provider that left (a restart, a network blip)
     /// before it fails for want of one.
     pub vanish_grace: Duration,
+    /// Roles `/ready` waits for from the start (more join as providers offer them).
+    pub ready_roles: BTreeSet<Role>,
 }
 
 impl Default for HubSettings {
@@ -82,6 +85,7 @@ impl Default for HubSettings {
             limits: RequestLimits::default(),
             admission_wait: Duration::from_secs(10),
             vanish_grace: Duration::from_secs(15),
+            ready_roles: BTreeSet::new(),
         }
     }
 }
@@ -129,6 +133,10 @@ pub struct Completed {
     pub tokens: u64,
     /// The one scorer every score of a rerank request came from.
     pub scorer: Option<Arc<ScorerRef>>,
+    /// From acceptance to its first lease (time in the role queue).
+    pub queue_time: Duration,
+    /// From its first lease to its last result (providers' work and the fleet's round trips).
+    pub inference_time: Duration,
 }
 
 /// Why an accepted request failed.
@@ -263,6 +271,11 @@ struct Pending {
     /// Once a chunk went out: the lease that streams it and the next chunk's number. From
     /// then on the request is that lease's: losing it fails the request, never requeues it.
     streamed: Option<Streamed>,
+    /// The client's `X-Request-Id`, for the log lines about this request.
+    request_id: Option<Arc<str>>,
+    accepted_at: Instant,
+    /// When its first item went out on a lease.
+    first_lease_at: Option<Instant>,
 }
 
 /// Where a streamed chat's chunks go (the client's SSE response).
@@ -327,6 +340,25 @@ pub struct Counters {
     pub requests_failed: u64,
     /// Rerank requests scored again whole because their scorer went away.
     pub rescored: u64,
+    /// Per role: seconds from acceptance to a request's first lease.
+    pub queue_seconds: BTreeMap<Role, Histogram>,
+    /// Per role: items per work frame granted.
+    pub batch_items: BTreeMap<Role, Histogram>,
+    /// Per role: tokens of each completed request.
+    pub request_tokens: BTreeMap<Role, Histogram>,
+}
+
+impl Counters {
+    pub(super) fn observe(
+        map: &mut BTreeMap<Role, Histogram>,
+        role: Role,
+        bounds: &'static [f64],
+        value: f64,
+    ) {
+        map.entry(role)
+            .or_insert_with(|| Histogram::new(bounds))
+            .observe(value);
+    }
 }
 
 pub struct Core {
@@ -344,6 +376,8 @@ pub struct Core {
     leases: HashMap<u64, Lease>,
     agents: BTreeMap<String, AgentEntry>,
     sockets: BTreeMap<String, SocketCount>,
+    /// Every role a provider has offered since the hub started (readiness answers for them).
+    roles_offered: BTreeSet<Role>,
     /// When a provider of each role last left (work waits [`HubSettings::vanish_grace`]).
     vanished: BTreeMap<Role, Instant>,
     /// Roles whose queue holds items of failed requests (swept at their next dispatch).
@@ -383,6 +417,7 @@ impl Core {
             leases: HashMap::new(),
             agents: BTreeMap::new(),
             sockets: BTreeMap::new(),
+            roles_offered: BTreeSet::new(),
             vanished: BTreeMap::new(),
             purge: std::collections::BTreeSet::new(),
             changes: watch::channel(0).0,
@@ -404,7 +439,7 @@ impl Core {
         texts: Vec<String>,
     ) -> Result<Accepted, SubmitError> {
         let binding = self.admit(role, &shape)?;
-        self.enqueue(role, binding, shape, texts)
+        self.enqueue(role, binding, shape, texts, None)
     }
 
     /// What a request of `role` would be bound to, if something can serve it now.
@@ -444,6 +479,7 @@ impl Core {
         binding: Binding,
         shape: Shape,
         texts: Vec<String>,
+        request_id: Option<Arc<str>>,
     ) -> Result<Accepted, SubmitError> {
         let n = texts.len();
         let bytes = self.check_limits(&shape, &texts)?;
@@ -489,6 +525,9 @@ impl Core {
                 reply,
                 stream: None,
                 streamed: None,
+                request_id,
+                accepted_at: Instant::now(),
+                first_lease_at: None,
             },
         );
         let shape = Arc::new(shape);
@@ -722,6 +761,19 @@ impl Core {
             Outlook::Serve => None,
             Outlook::Soon(u) | Outlook::Never(u) => Some(u),
         }
+    }
+
+    /// Each role readiness answers for (the configured ones, every role a provider offered
+    /// since the hub started, every role with a cloud route), and why a new request of it
+    /// would not be served now (`None`: it would be).
+    pub fn readiness(&self) -> BTreeMap<Role, Option<Unservable>> {
+        self.settings
+            .ready_roles
+            .iter()
+            .chain(&self.roles_offered)
+            .chain(self.cloud.allowed_models.keys())
+            .map(|role| (*role, self.role_outlook(*role)))
+            .collect()
     }
 
     /// A push arrived: routes refused for their pin may be fixed by it, so they are asked again.

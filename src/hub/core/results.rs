@@ -8,7 +8,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Binding, Completed, Core, ItemOutput, Lease, RequestFailure, Served, Slot};
+use super::{Binding, Completed, Core, Counters, ItemOutput, Lease, RequestFailure, Served, Slot};
+use crate::histogram;
 use crate::hub::budget;
 use crate::hub::queue::{Item, RequestId, Shape};
 use crate::hub::registry::ProviderEntry;
@@ -201,6 +202,7 @@ impl Core {
             let role = pending.role;
             tracing::warn!(
                 request,
+                request_id = pending.request_id.as_deref(),
                 items = again.len(),
                 "results of a provider that no longer passes the gate go round again"
             );
@@ -221,10 +223,20 @@ impl Core {
                     Slot::Waiting => None,
                 })
                 .collect();
+            let now = Instant::now();
+            let leased = done.first_lease_at.unwrap_or(now);
+            Counters::observe(
+                &mut self.counters.request_tokens,
+                done.role,
+                histogram::TOKENS,
+                done.tokens as f64,
+            );
             let _ = done.reply.send(Ok(Completed {
                 items,
                 tokens: done.tokens,
                 scorer,
+                queue_time: leased.saturating_duration_since(done.accepted_at),
+                inference_time: now.saturating_duration_since(leased),
             }));
         }
     }
@@ -411,7 +423,7 @@ impl Core {
     pub(super) fn fail_request(&mut self, id: RequestId, failure: RequestFailure) {
         if let Some(pending) = self.take_request(id) {
             self.counters.requests_failed += 1;
-            tracing::info!(request = id, role = %pending.role, reason = %failure, "request failed");
+            tracing::info!(request = id, request_id = pending.request_id.as_deref(), role = %pending.role, reason = %failure, "request failed");
             let _ = pending.reply.send(Err(failure));
             // Its waiting items leave the queue at the role's next dispatch (one pass for
             // every request failed meanwhile): they must not hold room or the scan window.

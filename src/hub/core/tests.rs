@@ -18,6 +18,8 @@ fn provider(id: &str, role: Role, model: &str, max_items: usize) -> ProviderInfo
         dims: role.is_embedding().then_some(2),
         dtype: None,
         device: None,
+        max_input_tokens: None,
+        pooling: None,
         max_batch_items: max_items,
         max_batch_tokens: 1 << 20,
         score_activation: (role.op() == Op::Rerank)

@@ -1,0 +1,232 @@
+//! Cohere's v2 shapes (`cohere.ClientV2`): `POST /v2/embed` and `POST /v2/rerank`. `model`
+//! names a role or the model id one serves; `input_type: search_query` applies the model's
+//! query template; `embedding_types` float and base64 (little-endian f32, as OpenAI's). Our
+//! provenance goes in an extra `x_fantom` object (the SDK keeps unknown fields). Errors are
+//! Cohere's `{"message"}`.
+
+use axum::Json;
+use axum::extract::State;
+use axum::extract::rejection::JsonRejection;
+use axum::http::HeaderMap;
+use axum::response::IntoResponse;
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use super::client_api::{self, EmbedCall, client_auth, json_body};
+use super::error::{ApiError, ErrorShape, Shaped};
+use super::openai_api::base64_of;
+use super::request_id;
+use crate::hub::Hub;
+use crate::roles::Op;
+
+const SHAPE: ErrorShape = ErrorShape::Cohere;
+
+#[derive(Deserialize)]
+pub struct EmbedRequest {
+    pub model: String,
+    #[serde(default)]
+    pub input_type: Option<String>,
+    #[serde(default)]
+    pub texts: Option<Value>,
+    #[serde(default)]
+    pub images: Option<Value>,
+    #[serde(default)]
+    pub inputs: Option<Value>,
+    #[serde(default)]
+    pub embedding_types: Option<Vec<String>>,
+    /// `END` (Cohere's default and ours: a long input loses its end); others are refused.
+    #[serde(default)]
+    pub truncate: Option<String>,
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    /// Matryoshka width (the first `output_dimension` entries, re-normalised).
+    #[serde(default)]
+    pub output_dimension: Option<usize>,
+}
+
+fn cohere_meta(tokens_field: &str, tokens: u64) -> Value {
+    json!({"api_version": {"version": "2"}, "billed_units": {tokens_field: tokens}})
+}
+
+/// Cohere's `truncate` as we serve it: only `END` (what the engine does to a long input).
+fn check_truncate(truncate: Option<&str>) -> Result<(), ApiError> {
+    match truncate {
+        None => Ok(()),
+        Some(t) if t.eq_ignore_ascii_case("END") => Ok(()),
+        Some(_) => Err(ApiError::bad_request(
+            "truncate: only END is served (an input longer than the model's limit loses its end; \
+             GET /info shows the limit). Leave truncate out or send END",
+        )),
+    }
+}
+
+pub async fn embed(
+    State(hub): State<Hub>,
+    headers: HeaderMap,
+    request: Result<Json<EmbedRequest>, JsonRejection>,
+) -> Result<impl IntoResponse, Shaped> {
+    run_embed(&hub, &headers, request)
+        .await
+        .map_err(|e| e.shaped(SHAPE))
+}
+
+async fn run_embed(
+    hub: &Hub,
+    headers: &HeaderMap,
+    request: Result<Json<EmbedRequest>, JsonRejection>,
+) -> Result<impl IntoResponse + use<>, ApiError> {
+    client_auth(hub, headers)?;
+    let req = json_body(request)?;
+    let role = client_api::resolve_role(hub, &req.model, Op::Embed)?;
+    if req.images.is_some() || req.inputs.is_some() {
+        return Err(ApiError::bad_request(
+            "only texts are embedded here: send them as `texts` (images and mixed `inputs` are not served)",
+        ));
+    }
+    let is_query = match req.input_type.as_deref() {
+        Some("search_query") => true,
+        None | Some("search_document" | "classification" | "clustering") => false,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "input_type '{}' is not served; use search_document or search_query",
+                crate::secret::redact(other)
+            )));
+        }
+    };
+    check_truncate(req.truncate.as_deref())?;
+    if req.max_tokens.is_some() {
+        return Err(ApiError::bad_request(
+            "max_tokens is not served: inputs are cut at the model's own limit (GET /info)",
+        ));
+    }
+    let types = req.embedding_types.unwrap_or_else(|| vec!["float".into()]);
+    if let Some(t) = types
+        .iter()
+        .find(|t| !matches!(t.as_str(), "float" | "base64"))
+    {
+        return Err(ApiError::bad_request(format!(
+            "embedding type '{}' is not served; use float or base64",
+            crate::secret::redact(t)
+        )));
+    }
+    let texts = client_api::texts_of(
+        req.texts
+            .ok_or_else(|| ApiError::bad_request("texts is missing"))?,
+        "texts",
+    )?;
+    let shown = texts.clone();
+    let done = client_api::embed(
+        hub,
+        EmbedCall {
+            role,
+            texts,
+            dimensions: req.output_dimension,
+            is_query,
+            instruction: None,
+        },
+    )
+    .await?;
+    let mut embeddings = Map::new();
+    for t in &types {
+        let rows: Vec<Value> = done
+            .vectors
+            .iter()
+            .map(|e| match t.as_str() {
+                "base64" => Value::String(base64_of(&e.vector)),
+                _ => json!(e.vector),
+            })
+            .collect();
+        embeddings.insert(t.clone(), Value::Array(rows));
+    }
+    let provenance: Vec<_> = done.vectors.iter().map(|e| &*e.provider).collect();
+    let space = done.vectors.first().and_then(|e| e.space.as_deref());
+    let body = json!({
+        "id": request_id::current(),
+        "response_type": "embeddings_by_type",
+        "embeddings": embeddings,
+        "texts": shown,
+        "meta": cohere_meta("input_tokens", done.tokens),
+        "x_fantom": {"role": role, "space": space, "provenance": provenance},
+    });
+    Ok((done.timing.headers(), Json(body)))
+}
+
+#[derive(Deserialize)]
+pub struct RerankRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub query: String,
+    pub documents: Vec<Value>,
+    #[serde(default)]
+    pub top_n: Option<usize>,
+    /// Not in the v2 SDK; accepted (v1 clients send it).
+    #[serde(default)]
+    pub return_documents: bool,
+    /// Accepted and not applied: documents are cut at the scorer's own limit.
+    #[serde(default)]
+    pub max_tokens_per_doc: Option<u64>,
+}
+
+pub async fn rerank(
+    State(hub): State<Hub>,
+    headers: HeaderMap,
+    request: Result<Json<RerankRequest>, JsonRejection>,
+) -> Result<impl IntoResponse, Shaped> {
+    run_rerank(&hub, &headers, request)
+        .await
+        .map_err(|e| e.shaped(SHAPE))
+}
+
+async fn run_rerank(
+    hub: &Hub,
+    headers: &HeaderMap,
+    request: Result<Json<RerankRequest>, JsonRejection>,
+) -> Result<impl IntoResponse + use<>, ApiError> {
+    client_auth(hub, headers)?;
+    let req = json_body(request)?;
+    let role =
+        client_api::resolve_role(hub, req.model.as_deref().unwrap_or("reranker"), Op::Rerank)?;
+    if req.top_n == Some(0) {
+        return Err(ApiError::bad_request("top_n must be at least 1"));
+    }
+    // v2 sends strings; v1 clients may send `{"text": ...}` objects.
+    let documents = req
+        .documents
+        .into_iter()
+        .enumerate()
+        .map(|(i, d)| match d {
+            Value::String(s) => Ok(s),
+            Value::Object(mut o) => match o.remove("text") {
+                Some(Value::String(s)) => Ok(s),
+                _ => Err(ApiError::bad_request(format!("documents[{i}] has no text"))),
+            },
+            _ => Err(ApiError::bad_request(format!(
+                "documents[{i}] is not a string"
+            ))),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let keep = req.return_documents.then(|| documents.clone());
+    let mut done = client_api::rerank(hub, role, req.query, documents, None).await?;
+    if let Some(n) = req.top_n {
+        done.results.truncate(n);
+    }
+    let results: Vec<Value> = done
+        .results
+        .iter()
+        .map(|r| {
+            let mut item = json!({"index": r.index, "relevance_score": r.relevance});
+            if let Some(docs) = &keep {
+                item["document"] = json!({"text": docs[r.index]});
+            }
+            item
+        })
+        .collect();
+    let provenance: Vec<_> = done.results.iter().map(|r| &*r.provider).collect();
+    let body = json!({
+        "id": request_id::current(),
+        "results": results,
+        "meta": cohere_meta("search_units", 1),
+        "x_fantom": {"role": role, "scorer": done.scorer.as_deref(), "provenance": provenance, "tokens": done.tokens},
+    });
+    Ok((done.timing.headers(), Json(body)))
+}

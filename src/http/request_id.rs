@@ -1,0 +1,122 @@
+//! What the hub's HTTP layer does around every request: its `X-Request-Id` (the client's, when
+//! it is a plain token of at most 128 characters, else one generated here), echoed on the
+//! response; a tracing span carrying it, so every log line about the request names it (the
+//! hub keeps it with the request it accepts, [`crate::hub::REQUEST_ID`], for the lines logged
+//! away from the handler); and the per-route latency histogram in `/metrics`
+//! (`fantom_http_request_duration_seconds{route, status}`; a streamed answer counts until its
+//! headers).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::HeaderValue;
+use axum::middleware::Next;
+use axum::response::Response;
+use tracing::Instrument;
+
+use crate::histogram::{self, Histogram};
+
+pub const HEADER: &str = "x-request-id";
+
+/// The longest client-chosen id kept (a longer or odd one is replaced, never echoed).
+const MAX_LEN: usize = 128;
+
+/// Latency per route and status.
+#[derive(Default)]
+pub struct RouteMetrics {
+    series: Mutex<BTreeMap<(String, u16), Histogram>>,
+}
+
+impl RouteMetrics {
+    fn observe(&self, route: String, status: u16, seconds: f64) {
+        self.series
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry((route, status))
+            .or_insert_with(|| Histogram::new(histogram::SECONDS))
+            .observe(seconds);
+    }
+
+    /// The family in Prometheus text.
+    pub fn render(&self, out: &mut String) {
+        let series = self
+            .series
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        histogram::render_family(
+            out,
+            "fantom_http_request_duration_seconds",
+            "Seconds from a request's arrival to its response headers, by route and status.",
+            series.iter().map(|((route, status), h)| {
+                (
+                    format!(
+                        "route=\"{}\",status=\"{status}\"",
+                        crate::hub::status::label(route)
+                    ),
+                    h,
+                )
+            }),
+        );
+    }
+}
+
+/// The client's id when it is fit to echo, else a new one.
+fn id_of(request: &Request) -> Arc<str> {
+    let given = request
+        .headers()
+        .get(HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| {
+            !v.is_empty()
+                && v.len() <= MAX_LEN
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+                && !crate::secret::looks_like_key(v)
+        });
+    match given {
+        Some(v) => Arc::from(v),
+        None => Arc::from(format!("{:032x}", rand::random::<u128>()).as_str()),
+    }
+}
+
+/// The id of the request being served on this task (empty outside one).
+pub fn current() -> String {
+    crate::hub::REQUEST_ID
+        .try_with(|id| id.to_string())
+        .unwrap_or_default()
+}
+
+/// The middleware: id, span, latency.
+pub async fn observe(
+    State(metrics): State<Arc<RouteMetrics>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let started = Instant::now();
+    let id = id_of(&request);
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
+    let span = tracing::info_span!("request", request_id = %id, method = %request.method(), route = %route);
+    let mut response = crate::hub::REQUEST_ID
+        .scope(id.clone(), next.run(request).instrument(span.clone()))
+        .await;
+    let status = response.status().as_u16();
+    let seconds = started.elapsed().as_secs_f64();
+    span.in_scope(|| {
+        let ms = seconds * 1000.0;
+        if status >= 400 {
+            tracing::info!(status, ms, "request answered with an error");
+        } else {
+            tracing::debug!(status, ms, "request answered");
+        }
+    });
+    metrics.observe(route, status, seconds);
+    if let Ok(v) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert(HEADER, v);
+    }
+    response
+}

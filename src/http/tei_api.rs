@@ -1,0 +1,356 @@
+//! text-embeddings-inference's shapes, for `huggingface_hub.InferenceClient`, LangChain's and
+//! LlamaIndex's Hugging Face integrations: `POST /embed`, `POST /rerank`, `POST /similarity`,
+//! `GET /info`, and `POST /`, which TEI answers by its one model's kind and a hub of many
+//! roles answers by the body: `inputs.source_sentence` is a similarity, `query` + `texts` a
+//! rerank, `inputs` + `parameters` a text classification (refused: no classifier is served),
+//! anything else an embedding. TEI has no `model`; here an optional `model` field (or
+//! `?model=` on `/info`) names a role or model id, and each route has a default role
+//! (`embedding` for embeddings and similarity, `reranker` for rerank).
+//!
+//! The answers are TEI's bare arrays, so provenance travels in headers: `x-fantom-space` (the
+//! vectors' space) and `x-fantom-providers` (who served them). Errors are TEI's
+//! `{"error", "error_type"}`.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::client_api::{self, EmbedCall, Embedded, client_auth};
+use super::error::{ApiError, ErrorShape, Shaped};
+use crate::hub::Hub;
+use crate::roles::{Op, Role};
+
+const SHAPE: ErrorShape = ErrorShape::Tei;
+
+/// TEI's embed body (unknown fields, such as `parameters`, are ignored as TEI does).
+#[derive(Deserialize)]
+pub struct EmbedRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub inputs: Value,
+    #[serde(default)]
+    pub normalize: Option<bool>,
+    #[serde(default)]
+    pub truncate: Option<bool>,
+    #[serde(default)]
+    pub truncation_direction: Option<String>,
+    /// `query` applies the model's query template; `document`/`passage` or none do not.
+    #[serde(default)]
+    pub prompt_name: Option<String>,
+    #[serde(default)]
+    pub dimensions: Option<usize>,
+}
+
+#[derive(Deserialize)]
+pub struct RerankRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub query: String,
+    pub texts: Vec<String>,
+    #[serde(default)]
+    pub raw_scores: bool,
+    #[serde(default)]
+    pub return_text: bool,
+    #[serde(default)]
+    pub truncate: Option<bool>,
+    #[serde(default)]
+    pub truncation_direction: Option<String>,
+}
+
+#[derive(Deserialize)]
+pub struct SimilarityInputs {
+    pub source_sentence: String,
+    pub sentences: Vec<String>,
+}
+
+#[derive(Deserialize)]
+pub struct SimilarityRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub inputs: SimilarityInputs,
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(format!(
+            "invalid request body: {}",
+            crate::secret::redact(&e.to_string())
+        ))
+    })
+}
+
+/// The role a TEI body names, else the route's default.
+fn role_of(hub: &Hub, model: Option<&str>, op: Op, default: Role) -> Result<Role, ApiError> {
+    match model {
+        None => Ok(default),
+        Some(name) => client_api::resolve_role(hub, name, op),
+    }
+}
+
+/// TEI's truncation as we serve it: on (the default), cutting the end of a long input.
+fn check_truncation(truncate: Option<bool>, direction: Option<&str>) -> Result<(), ApiError> {
+    if truncate == Some(false) {
+        return Err(ApiError::bad_request(
+            "truncate=false is not served per request: a long input is cut at the model's limit \
+             (GET /info shows max_input_length); leave truncate out or send true",
+        ));
+    }
+    match direction {
+        None => Ok(()),
+        Some(d) if d.eq_ignore_ascii_case("right") => Ok(()),
+        Some(_) => Err(ApiError::bad_request(
+            "truncation_direction: only right is served (a long input loses its end)",
+        )),
+    }
+}
+
+/// Where the answer came from, for a bare-array body.
+fn provenance_headers(done: &Embedded) -> HeaderMap {
+    let mut headers = done.timing.headers();
+    if let Some(space) = done.vectors.first().and_then(|e| e.space.as_deref())
+        && let Ok(v) = HeaderValue::from_str(&space.id)
+    {
+        headers.insert("x-fantom-space", v);
+    }
+    let mut providers: Vec<&str> = done
+        .vectors
+        .iter()
+        .map(|e| e.provider.provider.as_str())
+        .collect();
+    providers.sort_unstable();
+    providers.dedup();
+    if let Ok(v) = HeaderValue::from_str(&providers.join(",")) {
+        headers.insert("x-fantom-providers", v);
+    }
+    headers
+}
+
+async fn run_embed(hub: &Hub, req: EmbedRequest) -> Result<Response, ApiError> {
+    let role = role_of(hub, req.model.as_deref(), Op::Embed, Role::Embedding)?;
+    if req.normalize == Some(false) {
+        return Err(ApiError::bad_request(
+            "normalize=false is not served: a space's vectors are as its pinned model makes them \
+             (unit length for every pinned embedder); leave normalize out or send true",
+        ));
+    }
+    check_truncation(req.truncate, req.truncation_direction.as_deref())?;
+    let is_query = match req.prompt_name.as_deref() {
+        None | Some("document" | "passage") => false,
+        Some("query") => true,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "prompt_name '{}' is not served; use query, document, or leave it out",
+                crate::secret::redact(other)
+            )));
+        }
+    };
+    let texts = client_api::texts_of(req.inputs, "inputs")?;
+    let done = client_api::embed(
+        hub,
+        EmbedCall {
+            role,
+            texts,
+            dimensions: req.dimensions,
+            is_query,
+            instruction: None,
+        },
+    )
+    .await?;
+    let headers = provenance_headers(&done);
+    let vectors: Vec<Vec<f32>> = done.vectors.into_iter().map(|e| e.vector).collect();
+    Ok((headers, Json(vectors)).into_response())
+}
+
+async fn run_rerank(hub: &Hub, req: RerankRequest) -> Result<Response, ApiError> {
+    let role = role_of(hub, req.model.as_deref(), Op::Rerank, Role::Reranker)?;
+    check_truncation(req.truncate, req.truncation_direction.as_deref())?;
+    let keep = req.return_text.then(|| req.texts.clone());
+    let done = client_api::rerank(hub, role, req.query, req.texts, None).await?;
+    let mut headers = done.timing.headers();
+    if let Some(scorer) = &done.scorer
+        && let Ok(v) = HeaderValue::from_str(&scorer.id)
+    {
+        headers.insert("x-fantom-scorer", v);
+    }
+    let results: Vec<Value> = done
+        .results
+        .iter()
+        .map(|r| {
+            let score = if req.raw_scores { r.raw } else { r.relevance };
+            let mut item = json!({"index": r.index, "score": score});
+            if let Some(texts) = &keep {
+                item["text"] = json!(texts[r.index]);
+            }
+            item
+        })
+        .collect();
+    Ok((headers, Json(results)).into_response())
+}
+
+async fn run_similarity(hub: &Hub, req: SimilarityRequest) -> Result<Response, ApiError> {
+    let role = role_of(hub, req.model.as_deref(), Op::Embed, Role::Embedding)?;
+    if req.inputs.sentences.is_empty() {
+        return Err(ApiError::bad_request("inputs.sentences is empty"));
+    }
+    let mut texts = vec![req.inputs.source_sentence];
+    texts.extend(req.inputs.sentences);
+    // One request: the source and the sentences are embedded in one space.
+    let done = client_api::embed(
+        hub,
+        EmbedCall {
+            role,
+            texts,
+            dimensions: None,
+            is_query: false,
+            instruction: None,
+        },
+    )
+    .await?;
+    let headers = provenance_headers(&done);
+    let (source, others) = done
+        .vectors
+        .split_first()
+        .ok_or_else(|| ApiError::bad_request("nothing to compare"))?;
+    let cosines: Vec<f32> = others
+        .iter()
+        .map(|e| cosine(&source.vector, &e.vector))
+        .collect();
+    Ok((headers, Json(cosines)).into_response())
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let na: f32 = a.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let nb: f32 = b.iter().map(|x| x * x).sum::<f32>().sqrt();
+    if na == 0.0 || nb == 0.0 {
+        0.0
+    } else {
+        dot / (na * nb)
+    }
+}
+
+/// Runs a TEI handler: client token, then the body, errors in TEI's shape.
+async fn answer<T, F>(hub: Hub, headers: HeaderMap, body: Bytes, run: F) -> Result<Response, Shaped>
+where
+    T: serde::de::DeserializeOwned,
+    F: AsyncFnOnce(&Hub, T) -> Result<Response, ApiError>,
+{
+    let result = async {
+        client_auth(&hub, &headers)?;
+        run(&hub, parse::<T>(&body)?).await
+    };
+    result.await.map_err(|e| e.shaped(SHAPE))
+}
+
+pub async fn embed(
+    State(hub): State<Hub>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, Shaped> {
+    answer(hub, headers, body, run_embed).await
+}
+
+pub async fn rerank(
+    State(hub): State<Hub>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, Shaped> {
+    answer(hub, headers, body, run_rerank).await
+}
+
+pub async fn similarity(
+    State(hub): State<Hub>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, Shaped> {
+    answer(hub, headers, body, run_similarity).await
+}
+
+/// `POST /`: dispatched on the body (see the module comment).
+pub async fn root(
+    State(hub): State<Hub>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, Shaped> {
+    let value: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(_) => return answer(hub, headers, body, run_embed).await,
+    };
+    let inputs = value.get("inputs");
+    if inputs.is_some_and(|i| i.get("source_sentence").is_some()) {
+        answer(hub, headers, body, run_similarity).await
+    } else if value.get("query").is_some() && value.get("texts").is_some() {
+        answer(hub, headers, body, run_rerank).await
+    } else if value.get("parameters").is_some() {
+        client_auth(&hub, &headers).map_err(|e| e.shaped(SHAPE))?;
+        Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "no_classifier",
+            "this server serves no text classifier: to score texts against a query, POST /rerank \
+             with {\"query\", \"texts\"}; to embed, POST /embed with {\"inputs\"}",
+        )
+        .shaped(SHAPE))
+    } else {
+        answer(hub, headers, body, run_embed).await
+    }
+}
+
+#[derive(Deserialize)]
+pub struct InfoQuery {
+    #[serde(default)]
+    pub model: Option<String>,
+}
+
+/// `GET /info`: TEI's fields for one role (`?model=`, default `embedding`).
+pub async fn info(
+    State(hub): State<Hub>,
+    headers: HeaderMap,
+    Query(q): Query<InfoQuery>,
+) -> Result<Json<Value>, Shaped> {
+    let run = || -> Result<Json<Value>, ApiError> {
+        client_auth(&hub, &headers)?;
+        let role = match q.model.as_deref() {
+            None => Role::Embedding,
+            Some(name) => name.parse::<Role>().or_else(|_| {
+                client_api::resolve_role(&hub, name, Op::Embed)
+                    .or_else(|_| client_api::resolve_role(&hub, name, Op::Rerank))
+            })?,
+        };
+        let entry = hub
+            .catalog()
+            .into_iter()
+            .find(|c| c.role == role)
+            .ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "model_not_found",
+                    format!("role {role} has no provider here yet (GET /ready shows why)"),
+                )
+            })?;
+        let model_type = match role.op() {
+            Op::Rerank => {
+                json!({"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}})
+            }
+            _ => json!({"embedding": {"pooling": entry.pooling}}),
+        };
+        Ok(Json(json!({
+            "model_id": entry.model,
+            "model_sha": entry.revision,
+            "model_dtype": entry.dtype,
+            "served_model_name": role,
+            "model_type": model_type,
+            "max_input_length": entry.max_input_tokens,
+            "max_batch_tokens": entry.max_batch_tokens,
+            "max_batch_requests": entry.max_batch_items,
+            "max_client_batch_size": hub.core().settings.limits.max_inputs,
+            "auto_truncate": true,
+            "version": env!("CARGO_PKG_VERSION"),
+            "x_fantom": entry,
+        })))
+    };
+    run().map_err(|e| e.shaped(SHAPE))
+}
