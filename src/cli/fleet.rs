@@ -710,12 +710,13 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
         );
     }
     let providers = agent::load_providers(&models).await?;
-    let mut hub_cfg = cmd.hub.resolve(None)?;
-    // Ready once the roles it loads can serve.
-    hub_cfg
+    let hub_cfg = cmd.hub.resolve(None)?;
+    let hub = open_hub(&hub_cfg)?;
+    // Ready once the roles it loads can serve (besides any the flags or the file name).
+    hub.core()
+        .settings
         .ready_roles
         .extend(models.iter().flat_map(|m| m.roles.iter().copied()));
-    let hub = open_hub(&hub_cfg)?;
     let listener = bind(hub_cfg.listen, "hub")?;
     let bound = listener.local_addr()?;
     let _maintenance = hub.spawn_maintenance();

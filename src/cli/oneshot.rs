@@ -105,7 +105,7 @@ pub async fn embed(args: EmbedArgs) -> anyhow::Result<()> {
     )
     .await?;
     out.flush()?;
-    progress.finish("embedded");
+    progress.finish("embedded").await;
     Ok(())
 }
 
@@ -135,6 +135,6 @@ pub async fn rerank(args: RerankArgs) -> anyhow::Result<()> {
     )
     .await?;
     out.flush()?;
-    progress.finish("reranked");
+    progress.finish("reranked").await;
     Ok(())
 }

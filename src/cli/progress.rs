@@ -80,10 +80,12 @@ impl Progress {
         }
     }
 
-    /// Clears the bar and leaves the summary line (on a terminal; a log line otherwise).
-    pub fn finish(mut self, verb: &str) {
+    /// Stops the ticker (awaited: no redraw can follow), clears the bar and leaves the summary
+    /// line (on a terminal; a log line otherwise).
+    pub async fn finish(mut self, verb: &str) {
         if let Some(t) = self.ticker.take() {
             t.abort();
+            let _ = t.await;
         }
         let s = &self.shown;
         s.bar.finish_and_clear();
@@ -119,9 +121,11 @@ impl Shown {
 }
 
 impl Drop for Progress {
+    /// Dropped without [`Progress::finish`] (an error): the bar goes, the error follows.
     fn drop(&mut self) {
         if let Some(t) = self.ticker.take() {
             t.abort();
+            self.shown.bar.finish_and_clear();
         }
     }
 }
@@ -133,8 +137,13 @@ fn done(now: &(u64, u64), base: (u64, u64)) -> (u64, u64) {
 /// `embedded 600 texts in 24.1 s (24.9 texts/s, 3120 tokens/s)`
 fn summary(verb: &str, count: u64, what: &str, tokens: u64, elapsed: Duration) -> String {
     let s = elapsed.as_secs_f64().max(1e-3);
+    let counted = if count == 1 {
+        what.strip_suffix('s').unwrap_or(what)
+    } else {
+        what
+    };
     format!(
-        "{verb} {count} {what} in {:.1} s ({:.1} {what}/s, {:.0} tokens/s)",
+        "{verb} {count} {counted} in {:.1} s ({:.1} {what}/s, {:.0} tokens/s)",
         elapsed.as_secs_f64(),
         count as f64 / s,
         tokens as f64 / s
@@ -177,5 +186,7 @@ mod tests {
             line,
             "embedded 600 texts in 24.0 s (25.0 texts/s, 125 tokens/s)"
         );
+        let one = summary("reranked", 1, "documents", 9, Duration::from_secs(1));
+        assert!(one.starts_with("reranked 1 document in 1.0 s"), "{one}");
     }
 }

@@ -17,6 +17,7 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
+use tracing::Instrument;
 
 use super::client_api::{client_auth, role_for};
 use super::error::ApiError;
@@ -109,9 +110,12 @@ pub async fn completions(
         pending: std::collections::VecDeque::from([Event::default().data(first.to_string())]),
         ended: false,
     };
-    let events = futures_util::stream::unfold(state, |mut state| async move {
-        let event = state.next().await?;
-        Some((Ok::<_, Infallible>(event), state))
+    // The events are sent after this handler (and its span) returned: they keep the span, so
+    // the stream's log lines name the request too.
+    let span = tracing::Span::current();
+    let events = futures_util::stream::unfold((state, span), |(mut state, span)| async move {
+        let event = state.next().instrument(span.clone()).await?;
+        Some((Ok::<_, Infallible>(event), (state, span)))
     });
     Ok(Sse::new(events).into_response())
 }

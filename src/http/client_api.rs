@@ -80,11 +80,11 @@ fn check_op(role: Role, op: Op) -> Result<(), ApiError> {
 /// `op` serves (the first such role in role order; Ollama's `:latest` tag is ignored).
 /// `None` when neither matches.
 pub(super) fn role_named(hub: &Hub, name: &str, op: Op) -> Result<Option<Role>, ApiError> {
+    let name = name.strip_suffix(":latest").unwrap_or(name);
     if let Ok(role) = name.parse::<Role>() {
         check_op(role, op)?;
         return Ok(Some(role));
     }
-    let name = name.strip_suffix(":latest").unwrap_or(name);
     Ok(hub
         .catalog()
         .into_iter()
@@ -122,7 +122,8 @@ pub(super) fn texts_of(value: Value, field: &str) -> Result<Vec<String>, ApiErro
             .map(|(i, v)| match v {
                 Value::String(s) => Ok(s),
                 _ => Err(ApiError::bad_request(format!(
-                    "{field}[{i}] is not a string; {field} is a string or an array of strings"
+                    "{field}[{i}] is not a string; {field} is a string or an array of strings \
+                     (token ids are not served: send the texts)"
                 ))),
             })
             .collect(),
@@ -192,6 +193,8 @@ impl Timing {
 /// An embedding request as every family's route reduces it.
 pub(super) struct EmbedCall {
     pub role: Role,
+    /// The request's field the texts came in (`input`, `texts`, `inputs`), for its errors.
+    pub field: &'static str,
     pub texts: Vec<String>,
     pub dimensions: Option<usize>,
     pub is_query: bool,
@@ -213,7 +216,7 @@ pub(super) struct Embedded {
 /// Runs an embedding request through the hub: every vector of one space, in input order.
 pub(super) async fn embed(hub: &Hub, call: EmbedCall) -> Result<Embedded, ApiError> {
     let started = Instant::now();
-    check_texts(&call.texts, "input")?;
+    check_texts(&call.texts, call.field)?;
     if call.dimensions == Some(0) {
         return Err(ApiError::bad_request("dimensions must be at least 1"));
     }
@@ -273,14 +276,14 @@ pub(super) async fn rerank(
     hub: &Hub,
     role: Role,
     query: String,
-    documents: Vec<String>,
+    (field, documents): (&'static str, Vec<String>),
     instruction: Option<String>,
 ) -> Result<Reranked, ApiError> {
     let started = Instant::now();
     if query.is_empty() {
         return Err(ApiError::bad_request("query is an empty string"));
     }
-    check_texts(&documents, "documents")?;
+    check_texts(&documents, field)?;
     let shape = Shape::Rerank { query, instruction };
     let done = hub.run(role, shape, documents).await?;
     let timing = Timing::of(&done, started);
@@ -356,9 +359,16 @@ pub async fn rerank_v1(
 ) -> Result<impl IntoResponse, ApiError> {
     client_auth(&hub, &headers)?;
     let req = json_body(request)?;
-    let role = role_for(req.model.as_deref().unwrap_or("reranker"), Op::Rerank)?;
+    let role = resolve_role(&hub, req.model.as_deref().unwrap_or("reranker"), Op::Rerank)?;
     let keep = req.return_documents.then(|| req.documents.clone());
-    let mut done = rerank(&hub, role, req.query, req.documents, req.instruction).await?;
+    let mut done = rerank(
+        &hub,
+        role,
+        req.query,
+        ("documents", req.documents),
+        req.instruction,
+    )
+    .await?;
     if let Some(n) = req.top_n {
         done.results.truncate(n);
     }

@@ -99,7 +99,10 @@ async fn run_embed(
             "max_tokens is not served: inputs are cut at the model's own limit (GET /info)",
         ));
     }
-    let types = req.embedding_types.unwrap_or_else(|| vec!["float".into()]);
+    let types = match req.embedding_types {
+        Some(t) if !t.is_empty() => t,
+        _ => vec!["float".into()],
+    };
     if let Some(t) = types
         .iter()
         .find(|t| !matches!(t.as_str(), "float" | "base64"))
@@ -119,6 +122,7 @@ async fn run_embed(
         hub,
         EmbedCall {
             role,
+            field: "texts",
             texts,
             dimensions: req.output_dimension,
             is_query,
@@ -206,7 +210,7 @@ async fn run_rerank(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let keep = req.return_documents.then(|| documents.clone());
-    let mut done = client_api::rerank(hub, role, req.query, documents, None).await?;
+    let mut done = client_api::rerank(hub, role, req.query, ("documents", documents), None).await?;
     if let Some(n) = req.top_n {
         done.results.truncate(n);
     }

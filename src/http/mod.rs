@@ -63,7 +63,8 @@ pub fn hub_router(hub: Hub) -> Router {
         .route("/v2/embed", post(cohere_api::embed))
         .route("/v2/rerank", post(cohere_api::rerank))
         // text-embeddings-inference
-        .route("/", post(tei_api::root))
+        .route("/", post(tei_api::root).get(ops::health))
+        .route("/ping", get(ops::health))
         .route("/embed", post(tei_api::embed))
         .route("/rerank", post(tei_api::rerank))
         .route("/similarity", post(tei_api::similarity))
@@ -82,7 +83,7 @@ pub fn hub_router(hub: Hub) -> Router {
         .route("/metrics", get(metrics))
         .fallback(ops::not_found)
         .layer(axum::middleware::from_fn_with_state(
-            routes,
+            (hub.clone(), routes),
             request_id::observe,
         ))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -82,6 +82,7 @@ async fn run(hub: &Hub, headers: &HeaderMap, body: &[u8]) -> Result<Response, Ap
         hub,
         EmbedCall {
             role,
+            field: "input",
             texts,
             dimensions: req.dimensions,
             is_query: false,

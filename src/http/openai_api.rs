@@ -87,7 +87,8 @@ pub async fn embeddings(
         Some("base64") => true,
         Some(other) => {
             return Err(ApiError::bad_request(format!(
-                "encoding_format '{other}' is not supported; use float or base64"
+                "encoding_format '{}' is not supported; use float or base64",
+                crate::secret::redact(other)
             )));
         }
     };
@@ -96,7 +97,8 @@ pub async fn embeddings(
         Some("query") => true,
         Some(other) => {
             return Err(ApiError::bad_request(format!(
-                "input_type '{other}' is not supported; use query or document"
+                "input_type '{}' is not supported; use query or document",
+                crate::secret::redact(other)
             )));
         }
     };
@@ -104,6 +106,7 @@ pub async fn embeddings(
         &hub,
         EmbedCall {
             role,
+            field: "input",
             texts,
             dimensions: req.dimensions,
             is_query,
@@ -186,7 +189,8 @@ pub async fn models(
     }))
 }
 
-/// `GET /v1/models/{id}`: one role (404 for one the hub does not answer for).
+/// `GET /v1/models/{id}`: one role, by its name or its model id (404 for one the hub does not
+/// answer for).
 pub async fn model(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -194,9 +198,10 @@ pub async fn model(
 ) -> Result<Json<Model>, ApiError> {
     client_auth(&hub, &headers)?;
     let created = started_s(&hub);
+    let id = id.strip_suffix(":latest").unwrap_or(&id);
     hub.catalog()
         .into_iter()
-        .find(|e| e.role.as_str() == id)
+        .find(|e| e.role.as_str() == id || e.model.as_deref() == Some(id))
         .map(|e| Json(model_of(e, created)))
         .ok_or_else(|| {
             ApiError::new(

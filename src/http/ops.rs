@@ -1,6 +1,6 @@
-//! `GET /health` (liveness: the process is up), `GET /ready` (readiness: every role the hub
-//! answers for can serve a new request now, else 503 with the reason per role; what a load
-//! balancer or a Kubernetes readiness probe asks) and `GET /metrics` (Prometheus text), open
+//! `GET /health` (liveness: the process is up; also `GET /` and `GET /ping`, as TEI answers),
+//! `GET /ready` (readiness: every role that gates it can serve a new request now, else 503 with
+//! the reason per role; what a load balancer or a Kubernetes readiness probe asks) and `GET /metrics` (Prometheus text), open
 //! to anyone: they carry counts and reasons, never a secret.
 
 use axum::Json;
@@ -17,28 +17,29 @@ pub async fn health(State(hub): State<Hub>) -> impl IntoResponse {
     Json(json!({"status": "ok", "agents": agents, "uptime_s": hub.uptime().as_secs()}))
 }
 
-/// 200 when every role the hub answers for (those configured with `ready_roles`, those a
-/// provider or a cloud route has offered) has a provider that may serve it (for an embedding
-/// role: one that passed the gate for its space); 503 otherwise, and while there is no role
-/// at all.
+/// 200 when every role that gates readiness (the configured `ready_roles`; without them,
+/// every role a connected provider or a cloud route offers) has a provider that may serve it
+/// (for an embedding role: one that passed the gate for its space); 503 otherwise, and while
+/// no role gates at all. The other roles are reported, and do not gate.
 pub async fn ready(State(hub): State<Hub>) -> impl IntoResponse {
     let catalog = hub.catalog();
     let mut roles = Map::new();
-    let mut all = !catalog.is_empty();
+    let mut all = catalog.iter().any(|e| e.gates_ready);
     for entry in catalog {
-        let view = match &entry.unservable {
-            None => json!({"ready": true, "providers": entry.providers}),
-            Some(u) => {
-                all = false;
-                json!({"ready": false, "providers": entry.providers, "code": u.code, "message": u.message})
-            }
-        };
+        let mut view = json!({"ready": entry.unservable.is_none(), "providers": entry.providers,
+                              "gates": entry.gates_ready});
+        if let Some(u) = &entry.unservable {
+            all &= !entry.gates_ready;
+            view["code"] = Value::from(u.code);
+            view["message"] = Value::from(u.message.clone());
+        }
         roles.insert(entry.role.to_string(), view);
     }
     let mut body = json!({"status": if all { "ready" } else { "not_ready" }, "roles": roles});
     if roles_empty(&body) {
-        body["message"] =
-            Value::from("no role yet: no agent has connected and no cloud route is configured");
+        body["message"] = Value::from(
+            "no role yet: no agent is connected, no cloud route is configured, and no ready_roles are set",
+        );
     }
     let status = if all {
         StatusCode::OK

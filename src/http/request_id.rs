@@ -1,6 +1,6 @@
 //! What the hub's HTTP layer does around every request: its `X-Request-Id` (the client's, when
-//! it is a plain token of at most 128 characters, else one generated here), echoed on the
-//! response; a tracing span carrying it, so every log line about the request names it (the
+//! it is a plain token of at most 128 characters that holds no secret, else one generated
+//! here), echoed on the response; a tracing span carrying it, so every log line about the request names it (the
 //! hub keeps it with the request it accepts, [`crate::hub::REQUEST_ID`], for the lines logged
 //! away from the handler); and the per-route latency histogram in `/metrics`
 //! (`fantom_http_request_duration_seconds{route, status}`; a streamed answer counts until its
@@ -17,6 +17,8 @@ use axum::response::Response;
 use tracing::Instrument;
 
 use crate::histogram::{self, Histogram};
+use crate::hub::Hub;
+use crate::secret::Secret;
 
 pub const HEADER: &str = "x-request-id";
 
@@ -62,23 +64,38 @@ impl RouteMetrics {
     }
 }
 
-/// The client's id when it is fit to echo, else a new one.
-fn id_of(request: &Request) -> Arc<str> {
+/// The client's id when it is fit to echo, else a new one. Fit: at most 128 characters of
+/// letters, digits and `-_.:`, holding none of the hub's tokens and no key-shaped part,
+/// except that hex and UUID shapes (nginx's `$request_id`, W3C trace ids, our own) are kept
+/// whatever their look.
+fn id_of(request: &Request, known: &[&Secret]) -> Arc<str> {
     let given = request
         .headers()
         .get(HEADER)
         .and_then(|v| v.to_str().ok())
-        .filter(|v| {
-            !v.is_empty()
-                && v.len() <= MAX_LEN
-                && v.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
-                && !crate::secret::looks_like_key(v)
-        });
+        .filter(|v| fits(v, known));
     match given {
         Some(v) => Arc::from(v),
         None => Arc::from(format!("{:032x}", rand::random::<u128>()).as_str()),
     }
+}
+
+fn fits(v: &str, known: &[&Secret]) -> bool {
+    let plain = !v.is_empty()
+        && v.len() <= MAX_LEN
+        && v.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
+    if !plain || crate::secret::holds_key(v, known) && !hex_like(v) {
+        return false;
+    }
+    // A hex id may look like a key; it must still not be one of ours.
+    !known
+        .iter()
+        .any(|k| !k.is_empty() && v.contains(k.expose()))
+}
+
+fn hex_like(v: &str) -> bool {
+    v.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
 }
 
 /// The id of the request being served on this task (empty outside one).
@@ -90,12 +107,16 @@ pub fn current() -> String {
 
 /// The middleware: id, span, latency.
 pub async fn observe(
-    State(metrics): State<Arc<RouteMetrics>>,
+    State((hub, metrics)): State<(Hub, Arc<RouteMetrics>)>,
     request: Request,
     next: Next,
 ) -> Response {
     let started = Instant::now();
-    let id = id_of(&request);
+    let id = {
+        let mut known = vec![hub.admin_token(), hub.fleet_token()];
+        known.extend(hub.client_token());
+        id_of(&request, &known)
+    };
     let route = request
         .extensions()
         .get::<MatchedPath>()
@@ -119,4 +140,33 @@ pub async fn observe(
         response.headers_mut().insert(HEADER, v);
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_that_proxies_send_are_kept_and_secrets_never() {
+        let ours = Secret::new("fleet-token-0123456789");
+        let known = [&ours];
+        for kept in [
+            "trace-ok-1",
+            "0af7651916cd43dd8448eb211c80319c", // W3C trace id, nginx $request_id
+            "123e4567-e89b-12d3-a456-426614174000", // a UUID
+            "req:42.a_b",
+        ] {
+            assert!(fits(kept, &known), "{kept}");
+        }
+        for refused in [
+            "",
+            "has space",
+            "sk-or-v1-0123456789abcdef0123456789abcdef",
+            "trace:sk-or-v1-0123456789abcdef0123456789abcdef",
+            "x-fleet-token-0123456789",
+            &"a".repeat(129),
+        ] {
+            assert!(!fits(refused, &known), "{refused}");
+        }
+    }
 }

@@ -2,8 +2,8 @@
 //! LlamaIndex's Hugging Face integrations: `POST /embed`, `POST /rerank`, `POST /similarity`,
 //! `GET /info`, and `POST /`, which TEI answers by its one model's kind and a hub of many
 //! roles answers by the body: `inputs.source_sentence` is a similarity, `query` + `texts` a
-//! rerank, `inputs` + `parameters` a text classification (refused: no classifier is served),
-//! anything else an embedding. TEI has no `model`; here an optional `model` field (or
+//! rerank, a string `inputs` with `parameters` a text classification (refused: no classifier
+//! is served), anything else an embedding. `GET /` and `GET /ping` answer as `/health`. TEI has no `model`; here an optional `model` field (or
 //! `?model=` on `/info`) names a role or model id, and each route has a default role
 //! (`embedding` for embeddings and similarity, `reranker` for rerank).
 //!
@@ -153,6 +153,7 @@ async fn run_embed(hub: &Hub, req: EmbedRequest) -> Result<Response, ApiError> {
         hub,
         EmbedCall {
             role,
+            field: "inputs",
             texts,
             dimensions: req.dimensions,
             is_query,
@@ -169,7 +170,7 @@ async fn run_rerank(hub: &Hub, req: RerankRequest) -> Result<Response, ApiError>
     let role = role_of(hub, req.model.as_deref(), Op::Rerank, Role::Reranker)?;
     check_truncation(req.truncate, req.truncation_direction.as_deref())?;
     let keep = req.return_text.then(|| req.texts.clone());
-    let done = client_api::rerank(hub, role, req.query, req.texts, None).await?;
+    let done = client_api::rerank(hub, role, req.query, ("texts", req.texts), None).await?;
     let mut headers = done.timing.headers();
     if let Some(scorer) = &done.scorer
         && let Ok(v) = HeaderValue::from_str(&scorer.id)
@@ -203,6 +204,7 @@ async fn run_similarity(hub: &Hub, req: SimilarityRequest) -> Result<Response, A
         hub,
         EmbedCall {
             role,
+            field: "inputs",
             texts,
             dimensions: None,
             is_query: false,
@@ -285,7 +287,9 @@ pub async fn root(
         answer(hub, headers, body, run_similarity).await
     } else if value.get("query").is_some() && value.get("texts").is_some() {
         answer(hub, headers, body, run_rerank).await
-    } else if value.get("parameters").is_some() {
+    } else if value.get("parameters").is_some() && inputs.is_some_and(Value::is_string) {
+        // What `text_classification` sends (older embedding integrations send `parameters`
+        // with an array of inputs: those embed).
         client_auth(&hub, &headers).map_err(|e| e.shaped(SHAPE))?;
         Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -296,6 +300,16 @@ pub async fn root(
         .shaped(SHAPE))
     } else {
         answer(hub, headers, body, run_embed).await
+    }
+}
+
+/// The roles the hub answers for, for an error that names them.
+fn served_roles(hub: &Hub) -> String {
+    let roles: Vec<String> = hub.catalog().iter().map(|c| c.role.to_string()).collect();
+    if roles.is_empty() {
+        "none yet: GET /ready says why".into()
+    } else {
+        roles.join(", ")
     }
 }
 
@@ -328,7 +342,10 @@ pub async fn info(
                 ApiError::new(
                     StatusCode::NOT_FOUND,
                     "model_not_found",
-                    format!("role {role} has no provider here yet (GET /ready shows why)"),
+                    format!(
+                        "role {role} is not served here; name one with ?model= ({})",
+                        served_roles(&hub)
+                    ),
                 )
             })?;
         let model_type = match role.op() {

@@ -1,6 +1,7 @@
-//! Views of the hub for operators: the `/admin/status` document and the Prometheus text of
-//! `/metrics`. Both read one snapshot under the core's lock; neither can see a secret (the
-//! core holds none).
+//! Views of the hub: for operators, the `/admin/status` document and the Prometheus text of
+//! `/metrics` (counters, gauges and the queue, batch and token histograms); for clients, the
+//! role catalog behind `/v1/models`, TEI's `/info`, model-id lookup and `/ready`. Each reads
+//! one snapshot under the core's lock; none can see a secret (the core holds none).
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -594,6 +595,8 @@ pub struct RoleCatalog {
     pub max_batch_items: Option<usize>,
     /// Connected providers of the role.
     pub providers: usize,
+    /// Whether the role's readiness gates the hub's (`/ready`).
+    pub gates_ready: bool,
     /// Why a new request of the role would not be served now (absent: it would be).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub unservable: Option<UnservableView>,
@@ -605,7 +608,7 @@ impl Hub {
         let core = self.core();
         core.readiness()
             .into_iter()
-            .map(|(role, unservable)| {
+            .map(|(role, readiness)| {
                 let space = core
                     .gate
                     .current_id(role)
@@ -635,7 +638,8 @@ impl Hub {
                     max_batch_tokens: shown.map(|p| p.info.max_batch_tokens),
                     max_batch_items: shown.map(|p| p.info.max_batch_items),
                     providers: providers.len(),
-                    unservable: unservable.map(|u| UnservableView {
+                    gates_ready: readiness.gates,
+                    unservable: readiness.unservable.map(|u| UnservableView {
                         code: u.code.as_str(),
                         message: u.message,
                     }),

@@ -14,7 +14,8 @@ use std::process::{Command, Stdio};
 use serde_json::{Value, json};
 
 use crate::liveness::chat_fleet;
-use crate::local_support::{assemble_cross_encoder, json_lines, run_cli};
+use crate::local_support::assemble_cross_encoder;
+use crate::serve::cli_lines;
 use crate::support::*;
 
 /// The venv's python, made (or found up to date) by `scripts/client-sdks.sh` once per run.
@@ -118,20 +119,6 @@ fn ecosystem_texts() -> Vec<String> {
     .to_vec()
 }
 
-fn cli_json(args: &[&str], texts: &[String]) -> Vec<Value> {
-    let out = run_cli(args, &json_lines(texts), &[]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_official_clients_work_unchanged_against_serve() {
     let python = clients_python();
@@ -161,14 +148,13 @@ async fn the_official_clients_work_unchanged_against_serve() {
 
     // Ready once every role it loads can serve (the gate founded the embedding spaces).
     let ready = eventually("serve is ready", || async {
-        let r = hub.http.get(hub.url("/ready")).send().await.unwrap();
-        let code = r.status().as_u16();
-        let body: Value = r.json().await.unwrap();
-        (code == 200).then_some(body)
+        let (status, body) = hub.get("/ready").await;
+        (status == 200).then_some(body)
     })
     .await;
     for role in ["embedding", "code-embedding", "reranker"] {
         assert_eq!(ready["roles"][role]["ready"], true, "{ready}");
+        assert_eq!(ready["roles"][role]["gates"], true, "{ready}");
     }
 
     // What the clients' answers are checked against: the one-shot tools on the same files.
@@ -182,14 +168,14 @@ async fn the_official_clients_work_unchanged_against_serve() {
             &minilm,
         ];
         a.extend_from_slice(extra);
-        cli_json(&a, &texts)
+        cli_lines(&a, &texts)
             .into_iter()
             .map(|l| l["embedding"].clone())
             .collect()
     };
     let query = "How do I print a line in Rust?";
     let documents = texts[2..].to_vec();
-    let scored = cli_json(
+    let scored = cli_lines(
         &["rerank", "--model-dir", &cross, "--query", query],
         &documents,
     );
@@ -238,15 +224,7 @@ async fn the_official_clients_work_unchanged_against_serve() {
     assert!(passed >= 25, "only {passed} checks ran: {lines:#?}");
 
     // The models list names each role's model, and an embedding role's space and width.
-    let models: Value = hub
-        .http
-        .get(hub.url("/v1/models"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, models) = hub.get("/v1/models").await;
     let embedding = models["data"]
         .as_array()
         .unwrap()
@@ -258,17 +236,63 @@ async fn the_official_clients_work_unchanged_against_serve() {
     assert!(embedding["x_fantom"]["space"].is_string(), "{embedding}");
 
     // TEI's /info for the reranker role.
-    let info: Value = hub
-        .http
-        .get(hub.url("/info?model=reranker"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, info) = hub.get("/info?model=reranker").await;
     assert!(info["model_type"]["reranker"].is_object(), "{info}");
     assert_eq!(info["max_input_length"], 512, "{info}");
+
+    // The shapes older integrations send: TEI's `POST /` with an array and `parameters`
+    // embeds (only a string with `parameters` is a classification); `:latest` and a model id
+    // name a role.
+    let (status, body) = hub
+        .post("/", &json!({"inputs": [texts[0]], "parameters": {}}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body.as_array().map(Vec::len), Some(1), "{body}");
+    let (status, body) = hub
+        .post(
+            "/api/embed",
+            &json!({"model": "embedding:latest", "input": texts[0]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = hub
+        .post(
+            "/v1/rerank",
+            &json!({"model": "reranker", "query": query, "documents": documents}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["results"][0]["index"], order[0], "{body}");
+    let r = hub.http.get(hub.url("/")).send().await.unwrap();
+    assert_eq!(r.status(), 200, "GET / answers as /health, as TEI does");
+    // TEI's /rerank (no client method reaches it): sorted best first, probabilities by
+    // default, logits with raw_scores, the text with return_text.
+    for raw in [false, true] {
+        let (status, body) = hub
+            .post(
+                "/rerank",
+                &json!({"query": query, "texts": documents, "raw_scores": raw, "return_text": true}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let results = body.as_array().unwrap();
+        let got: Vec<u64> = results
+            .iter()
+            .map(|r| r["index"].as_u64().unwrap())
+            .collect();
+        let want: Vec<u64> = order.iter().map(|i| *i as u64).collect();
+        assert_eq!(got, want, "{body}");
+        let top = &results[0];
+        let i = order[0];
+        assert_eq!(top["text"], documents[i]);
+        let want = if raw {
+            scored[i]["score"].as_f64().unwrap()
+        } else {
+            scores[i]
+        };
+        let got = top["score"].as_f64().unwrap();
+        assert!((got - want).abs() < 1e-4, "raw={raw}: {got} vs {want}");
+    }
 
     // The request id: the client's echoed, a key-shaped one replaced; timings in ms.
     let r = hub
@@ -348,13 +372,13 @@ async fn readiness_is_503_with_the_reason_until_a_role_can_serve() {
         &[],
         "hub.log",
     );
-    let r = hub.http.get(hub.url("/ready")).send().await.unwrap();
-    assert_eq!(r.status(), 503);
-    let body: Value = r.json().await.unwrap();
+    let (status, body) = hub.get("/ready").await;
+    assert_eq!(status, 503);
     assert_eq!(body["status"], "not_ready");
     for role in ["embedding", "reranker"] {
         assert_eq!(body["roles"][role]["ready"], false, "{body}");
         assert_eq!(body["roles"][role]["code"], "no_provider", "{body}");
+        assert_eq!(body["roles"][role]["gates"], true, "{body}");
     }
     // Liveness is apart: the process is up.
     let r = hub.http.get(hub.url("/health")).send().await.unwrap();
@@ -363,9 +387,8 @@ async fn readiness_is_503_with_the_reason_until_a_role_can_serve() {
     let bare_dir = dir.path().join("bare");
     std::fs::create_dir_all(&bare_dir).unwrap();
     let bare = HubProc::start(&bare_dir, None, &[], &[], "bare.log");
-    let r = bare.http.get(bare.url("/ready")).send().await.unwrap();
-    assert_eq!(r.status(), 503);
-    let body: Value = r.json().await.unwrap();
+    let (status, body) = bare.get("/ready").await;
+    assert_eq!(status, 503);
     assert!(
         body["message"].as_str().unwrap().contains("no role"),
         "{body}"

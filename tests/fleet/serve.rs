@@ -7,7 +7,8 @@ use serde_json::{Value, json};
 use crate::local_support::{json_lines, run_cli};
 use crate::support::*;
 
-fn cli_lines(args: &[&str], texts: &[String]) -> Vec<Value> {
+/// The one-shot tool's JSON lines for `texts`.
+pub fn cli_lines(args: &[&str], texts: &[String]) -> Vec<Value> {
     let out = run_cli(args, &json_lines(texts), &[]);
     assert!(
         out.status.success(),

@@ -249,6 +249,12 @@ impl HubProc {
         (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
     }
 
+    /// `GET path` without a token: the status and the JSON body (`Null` when it is not JSON).
+    pub async fn get(&self, path: &str) -> (u16, Value) {
+        let r = self.http.get(self.url(path)).send().await.unwrap();
+        (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+    }
+
     /// Waits until `agent` is connected with a provider for `role`.
     pub async fn wait_for_agent(&self, agent: &str) -> Value {
         eventually(&format!("agent {agent} connected"), || async {

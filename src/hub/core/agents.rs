@@ -79,8 +79,6 @@ impl Core {
             });
         }
         let providers = build_providers(&hello.agent_id, hello.providers)?;
-        self.roles_offered
-            .extend(providers.values().map(|p| p.role()));
         if let Some(old) = self.agents.remove(&hello.agent_id) {
             tracing::info!(agent = %hello.agent_id, old_session = old.session, "superseding the older session of this agent");
             let _ = old

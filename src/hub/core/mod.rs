@@ -66,7 +66,8 @@ pub struct HubSettings {
     /// How long accepted work waits for a provider that left (a restart, a network blip)
     /// before it fails for want of one.
     pub vanish_grace: Duration,
-    /// Roles `/ready` waits for from the start (more join as providers offer them).
+    /// Roles `/ready` waits for (when empty: every role a connected provider or a cloud route
+    /// offers).
     pub ready_roles: BTreeSet<Role>,
 }
 
@@ -124,6 +125,13 @@ pub struct SpaceRef {
     pub role: Role,
     pub model: String,
     pub dims: usize,
+}
+
+/// Whether one role can serve a new request now, and whether that gates the hub's readiness.
+#[derive(Clone, Debug)]
+pub struct Readiness {
+    pub gates: bool,
+    pub unservable: Option<Unservable>,
 }
 
 /// A request's results, in input order.
@@ -376,8 +384,6 @@ pub struct Core {
     leases: HashMap<u64, Lease>,
     agents: BTreeMap<String, AgentEntry>,
     sockets: BTreeMap<String, SocketCount>,
-    /// Every role a provider has offered since the hub started (readiness answers for them).
-    roles_offered: BTreeSet<Role>,
     /// When a provider of each role last left (work waits [`HubSettings::vanish_grace`]).
     vanished: BTreeMap<Role, Instant>,
     /// Roles whose queue holds items of failed requests (swept at their next dispatch).
@@ -417,7 +423,6 @@ impl Core {
             leases: HashMap::new(),
             agents: BTreeMap::new(),
             sockets: BTreeMap::new(),
-            roles_offered: BTreeSet::new(),
             vanished: BTreeMap::new(),
             purge: std::collections::BTreeSet::new(),
             changes: watch::channel(0).0,
@@ -763,16 +768,25 @@ impl Core {
         }
     }
 
-    /// Each role readiness answers for (the configured ones, every role a provider offered
-    /// since the hub started, every role with a cloud route), and why a new request of it
-    /// would not be served now (`None`: it would be).
-    pub fn readiness(&self) -> BTreeMap<Role, Option<Unservable>> {
-        self.settings
-            .ready_roles
+    /// Each role readiness answers for (the configured `ready_roles`, every role a connected
+    /// provider or a cloud route offers), whether it gates readiness (with `ready_roles` set,
+    /// only those do; else every role listed), and why a new request of it would not be served
+    /// now (`None`: it would be).
+    pub fn readiness(&self) -> BTreeMap<Role, Readiness> {
+        let configured = &self.settings.ready_roles;
+        let offered = self
+            .providers()
+            .map(ProviderEntry::role)
+            .chain(self.cloud.allowed_models.keys().copied());
+        configured
             .iter()
-            .chain(&self.roles_offered)
-            .chain(self.cloud.allowed_models.keys())
-            .map(|role| (*role, self.role_outlook(*role)))
+            .copied()
+            .chain(offered)
+            .map(|role| {
+                let gates = configured.is_empty() || configured.contains(&role);
+                let unservable = self.role_outlook(role);
+                (role, Readiness { gates, unservable })
+            })
             .collect()
     }
 
