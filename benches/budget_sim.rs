@@ -7,8 +7,11 @@
 //! pull from an endless queue. Two fleets run against it:
 //!
 //! * **budget**: the hub's [`Budget`] decides every lease (providers hold 32 credits each, so
-//!   the budget, not the credits, is the limit);
+//!   the budget, not the credits, is the limit; 16 in the 48-waiting row);
 //! * **naive**: 8 in flight per provider, retried at once, no budget.
+//!
+//! * **15 s ramp**: the same budget with the ramp of before (capacity back only one permit per
+//!   clean 15 s window), the reference the round-trip ramp is measured against.
 //!
 //! It prints goodput as a fraction of the capacity and the share of requests refused with
 //! 429, per scenario. Run: `cargo bench --bench budget_sim`.
@@ -39,6 +42,9 @@ struct Scenario {
     /// What `/key` tells the budget.
     reported_rpm: Option<f64>,
     minutes: u64,
+    /// Work frames each provider of the budget fleet may hold (its demand: the clients'
+    /// requests waiting for it).
+    credits: usize,
 }
 
 #[derive(Default)]
@@ -121,11 +127,11 @@ struct Event {
     value: u64,
 }
 
-fn run(s: Scenario, with_budget: bool) -> Tally {
+fn run(s: Scenario, with_budget: bool, settings: BudgetSettings) -> Tally {
     let total_ms = s.minutes * 60_000;
     let t0 = Instant::now();
     let at = |ms: u64| t0 + Duration::from_millis(ms);
-    let mut budget = Budget::new(BudgetSettings::default(), 7, t0);
+    let mut budget = Budget::new(settings, 7, t0);
     budget.set_account(
         AccountLimits {
             rpm: s.reported_rpm,
@@ -134,7 +140,7 @@ fn run(s: Scenario, with_budget: bool) -> Tally {
         },
         t0,
     );
-    let depth = if with_budget { 32 } else { 8 };
+    let depth = if with_budget { s.credits } else { 8 };
     let mut credits = [depth; PROVIDERS];
     let mut upstream = Upstream {
         s,
@@ -245,6 +251,7 @@ fn main() {
             latency_ms: (1000, 2500),
             reported_rpm: Some(120.0),
             minutes: 30,
+            credits: 32,
         },
         Scenario {
             name: "600 rpm, 1.0 s -> 2.5 s",
@@ -253,6 +260,7 @@ fn main() {
             latency_ms: (1000, 2500),
             reported_rpm: Some(600.0),
             minutes: 30,
+            credits: 32,
         },
         Scenario {
             name: "1800 rpm, 0.8 s -> 2.0 s",
@@ -261,6 +269,7 @@ fn main() {
             latency_ms: (800, 2000),
             reported_rpm: Some(1800.0),
             minutes: 30,
+            credits: 32,
         },
         Scenario {
             name: "600 rpm, 2.0 s -> 0.5 s",
@@ -269,6 +278,7 @@ fn main() {
             latency_ms: (2000, 500),
             reported_rpm: Some(600.0),
             minutes: 30,
+            credits: 32,
         },
         Scenario {
             name: "hidden: 12 at once, rpm unknown",
@@ -277,26 +287,49 @@ fn main() {
             latency_ms: (1000, 2000),
             reported_rpm: None,
             minutes: 30,
+            credits: 32,
+        },
+        // A funded key whose upstream allows 10 in flight and reports no RPM; 48 clients'
+        // requests waiting (16 per provider), as measured with the real processes (issue 20).
+        Scenario {
+            name: "hidden: 10 at once, 1 s, 48 waiting",
+            rpm: None,
+            concurrency: Some(10),
+            latency_ms: (1000, 1000),
+            reported_rpm: None,
+            minutes: 30,
+            credits: 16,
         },
     ];
+    // The reference: the same budget with the ramp of before (one permit per clean 15 s
+    // window only): a 429's limit is forgotten at once, so the round-trip ramp never runs.
+    let slow_ramp = BudgetSettings {
+        bad_memory: Duration::ZERO,
+        ..BudgetSettings::default()
+    };
     println!(
-        "{:<34} {:>14} {:>11} {:>14} {:>11}",
+        "{:<36} {:>13} {:>10} {:>13} {:>10} {:>12} {:>10}",
         "scenario (capacity, latency drift)",
         "budget good/C",
         "budget 429",
+        "15 s ramp",
+        "its 429",
         "naive good/C",
         "naive 429"
     );
     for s in scenarios {
         let c = capacity(&s);
-        let ours = run(s, true);
-        let naive = run(s, false);
+        let ours = run(s, true, BudgetSettings::default());
+        let before = run(s, true, slow_ramp.clone());
+        let naive = run(s, false, BudgetSettings::default());
         let rate = |t: &Tally| 100.0 * t.throttled as f64 / t.requests.max(1) as f64;
         println!(
-            "{:<34} {:>14.3} {:>10.2}% {:>14.3} {:>10.2}%",
+            "{:<36} {:>13.3} {:>9.2}% {:>13.3} {:>9.2}% {:>12.3} {:>9.2}%",
             s.name,
             ours.ok as f64 / c,
             rate(&ours),
+            before.ok as f64 / c,
+            rate(&before),
             naive.ok as f64 / c,
             rate(&naive),
         );

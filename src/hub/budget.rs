@@ -13,8 +13,16 @@
 //!   is actually in flight, at most once per 15 s window, and cools the scope down for
 //!   `base × [0.5, 1.5)` (`base` = max(Retry-After, backoff); never under Retry-After); the
 //!   backoff doubles 2 s → 60 s and resets after a clean window.
-//! * **Ramp**: each clean 15 s window in which at least half the limit was used adds one
-//!   permit, up to the ceiling.
+//! * **Ramp**: capacity comes back in round trips below the last known-good limit, slowly
+//!   above it. A halving remembers the limit its 429 came at (`last_bad`, TCP's `W_max`);
+//!   while the limit is under `last_bad − 1` (the known-good limit), each clean round trip
+//!   (a window of [`BudgetSettings::round_trips_per_step`] latency EWMAs in which a call came
+//!   back done and none was refused) in which at least half the limit was used adds one
+//!   permit, so a halving recovers in seconds. At the
+//!   known-good limit it holds while `last_bad` is remembered (so it does not walk into the
+//!   wall again); `last_bad` is forgotten after [`BudgetSettings::bad_memory`] without a
+//!   halving (the upstream's capacity changes), and from there, as when nothing was learnt,
+//!   each clean, well-used 15 s window adds one permit, up to the ceiling.
 //! * **Scopes**: platform 429s and the in-flight 402 shrink the global limit; an upstream 429
 //!   shrinks only its route (role + model + pinned upstream), under the global ceiling.
 //! * **Hard stop**: a credits or key-limit 402 stops cloud work until a new key is pushed.
@@ -47,8 +55,14 @@ pub struct BudgetSettings {
     pub rpm_window: Duration,
     /// An RPM under this on a funded account is not believed.
     pub min_trusted_rpm: f64,
-    /// One halving per window at most; one permit back per clean window.
+    /// One halving per window at most; one permit back per clean window (above the
+    /// known-good limit).
     pub clean_window: Duration,
+    /// Below the known-good limit, a permit comes back per clean window of this many
+    /// latency EWMAs (a round trip).
+    pub round_trips_per_step: f64,
+    /// How long the limit a 429 came at is remembered after the halving it caused.
+    pub bad_memory: Duration,
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
     /// How often the account's limits are asked again.
@@ -69,6 +83,8 @@ impl Default for BudgetSettings {
             rpm_window: Duration::from_secs(60),
             min_trusted_rpm: 60.0,
             clean_window: Duration::from_secs(15),
+            round_trips_per_step: 1.0,
+            bad_memory: Duration::from_secs(120),
             backoff_initial: Duration::from_secs(2),
             backoff_max: Duration::from_secs(60),
             rediscover_every: Duration::from_secs(600),
@@ -122,6 +138,17 @@ struct Limiter {
     window_throttled: bool,
     /// The most permits held at once in the current window.
     window_peak: u32,
+    /// The limit the last halving's 429 came at, and when.
+    last_bad: Option<(u32, Instant)>,
+    /// The limit that halving left (a later 429 of the same burst finds it unchanged).
+    halved_to: u32,
+    /// The current round-trip window of the fast ramp (start, throttled, peak).
+    trip_start: Instant,
+    trip_throttled: bool,
+    trip_peak: u32,
+    /// Calls that came back done in the current round trip (a trip without one proves
+    /// nothing: calls still out may yet be refused).
+    trip_done: u32,
     throttles: u64,
     latency_ewma_ms: Option<f64>,
 }
@@ -137,9 +164,20 @@ impl Limiter {
             window_start: now,
             window_throttled: false,
             window_peak: 0,
+            last_bad: None,
+            halved_to: 0,
+            trip_start: now,
+            trip_throttled: false,
+            trip_peak: 0,
+            trip_done: 0,
             throttles: 0,
             latency_ewma_ms: None,
         }
+    }
+
+    /// The known-good limit while a 429's limit is remembered: one under it.
+    fn known_good(&self) -> Option<u32> {
+        self.last_bad.map(|(bad, _)| bad.saturating_sub(1).max(1))
     }
 
     fn cooling(&self, now: Instant) -> Option<Duration> {
@@ -151,20 +189,30 @@ impl Limiter {
     fn acquire(&mut self) {
         self.in_flight += 1;
         self.window_peak = self.window_peak.max(self.in_flight);
+        self.trip_peak = self.trip_peak.max(self.in_flight);
     }
 
     fn release(&mut self) {
         self.in_flight = self.in_flight.saturating_sub(1);
     }
 
-    /// Closes every full window since the last call: a clean, well-used one adds a permit.
-    fn roll(&mut self, now: Instant, ceiling: u32, s: &BudgetSettings) {
+    /// Closes every full window since the last call: a clean, well-used round trip adds a
+    /// permit below the known-good limit; a clean, well-used 15 s window adds one above it,
+    /// once the limit a 429 came at is forgotten (or when none was learnt).
+    fn roll(&mut self, now: Instant, ceiling: u32, latency_ms: f64, s: &BudgetSettings) {
+        if self
+            .last_bad
+            .is_some_and(|(_, at)| now.saturating_duration_since(at) >= s.bad_memory)
+        {
+            self.last_bad = None;
+        }
+        self.roll_trips(now, ceiling, latency_ms, s);
         while now.saturating_duration_since(self.window_start) >= s.clean_window {
             let used_enough = self.window_peak * 2 >= self.limit;
             // A window spent cooling down proves nothing: no call could be refused in it.
             let cooled = self.cooldown_until.is_some_and(|t| t > self.window_start);
             if !self.window_throttled && !cooled {
-                if used_enough && self.limit < ceiling {
+                if used_enough && self.limit < ceiling && self.last_bad.is_none() {
                     self.limit += 1;
                 }
                 if self.window_peak > 0 {
@@ -178,6 +226,41 @@ impl Limiter {
         self.limit = self.limit.min(ceiling);
     }
 
+    /// The fast ramp: closes every round-trip window since the last call; a clean one (a call
+    /// came back done, none was refused) in which at least half the limit was used adds a
+    /// permit while the limit is under the known-good one.
+    fn roll_trips(&mut self, now: Instant, ceiling: u32, latency_ms: f64, s: &BudgetSettings) {
+        let trip = Duration::from_secs_f64(
+            (latency_ms.max(s.latency_floor_ms) * s.round_trips_per_step.max(0.1)) / 1000.0,
+        )
+        .min(s.clean_window);
+        // Windows no event fell in repeat the last one; past a few, the rest add nothing new.
+        const MOST_WINDOWS: u32 = 64;
+        let mut closed = 0;
+        while now.saturating_duration_since(self.trip_start) >= trip {
+            closed += 1;
+            if closed > MOST_WINDOWS {
+                self.trip_start = now;
+                break;
+            }
+            let cooled = self.cooldown_until.is_some_and(|t| t > self.trip_start);
+            let used_enough = self.trip_peak * 2 >= self.limit;
+            if let Some(good) = self.known_good()
+                && !self.trip_throttled
+                && self.trip_done > 0
+                && !cooled
+                && used_enough
+                && self.limit < good.min(ceiling)
+            {
+                self.limit += 1;
+            }
+            self.trip_start += trip;
+            self.trip_throttled = false;
+            self.trip_peak = self.in_flight;
+            self.trip_done = 0;
+        }
+    }
+
     /// A throttle signal: halve from what is in flight (once per window) and cool down.
     fn throttle(
         &mut self,
@@ -188,24 +271,40 @@ impl Limiter {
     ) {
         self.throttles += 1;
         self.window_throttled = true;
+        self.trip_throttled = true;
         let retry_after = retry_after.unwrap_or(Duration::ZERO);
         let halved_recently = self
             .last_halving
             .is_some_and(|t| now.saturating_duration_since(t) < s.clean_window);
         if halved_recently {
-            // Honour a later Retry-After, but do not shrink twice for one burst.
+            // Honour a later Retry-After, but do not halve twice for one burst. The fast ramp
+            // walked into the wall again: remember the lower limit, and step back under it.
+            if let Some((bad, at)) = self.last_bad
+                && self.limit < bad
+                && self.limit > self.halved_to
+            {
+                self.last_bad = Some((self.limit, at));
+                self.limit = self.known_good().unwrap_or(self.limit);
+            }
             let floor = now + retry_after;
             if self.cooldown_until.is_none_or(|t| t < floor) {
                 self.cooldown_until = Some(floor);
             }
             return;
         }
+        self.last_bad = Some((self.limit, now));
         self.limit = (self.limit.min(self.in_flight) / 2).max(1);
+        self.halved_to = self.limit;
         let base = retry_after.max(self.backoff);
         let jittered = base.mul_f64(rng.random_range(0.5..1.5));
         self.cooldown_until = Some(now + jittered.max(retry_after));
         self.backoff = (self.backoff * 2).min(s.backoff_max);
         self.last_halving = Some(now);
+    }
+
+    /// A call came back done (a clean round trip needs one).
+    fn succeeded(&mut self) {
+        self.trip_done = self.trip_done.saturating_add(1);
     }
 
     fn record_latency(&mut self, latency_ms: f64, s: &BudgetSettings) {
@@ -310,9 +409,11 @@ impl Budget {
     /// Advances the windows to `now` (call before reading or deciding).
     pub fn tick(&mut self, now: Instant) {
         let (ceiling, _) = self.ceiling();
-        self.global.roll(now, ceiling, &self.settings);
+        let latency = self.latency_ewma_ms;
+        self.global.roll(now, ceiling, latency, &self.settings);
         for route in self.routes.values_mut() {
-            route.roll(now, ceiling, &self.settings);
+            let own = route.latency_ewma_ms.unwrap_or(latency);
+            route.roll(now, ceiling, own, &self.settings);
         }
         let window = self.settings.rpm_window;
         while self
@@ -392,8 +493,10 @@ impl Budget {
                 let sample = latency_ms.max(s.latency_floor_ms);
                 self.latency_ewma_ms += s.latency_alpha * (sample - self.latency_ewma_ms);
                 let (ceiling, _) = self.ceiling();
-                route_entry(&mut self.routes, route, ceiling, &self.settings, now)
-                    .record_latency(latency_ms, &self.settings);
+                self.global.succeeded();
+                let r = route_entry(&mut self.routes, route, ceiling, &self.settings, now);
+                r.record_latency(latency_ms, &self.settings);
+                r.succeeded();
                 if self.override_permits.is_none() && self.trusted_rpm().is_some() {
                     self.retarget(now);
                 }
@@ -532,6 +635,7 @@ impl Budget {
             ceiling,
             ceiling_source: source,
             limit: self.global.limit,
+            known_good: self.global.known_good(),
             in_flight: self.global.in_flight,
             override_permits: self.override_permits,
             cooldown_remaining_ms: cooldown_ms(&self.global),
@@ -555,6 +659,7 @@ impl Budget {
                 .map(|(route, l)| RouteView {
                     route: route.clone(),
                     limit: l.limit,
+                    known_good: l.known_good(),
                     in_flight: l.in_flight,
                     cooldown_remaining_ms: cooldown_ms(l),
                     throttles: l.throttles,
@@ -584,6 +689,8 @@ pub struct BudgetView {
     pub ceiling_source: CeilingSource,
     /// The effective limit now (≤ ceiling).
     pub limit: u32,
+    /// See [`RouteView::known_good`].
+    pub known_good: Option<u32>,
     pub in_flight: u32,
     pub override_permits: Option<u32>,
     pub cooldown_remaining_ms: u64,
@@ -607,6 +714,9 @@ pub struct BudgetView {
 pub struct RouteView {
     pub route: String,
     pub limit: u32,
+    /// One under the limit the last halving's 429 came at, while it is remembered: capacity
+    /// comes back a permit per clean round trip up to it.
+    pub known_good: Option<u32>,
     pub in_flight: u32,
     pub cooldown_remaining_ms: u64,
     pub throttles: u64,
@@ -871,6 +981,105 @@ mod tests {
         now += 15 * S;
         b.tick(now);
         assert_eq!(b.limit(), 16, "never above the ceiling");
+    }
+
+    /// One round trip's worth of use: `n` calls of `latency_ms` start and end at `now`.
+    fn round(b: &mut Budget, n: u32, latency_ms: f64, now: Instant) {
+        take(b, "r", n, now);
+        for _ in 0..n {
+            b.release("r", Outcome::Success { latency_ms }, now);
+        }
+    }
+
+    #[test]
+    fn after_a_halving_a_permit_comes_back_per_clean_round_trip_up_to_the_known_good_limit() {
+        let (mut b, t) = budget();
+        b.set_account(account(None, Some(true)), t);
+        // The latency EWMA at about 1 s: a round trip is about a second.
+        for _ in 0..30 {
+            round(&mut b, 1, 1000.0, t);
+        }
+        take(&mut b, "r", 16, t);
+        let platform = Outcome::Limited {
+            kind: LimitKind::Platform,
+            retry_after: None,
+        };
+        b.release("r", platform, t);
+        for _ in 0..15 {
+            b.release("r", Outcome::Other, t);
+        }
+        assert_eq!(b.limit(), 8);
+        assert_eq!(
+            b.view(t).known_good,
+            Some(15),
+            "one under the limit the 429 came at"
+        );
+        // Past the cooldown, each clean, well-used round trip adds one, up to 15.
+        let mut now = t + 5 * S;
+        b.tick(now);
+        for expected in 9..=15 {
+            let n = b.limit() / 2 + 1;
+            round(&mut b, n, 1000.0, now);
+            now += Duration::from_millis(1100);
+            b.tick(now);
+            assert_eq!(b.limit(), expected);
+        }
+        // It holds there while the 429's limit is remembered, however clean the trips.
+        for _ in 0..20 {
+            let n = b.limit();
+            round(&mut b, n, 1000.0, now);
+            now += Duration::from_millis(1100);
+            b.tick(now);
+        }
+        assert_eq!(b.limit(), 15);
+        // Forgotten after two minutes: the slow ramp probes on, one per clean 15 s window.
+        now = t + 121 * S;
+        b.tick(now);
+        assert_eq!(b.view(now).known_good, None);
+        for _ in 0..2 {
+            let n = b.limit();
+            round(&mut b, n, 1000.0, now);
+            now += 15 * S;
+            b.tick(now);
+        }
+        assert_eq!(b.limit(), 16);
+    }
+
+    #[test]
+    fn a_429_while_ramping_steps_back_under_it_without_halving_again() {
+        let (mut b, t) = budget();
+        b.set_account(account(None, Some(true)), t);
+        for _ in 0..30 {
+            round(&mut b, 1, 1000.0, t);
+        }
+        let upstream = Outcome::Limited {
+            kind: LimitKind::Upstream,
+            retry_after: Some(S),
+        };
+        take(&mut b, "r", 16, t);
+        b.release("r", upstream, t);
+        for _ in 0..15 {
+            b.release("r", Outcome::Other, t);
+        }
+        let route = |b: &Budget| b.view(t).routes[0].clone();
+        assert_eq!(route(&b).limit, 8);
+        let mut now = t + 5 * S;
+        for _ in 0..3 {
+            let n = route(&b).limit;
+            take(&mut b, "r", n, now);
+            for _ in 0..n {
+                b.release("r", Outcome::Success { latency_ms: 1000.0 }, now);
+            }
+            now += Duration::from_millis(1100);
+            b.tick(now);
+        }
+        assert_eq!(route(&b).limit, 11);
+        // The upstream holds 10: the 11th call is refused within the halving's window.
+        take(&mut b, "r", 11, now);
+        b.release("r", upstream, now);
+        let r = route(&b);
+        assert_eq!(r.limit, 10, "one step back, not a second halving");
+        assert_eq!(r.known_good, Some(10));
     }
 
     #[test]

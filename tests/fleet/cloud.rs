@@ -62,7 +62,7 @@ pub fn cloud_agent(dir: &std::path::Path, hub: &HubProc, id: &str, upstream: &Up
 }
 
 /// The push of these tests: the key, every route, and `modes`.
-fn push_body(modes: Value) -> Value {
+pub fn push_body(modes: Value) -> Value {
     json!({"openrouter": {
         "apiKey": KEY,
         "allowedModels": {

@@ -8,6 +8,7 @@ mod support;
 
 mod bad_input;
 mod black_hole;
+mod budget;
 mod clients;
 mod cloud;
 mod fantom_master;
