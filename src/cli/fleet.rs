@@ -96,6 +96,10 @@ pub struct HubArgs {
     /// healthy local provider in a stable order).
     #[arg(long)]
     gate_reference: Option<String>,
+    /// Local providers (`agent/provider`, comma-separated) whose embedding work frames carry no
+    /// canary (cloud providers always carry one).
+    #[arg(long, value_delimiter = ',')]
+    gate_no_canary: Option<Vec<String>>,
     /// Roles `GET /ready` waits for, comma-separated (every role a provider or a cloud route
     /// has offered counts too; `serve` adds the roles it loads).
     #[arg(long, value_delimiter = ',')]
@@ -123,6 +127,7 @@ impl HubArgs {
             gate_min_cosine: self.gate_min_cosine,
             gate_sentinel_s: self.gate_sentinel_s,
             gate_reference: self.gate_reference.clone(),
+            gate_no_canary: self.gate_no_canary.clone(),
             ready_roles: self.ready_roles.clone(),
             tls_cert: tls.and_then(|t| t.tls_cert.clone()),
             tls_key: tls.and_then(|t| t.tls_key.clone()),
@@ -434,6 +439,10 @@ async fn reload_hub_on_hangup(
                 gate.reference = wanted.reference;
                 applied.push("gate_reference");
             }
+            if new.gate_no_canary != running.gate_no_canary {
+                gate.no_canary = wanted.no_canary;
+                applied.push("gate_no_canary");
+            }
         }
         running = HubConfig {
             timings: new.timings,
@@ -442,6 +451,7 @@ async fn reload_hub_on_hangup(
             gate_min_cosine: new.gate_min_cosine,
             gate_sentinel_s: new.gate_sentinel_s,
             gate_reference: new.gate_reference,
+            gate_no_canary: new.gate_no_canary,
             ..running.clone()
         };
         reload::ReloadReport {

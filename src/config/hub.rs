@@ -37,6 +37,8 @@ pub struct HubLayer {
     pub gate_min_cosine: Option<f64>,
     pub gate_sentinel_s: Option<u64>,
     pub gate_reference: Option<String>,
+    /// Local providers (`agent/provider`) whose embedding work carries no canary.
+    pub gate_no_canary: Option<Vec<String>>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     /// Roles `/ready` waits for (besides every role a provider or a cloud route has served).
@@ -85,6 +87,7 @@ pub struct HubConfig {
     pub gate_min_cosine: f64,
     pub gate_sentinel_s: u64,
     pub gate_reference: Option<String>,
+    pub gate_no_canary: Vec<String>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub ready_roles: Vec<Role>,
@@ -161,6 +164,7 @@ impl HubLayer {
                 .or(under.gate_sentinel_s)
                 .unwrap_or(600),
             gate_reference: pick(&self.gate_reference, &under.gate_reference),
+            gate_no_canary: pick(&self.gate_no_canary, &under.gate_no_canary).unwrap_or_default(),
             tls_cert,
             tls_key,
             ready_roles: pick(&self.ready_roles, &under.ready_roles).unwrap_or_default(),

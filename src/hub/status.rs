@@ -520,6 +520,37 @@ impl Hub {
             route_rows(&|r| r.throttles as f64),
         );
         let c = &core.counters;
+        let per_provider = |m: &BTreeMap<String, u64>| -> Vec<(String, f64)> {
+            m.iter()
+                .map(|(p, n)| (format!("{{provider=\"{}\"}}", label(p)), *n as f64))
+                .collect()
+        };
+        let (texts, tokens, failures) = (
+            per_provider(&c.canary_texts),
+            per_provider(&c.canary_tokens),
+            per_provider(&c.canary_failures),
+        );
+        let mut family = |name: &str, help: &str, rows: Vec<(String, f64)>| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for (labels, value) in rows {
+                let _ = writeln!(out, "{name}{labels} {value}");
+            }
+        };
+        family(
+            "fantom_hub_canary_texts_total",
+            "Canaries (probe texts) sent in embedding work frames, per provider.",
+            texts,
+        );
+        family(
+            "fantom_hub_canary_tokens_total",
+            "Tokens of the canaries (the hub's share of each frame's count; never in a client's usage).",
+            tokens,
+        );
+        family(
+            "fantom_hub_canary_failures_total",
+            "Canaries that came back drifted (the provider was suspended at once).",
+            failures,
+        );
         fn by_role(m: &BTreeMap<Role, Histogram>) -> Vec<(String, &Histogram)> {
             m.iter()
                 .map(|(r, h)| (format!("role=\"{r}\""), h))

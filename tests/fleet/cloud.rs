@@ -292,7 +292,14 @@ async fn backup_uses_the_cloud_only_after_a_local_failure_or_without_a_healthy_l
         vec![unit; texts.len()]
     });
     let up = upstream(|c| c.embedder = Some(e0)).await;
-    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    // The scripted local agent's frames carry no canary (the cloud's do).
+    let hub = HubProc::start(
+        dir.path(),
+        None,
+        &["--gate-no-canary", "gpu/embedding"],
+        &[],
+        "hub.log",
+    );
     let _cloud = cloud_agent(dir.path(), &hub, "cloud-a", &up);
     hub.wait_for_agent("cloud-a").await;
     let (code, result) = hub.push(push_body(json!({"embedding": "backup"}))).await;
@@ -389,13 +396,14 @@ async fn an_upstream_429_shrinks_its_route_and_a_hard_402_stops_cloud_work_until
     })
     .await;
 
-    // Hold admitted calls so the count in flight is exact: 5 leases of 64 texts go out at once,
+    // Hold admitted calls so the count in flight is exact: 5 leases of 63 texts (and a canary
+    // each) go out at once,
     // 2 are admitted, 3 get 429 from the upstream.
     // Both pass the gate first (their probes must not meet the held calls below).
     crate::gate::verdict(&hub, "cloud-a/", &["pass"]).await;
     crate::gate::verdict(&hub, "cloud-b/", &["pass"]).await;
     up.state.set_hold(true);
-    let request = spawn_embed(&hub, 320, "throttled");
+    let request = spawn_embed(&hub, 315, "throttled");
     tokio::time::timeout(Duration::from_secs(60), up.state.wait_for_requests(5))
         .await
         .expect("five upstream calls");
@@ -433,8 +441,8 @@ async fn an_upstream_429_shrinks_its_route_and_a_hard_402_stops_cloud_work_until
     // Every text comes back once; none was lost to the 429s.
     let (code, body) = request.await.unwrap();
     assert_eq!(code, 200, "{body}");
-    assert_eq!(body["data"].as_array().unwrap().len(), 320);
-    assert_eq!(up.state.served_by_slug(EMBED_SLUG), 320);
+    assert_eq!(body["data"].as_array().unwrap().len(), 315);
+    assert_eq!(up.state.served_by_slug(EMBED_SLUG), 315);
 
     // Out of credits: cloud work stops and status says why; the request waiting for the
     // cloud fails at once with the reason instead of waiting out its timeout.

@@ -356,3 +356,117 @@ async fn the_gate_command_passes_a_close_route_and_refuses_a_far_one() {
     assert!(!String::from_utf8_lossy(&far.stderr).contains(KEY));
     assert!(!String::from_utf8_lossy(&far.stdout).contains(KEY));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_canary_in_every_frame_suspends_a_drifted_route_on_its_first_drifted_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let embedder = minilm_embedder().await;
+    let up = upstream(Some(embedder.clone())).await;
+    // The sentinel's period is the default (600 s): only the canaries can catch the drift.
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    let _gpu = start_agent(dir.path(), &hub, "gpu", &[]);
+    let _cloud = cloud_agent(dir.path(), &hub, "cloud-a", &up.base_url);
+    hub.wait_for_agent("gpu").await;
+    hub.wait_for_agent("cloud-a").await;
+    push(&hub, "aggregate").await;
+    verdict(&hub, "gpu/embedding", &["pass"]).await;
+    verdict(&hub, "cloud-a/", &["pass"]).await;
+
+    // The host redeploys behind the same slug after six more calls, while traffic flows
+    // (a request whose items the drifted route also served is served again whole).
+    up.state.set_cosine_after(SLUG, 6, 0.95);
+    let mut rounds = Vec::new();
+    for round in 0..30 {
+        if up.state.requests() > 8 {
+            break;
+        }
+        let texts: Vec<String> = (0..200)
+            .map(|i| format!("round {round}: text {i} about leases"))
+            .collect();
+        let (code, body) = hub
+            .post(
+                "/v1/embeddings",
+                &json!({"model": "embedding", "input": texts}),
+            )
+            .await;
+        assert_eq!(code, 200, "{body}");
+        rounds.push((texts, body));
+    }
+    let suspended = verdict(&hub, "cloud-a/", &["suspended"]).await;
+    assert_eq!(suspended["caught_by"], "canary", "{suspended}");
+    let reason = suspended["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("canary") && reason.contains("0.95"),
+        "{suspended}"
+    );
+    assert_eq!(
+        hub.metric("fantom_hub_canary_failures_total{provider=\"cloud-a/")
+            .await,
+        1.0,
+        "suspended on its first drifted batch"
+    );
+
+    // Not one drifted vector reached a client; the canaries never did either.
+    let mut from_cloud = 0;
+    for (texts, body) in &rounds {
+        let data = body["data"].as_array().unwrap();
+        assert_eq!(data.len(), texts.len(), "no canary in a response");
+        let clean = {
+            let (embedder, texts) = (embedder.clone(), texts.clone());
+            tokio::task::spawn_blocking(move || embedder(&texts))
+                .await
+                .unwrap()
+        };
+        for (i, d) in data.iter().enumerate() {
+            assert_eq!(d["index"], i);
+            let v = crate::support::vector(&d["embedding"]);
+            let cos = fantom_sidecar::hub::gate::measure::cosine(&clean[i], &v);
+            assert!(
+                cos >= 0.99,
+                "round text {i}: cosine {cos} from {}",
+                d["provenance"]
+            );
+            from_cloud += usize::from(d["provenance"]["backend"] == "cloud");
+        }
+    }
+    assert!(
+        from_cloud > 0,
+        "the cloud served before its drift: {} calls, {} canaries, {suspended}",
+        up.state.requests(),
+        up.state.canaries()
+    );
+    // The drifted calls came back (their vectors discarded); the local provider served them.
+    assert!(up.state.canaries() >= 4, "one canary per cloud call");
+    assert!(
+        hub.metric("fantom_hub_canary_texts_total{provider=\"gpu/embedding\"}")
+            .await
+            > 0.0,
+        "local providers carry canaries too"
+    );
+
+    // Usage counts the clients' texts only: the engine's own count for them, within the
+    // estimate of the canaries' share.
+    let choice: ModelChoice = toml::from_str(&format!(
+        "model = \"all-minilm-l6-v2\"\nmodel_dir = \"{}\"\ndevice = \"cpu\"",
+        minilm_dir().display()
+    ))
+    .unwrap();
+    let engine = choice.load(Task::Embed).await.unwrap();
+    let (texts, _) = rounds.last().unwrap();
+    let (_, body) = hub
+        .post(
+            "/v1/embeddings",
+            &json!({"model": "embedding", "input": texts}),
+        )
+        .await;
+    let usage = body["usage"]["prompt_tokens"].as_u64().unwrap() as f64;
+    let own = engine
+        .embed_counted(texts.clone(), EmbedOptions::default())
+        .await
+        .unwrap()
+        .tokens as f64;
+    assert!(
+        (usage - own).abs() <= own * 0.04,
+        "usage {usage}, the texts' own tokens {own}"
+    );
+}

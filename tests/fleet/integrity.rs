@@ -285,7 +285,14 @@ async fn a_rerank_request_whose_scorer_leaves_is_scored_again_whole_by_another()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_width_push_mid_request_never_mixes_spaces_in_one_response() {
     let dir = tempfile::tempdir().unwrap();
-    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    // Scripted vectors: their frames carry no canary.
+    let hub = HubProc::start(
+        dir.path(),
+        None,
+        &["--gate-no-canary", "a/embedding,b/embedding"],
+        &[],
+        "hub.log",
+    );
     // a: 2 wide, the reference (first in order); b: 3 wide, refused for a's space.
     let mut a = hub.raw_agent().await;
     a.hello("a", embedder("model-a", 2, 500)).await;

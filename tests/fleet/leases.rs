@@ -1,6 +1,8 @@
 //! Lease rules with protocol-level agents: expiry sends items back to the front and drops the
 //! late result; transient failures requeue; fatal ones fail the request with its message; a
-//! full queue answers 429 with Retry-After and loses nothing it accepted.
+//! full queue answers 429 with Retry-After and loses nothing it accepted. These agents answer
+//! scripted frames exactly, so their work frames carry no canary (`--gate-no-canary`; canaries
+//! have their own tests in gate.rs and the core's).
 
 use serde_json::{Value, json};
 
@@ -30,7 +32,14 @@ async fn an_expired_lease_goes_back_to_the_front_and_its_late_result_is_dropped(
     let hub = HubProc::start(
         dir.path(),
         None,
-        &["--lease-s", "1", "--heartbeat-ms", "500"],
+        &[
+            "--lease-s",
+            "1",
+            "--heartbeat-ms",
+            "500",
+            "--gate-no-canary",
+            "slow/embedding,fast/embedding",
+        ],
         &[],
         "hub.log",
     );
@@ -79,7 +88,13 @@ async fn an_expired_lease_goes_back_to_the_front_and_its_late_result_is_dropped(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transient_failures_requeue_and_fatal_ones_fail_the_request() {
     let dir = tempfile::tempdir().unwrap();
-    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    let hub = HubProc::start(
+        dir.path(),
+        None,
+        &["--gate-no-canary", "flaky/embedding"],
+        &[],
+        "hub.log",
+    );
     let mut agent = hub.raw_agent().await;
     agent
         .hello("flaky", json!([fake_provider("embedding", "embedding", 8)]))
@@ -165,7 +180,12 @@ async fn a_full_queue_answers_429_with_retry_after_and_loses_nothing_accepted() 
     let hub = HubProc::start(
         dir.path(),
         None,
-        &["--queue-capacity", "10"],
+        &[
+            "--queue-capacity",
+            "10",
+            "--gate-no-canary",
+            "one/embedding",
+        ],
         &[],
         "hub.log",
     );

@@ -166,6 +166,10 @@ pub struct UpstreamState {
     providers: Mutex<VecDeque<Value>>,
     bodies: Mutex<VecDeque<String>>,
     cosine: Mutex<HashMap<String, f32>>,
+    /// A cosine that applies to an endpoint after this many more production calls.
+    drift_after: Mutex<HashMap<String, (u64, f32)>>,
+    /// Probe texts met inside production calls (the hub's canaries), counted apart.
+    canaries: AtomicU64,
     dims_override: Mutex<HashMap<String, usize>>,
     hard_402: AtomicBool,
     key_answer: Mutex<Value>,
@@ -220,6 +224,8 @@ impl UpstreamState {
             providers: Mutex::new(VecDeque::new()),
             bodies: Mutex::new(VecDeque::new()),
             cosine: Mutex::new(HashMap::new()),
+            drift_after: Mutex::new(HashMap::new()),
+            canaries: AtomicU64::new(0),
             dims_override: Mutex::new(HashMap::new()),
             hard_402: AtomicBool::new(false),
             key_answer: Mutex::new(key_answer),
@@ -281,6 +287,15 @@ impl UpstreamState {
             Some(c) => m.insert(slug.to_string(), c),
             None => m.remove(slug),
         };
+    }
+    /// After `calls` more production embedding calls to `slug` are answered clean, every
+    /// later one is served at `cosine` (a redeploy behind the same slug).
+    pub fn set_cosine_after(&self, slug: &str, calls: u64, cosine: f32) {
+        lock(&self.drift_after).insert(slug.to_string(), (calls, cosine));
+    }
+    /// Probe texts (the hub's canaries) seen inside production embedding calls.
+    pub fn canaries(&self) -> u64 {
+        self.canaries.load(Ordering::SeqCst)
     }
     pub fn set_dims_override(&self, slug: &str, dims: Option<usize>) {
         let mut m = lock(&self.dims_override);
@@ -601,6 +616,30 @@ async fn inference(
             break;
         }
     }
+    // Canaries are the hub's, not production traffic: counted apart.
+    let canaries = if probe || route != Route::Embed {
+        0
+    } else {
+        let probes = fantom_sidecar::hub::gate::measure::probe_texts();
+        adm.req["input"].as_array().map_or(0, |a| {
+            a.iter()
+                .filter(|t| probes.iter().any(|p| *t == p.as_str()))
+                .count()
+        }) as u64
+    };
+    if !probe && route == Route::Embed {
+        let slug = &adm.endpoint.slug;
+        let mut drift = lock(&s.drift_after);
+        if let Some((left, cos)) = drift.get_mut(slug) {
+            if *left == 0 {
+                let cos = *cos;
+                drift.remove(slug);
+                lock(&s.cosine).insert(slug.clone(), cos);
+            } else {
+                *left -= 1;
+            }
+        }
+    }
     let id = s.next_id.fetch_add(1, Ordering::SeqCst) + 1;
     let result = match route {
         Route::Embed => embed_answer(&s, &adm, id).await,
@@ -612,9 +651,10 @@ async fn inference(
         Ok((resp, _)) if probe => resp,
         Ok((resp, items)) => {
             s.served.fetch_add(1, Ordering::SeqCst);
+            s.canaries.fetch_add(canaries, Ordering::SeqCst);
             *lock(&s.by_slug)
                 .entry(adm.endpoint.slug.clone())
-                .or_insert(0) += items;
+                .or_insert(0) += items.saturating_sub(canaries);
             resp
         }
         Err(resp) => resp,

@@ -166,3 +166,95 @@ async fn the_tiny_qwen3_reranker_in_bf16_and_f16_matches_f32() {
         println!("{dtype} rerank: largest probability difference {worst:.5}");
     }
 }
+
+/// The hub's canaries (issue 21): a probe text inside a client's work frame must keep its
+/// fingerprint's direction whatever batch it rides in (its neighbours, its position, the
+/// padding), or the gate would suspend an honest provider. The fingerprint is the probe set
+/// embedded together in f32 (as the gate asks the reference); each probe then rides alone, in a
+/// batch of 8 or in one of 32 (every size at every position across the set: first, in the
+/// middle, last), beside one-token rows and max-length ones, in f32 (packed and padded) and the
+/// GPU's half dtypes.
+#[tokio::test]
+async fn minilm_canaries_keep_their_fingerprint_in_any_batch_and_dtype() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = minilm_engine(tmp.path(), cpu()).await;
+    let probes = probe_texts();
+    let fingerprint = reference
+        .embed(probes.clone(), EmbedOptions::default())
+        .await
+        .unwrap();
+    let long = probes.last().unwrap().repeat(4);
+    let filler = |n: usize| -> Vec<String> {
+        (0..n)
+            .map(|i| match i % 4 {
+                0 => "x".to_string(),
+                1 => long.clone(),
+                _ => format!("client text {i}: how the queue hands out leases"),
+            })
+            .collect()
+    };
+    let configs = [("f32 packed", cpu()), ("f32 padded", gpu_path("f32"))]
+        .into_iter()
+        .chain(HALF.map(|d| (d, gpu_path(d))));
+    for (name, cfg) in configs {
+        let tmp = tempfile::tempdir().unwrap();
+        let engine = minilm_engine(tmp.path(), cfg).await;
+        let mut lowest = 1.0f64;
+        // Each probe rides once; across the twelve, every size meets every position.
+        for (p, probe) in probes.iter().enumerate() {
+            let size = [1usize, 8, 32][p % 3];
+            let mut batch = filler(size - 1);
+            let at = match (p / 3) % 3 {
+                0 => 0,
+                1 => batch.len() / 2,
+                _ => batch.len(),
+            };
+            batch.insert(at, probe.clone());
+            let out = engine.embed(batch, EmbedOptions::default()).await.unwrap();
+            finite(&out, name);
+            let c = cosine(&out[at], &fingerprint[p]);
+            assert!(
+                c >= MIN_COSINE,
+                "{name}: probe {p} in a batch of {size} at {at}: {c}"
+            );
+            lowest = lowest.min(c);
+        }
+        println!("canaries, {name}: lowest cosine to the fingerprint {lowest:.6}");
+    }
+}
+
+/// What canaries cost (issue 21), printed for docs/benchmarks.md: at the default 64 texts per
+/// work frame (63 of the client's and a canary), canaries per 1 000 client texts and their
+/// tokens beside the clients' own, on the code-search mix of benches/texts.jsonl.
+#[tokio::test]
+async fn minilm_canary_overhead_on_a_realistic_mix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = minilm_engine(tmp.path(), cpu()).await;
+    let mix: Vec<String> = std::fs::read_to_string(repo_root().join("benches/texts.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let client = engine
+        .embed_counted(mix.clone(), EmbedOptions::default())
+        .await
+        .unwrap()
+        .tokens as f64
+        * 1000.0
+        / mix.len() as f64;
+    let probes = probe_texts();
+    let per_canary = engine
+        .embed_counted(probes.clone(), EmbedOptions::default())
+        .await
+        .unwrap()
+        .tokens as f64
+        / probes.len() as f64;
+    let canaries = (1000.0f64 / 63.0).ceil();
+    let overhead = canaries * per_canary;
+    assert!(per_canary > 0.0 && client > 0.0);
+    println!(
+        "canary overhead per 1000 client texts (64 per frame): {canaries} texts, {overhead:.0} tokens \
+         ({:.1} % of the clients' {client:.0}); {per_canary:.1} tokens per canary on average",
+        100.0 * overhead / client
+    );
+}

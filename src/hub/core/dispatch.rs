@@ -7,19 +7,20 @@
 //! (passing its request's space, or of its request's scorer); and, for the cloud, holding a
 //! permit of the global budget. Providers are tried most credits first, ties round the fleet
 //! in turn; each takes the first items that fit it, so a request waiting for its own scorer
-//! never holds up the others.
+//! never holds up the others. A gated embedding frame of documents also carries a canary, one
+//! of the gate's probe texts at a random place (it takes one of the frame's item places).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::binding::Binding;
-use super::{Core, Counters, Lease};
+use super::{Canary, Core, Counters, Lease};
 use crate::histogram;
 use crate::hub::budget;
 use crate::hub::gate;
 use crate::hub::policy::{self, Admission};
-use crate::hub::queue::{BatchLimits, Item};
+use crate::hub::queue::{BatchLimits, Item, Shape};
 use crate::hub::registry::ProviderEntry;
 use crate::protocol::{self, Backend, HubFrame, Work};
 use crate::roles::{Policy, Role};
@@ -150,8 +151,19 @@ impl Core {
         let Some(queue) = queues.get_mut(&role) else {
             return Offer::Nothing;
         };
+        // A canary takes one place in an embedding provider's work frame.
+        let canary_room = usize::from(
+            entry
+                .gate_candidate
+                .as_ref()
+                .is_some_and(|c| gate.carries_canary(c)),
+        );
         let limits = BatchLimits {
-            max_items: entry.info.max_batch_items.max(1),
+            max_items: entry
+                .info
+                .max_batch_items
+                .saturating_sub(canary_room)
+                .max(1),
             max_tokens: entry.info.max_batch_tokens.max(1),
         };
         let mut local_serves: HashMap<String, bool> = HashMap::new();
@@ -228,6 +240,21 @@ impl Core {
         let Some(shape) = items.first().map(|i| i.shape.clone()) else {
             return;
         };
+        // A gated embedding frame of documents carries a canary (a query template changes
+        // the text, so its vector has nothing to be compared with).
+        let wants_canary = gate.is_some()
+            && matches!(
+                &*shape,
+                Shape::Embed {
+                    is_query: false,
+                    instruction: None,
+                    ..
+                }
+            )
+            && entry
+                .gate_candidate
+                .as_ref()
+                .is_some_and(|c| self.gate.carries_canary(c));
         // The permit last, once there is work to hold it (the check in `best_pick` passed).
         if let Some(route) = &permit
             && !self.budget.try_acquire(route, now)
@@ -239,11 +266,19 @@ impl Core {
         self.next_lease += 1;
         let timings = self.settings.timings(role);
         let ms = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let mut texts: Vec<String> = items.iter().map(|i| i.text.clone()).collect();
+        let canary = wants_canary.then(|| {
+            let probe = self.next_canary % gate::measure::probe_count().max(1);
+            self.next_canary = self.next_canary.wrapping_add(1);
+            let position = rand::random_range(0..=texts.len());
+            texts.insert(position, gate::measure::probe_text(probe).to_string());
+            Canary { probe, position }
+        });
         let frame = HubFrame::Work(Work {
             lease: lease_id,
             provider: pid.to_string(),
             role,
-            input: shape.work_input(items.iter().map(|i| i.text.clone()).collect()),
+            input: shape.work_input(texts),
             deadline_ms: crate::hub::now_ms().saturating_add(ms(timings.lease)),
             call_timeout_ms: Some(ms(timings.call_timeout)),
         });
@@ -272,6 +307,13 @@ impl Core {
         }
         self.turn = self.turn.wrapping_add(1);
         self.counters.leases_granted += 1;
+        if canary.is_some() {
+            *self
+                .counters
+                .canary_texts
+                .entry(reference.provider.clone())
+                .or_default() += 1;
+        }
         Counters::observe(
             &mut self.counters.batch_items,
             role,
@@ -314,6 +356,7 @@ impl Core {
                 role,
                 items,
                 deadline: now + timings.lease,
+                canary,
             },
         );
     }

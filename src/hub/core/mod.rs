@@ -325,6 +325,15 @@ struct Lease {
     role: Role,
     items: Vec<Item>,
     deadline: Instant,
+    /// The probe text riding in this embedding work frame, and where.
+    canary: Option<Canary>,
+}
+
+/// A canary: probe text `probe` of the gate's set, at `position` among the frame's texts.
+#[derive(Clone, Copy, Debug)]
+struct Canary {
+    probe: usize,
+    position: usize,
 }
 
 /// Counters for `/metrics`.
@@ -354,6 +363,11 @@ pub struct Counters {
     pub batch_items: BTreeMap<Role, Histogram>,
     /// Per role: tokens of each completed request.
     pub request_tokens: BTreeMap<Role, Histogram>,
+    /// Per provider: canaries sent in work frames, their tokens (a share of the frame's,
+    /// never counted in a client's usage), and canaries that came back drifted.
+    pub canary_texts: BTreeMap<String, u64>,
+    pub canary_tokens: BTreeMap<String, u64>,
+    pub canary_failures: BTreeMap<String, u64>,
 }
 
 impl Counters {
@@ -392,6 +406,8 @@ pub struct Core {
     changes: watch::Sender<u64>,
     next_request: RequestId,
     next_lease: u64,
+    /// The next canary's probe text (they rotate through the set).
+    next_canary: usize,
     next_session: u64,
     turn: usize,
 }
@@ -428,6 +444,7 @@ impl Core {
             changes: watch::channel(0).0,
             next_request: 1,
             next_lease: 1,
+            next_canary: 0,
             next_session: 1,
             turn: 0,
         }
@@ -564,6 +581,14 @@ impl Core {
                 limit: limits.max_inputs,
             });
         }
+        // An embedding frame may also carry a canary (one probe text).
+        let canary = match shape {
+            Shape::Embed { .. } => (0..super::gate::measure::probe_count())
+                .map(|i| json_len(super::gate::measure::probe_text(i)))
+                .max()
+                .unwrap_or(0),
+            _ => 0,
+        };
         let shared = shape.shared_json_bytes();
         let frame_limit = self.settings.max_frame_bytes;
         let mut bytes = shared;
@@ -579,7 +604,7 @@ impl Core {
                     });
                 }
             }
-            let frame = FRAME_OVERHEAD_BYTES + shared + json_len(text);
+            let frame = FRAME_OVERHEAD_BYTES + shared + canary + json_len(text);
             if frame > frame_limit {
                 return Err(SubmitError::InputTooLargeForFrame {
                     index,

@@ -1,4 +1,5 @@
-//! What comes back from leases: `done` (checked, then delivered to the items' requests),
+//! What comes back from leases: `done` (its canary taken out and judged by the gate, the rest
+//! checked, then delivered to the items' requests, usage without the canary's share),
 //! `failed` (requeued, failed, or a standing refusal that takes a provider out), expiry,
 //! requeueing, and the completion of a request.
 //!
@@ -8,10 +9,12 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Binding, Completed, Core, Counters, ItemOutput, Lease, RequestFailure, Served, Slot};
+use super::{
+    Binding, Canary, Completed, Core, Counters, ItemOutput, Lease, RequestFailure, Served, Slot,
+};
 use crate::histogram;
 use crate::hub::budget;
-use crate::hub::queue::{Item, RequestId, Shape};
+use crate::hub::queue::{Item, RequestId, Shape, estimate_tokens};
 use crate::hub::registry::ProviderEntry;
 use crate::protocol::{
     self, Backend, Chunk, Done, Failed, FailureClass, HubFrame, Refusal, WorkOutput,
@@ -56,7 +59,8 @@ impl Core {
         };
         // A number off the wire: only a finite, non-negative latency is a measurement.
         let latency_ms = Some(done.latency_ms).filter(|l| l.is_finite() && *l >= 0.0);
-        let outputs = match check_outputs(&lease, done.output) {
+        let (output, canary) = take_canary(&lease, done.output);
+        let outputs = match check_outputs(&lease, output) {
             Ok(outputs) => outputs,
             Err(message) => {
                 let role = lease.role;
@@ -74,6 +78,25 @@ impl Core {
                 None => budget::Outcome::Other,
             },
         );
+        // The canary first: a drifted one suspends the provider, and then none of the
+        // lease's vectors is returned (below).
+        if let (Some((key, _)), Some((c, vector))) = (&lease.gate, &canary) {
+            let dimensions = match lease.items.first().map(|i| &*i.shape) {
+                Some(Shape::Embed { dimensions, .. }) => *dimensions,
+                _ => None,
+            };
+            if self
+                .gate
+                .check_canary(key, c.probe, vector, dimensions)
+                .is_some()
+            {
+                *self
+                    .counters
+                    .canary_failures
+                    .entry(lease.reference.provider.clone())
+                    .or_default() += 1;
+            }
+        }
         if let Some((key, _)) = &lease.gate
             && !self.gate.passes(key)
         {
@@ -105,7 +128,22 @@ impl Core {
                 p.record_latency(ms);
             }
         }
-        self.deliver(lease, outputs, done.tokens);
+        let tokens = match &canary {
+            Some((c, _)) => {
+                let max_input = self
+                    .provider_mut(&lease)
+                    .and_then(|p| p.info.max_input_tokens);
+                let own = canary_share(&lease, c.probe, done.tokens, max_input);
+                *self
+                    .counters
+                    .canary_tokens
+                    .entry(lease.reference.provider.clone())
+                    .or_default() += own;
+                done.tokens.saturating_sub(own)
+            }
+            None => done.tokens,
+        };
+        self.deliver(lease, outputs, tokens);
         Ok(())
     }
 
@@ -580,6 +618,30 @@ pub(super) fn mark_failed_locally(items: Vec<Item>, local: bool) -> Vec<Item> {
 }
 
 /// The lease's outputs, one per item and of the kind its op makes.
+/// Takes the canary's vector out of a lease's output (where it was put), leaving the clients'.
+/// An output of the wrong count or kind is left whole: [`check_outputs`] refuses it.
+fn take_canary(lease: &Lease, output: WorkOutput) -> (WorkOutput, Option<(Canary, Vec<f32>)>) {
+    match (lease.canary, output) {
+        (Some(c), WorkOutput::Embeddings(mut v))
+            if v.len() == lease.items.len() + 1 && c.position < v.len() =>
+        {
+            let vector = v.remove(c.position);
+            (WorkOutput::Embeddings(v), Some((c, vector)))
+        }
+        (_, output) => (output, None),
+    }
+}
+
+/// The canary's share of a frame's tokens, by the hub's estimate of each text's length capped
+/// at the provider's longest input (an agent reports one count per frame); never counted in
+/// a client's usage.
+fn canary_share(lease: &Lease, probe: usize, tokens: u64, max_input: Option<usize>) -> u64 {
+    let est = |t: &str| estimate_tokens(t).min(max_input.unwrap_or(usize::MAX)) as u128;
+    let own = est(crate::hub::gate::measure::probe_text(probe));
+    let all = own + lease.items.iter().map(|i| est(&i.text)).sum::<u128>();
+    u64::try_from(u128::from(tokens) * own / all.max(1)).unwrap_or(tokens)
+}
+
 fn check_outputs(lease: &Lease, output: WorkOutput) -> Result<Vec<ItemOutput>, String> {
     let n = lease.items.len();
     if output.len() != n {

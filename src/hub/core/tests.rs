@@ -425,3 +425,110 @@ fn requests_past_the_inputs_characters_frame_or_held_bytes_are_refused_at_admiss
     assert_eq!(core.held_bytes(), 0);
     assert!(submit(&mut core, 2, 30).is_ok());
 }
+
+/// A core with one local embedder `a/e` that fingerprinted its space, and a document shape.
+fn one_gated_embedder() -> (Core, u64, mpsc::UnboundedReceiver<Outgoing>, Shape) {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (sa, mut a) = connect(&mut core, "a", provider("e", Role::Embedding, "ma", 8), 1);
+    answer_probes(&mut core, "a", sa, &mut a, 0);
+    let shape = Shape::Embed {
+        dimensions: None,
+        is_query: false,
+        instruction: None,
+    };
+    (core, sa, a, shape)
+}
+
+/// The texts of an embedding work frame.
+fn sent_texts(work: &serde_json::Value) -> Vec<String> {
+    work["input"]["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn a_canary_rides_in_each_embedding_frame_and_never_in_the_answer_or_its_usage() {
+    let (mut core, sa, mut a, shape) = one_gated_embedder();
+    let texts: Vec<String> = (0..3).map(|i| format!("t{i}")).collect();
+    let (_, mut reply) = core.submit(Role::Embedding, shape, texts.clone()).unwrap();
+    let work = next_work(&mut a);
+    let mut sent = sent_texts(&work);
+    assert_eq!(sent.len(), 4, "three texts and a canary");
+    let probes = crate::hub::gate::measure::probe_texts();
+    let at = sent.iter().position(|t| probes.contains(t)).unwrap();
+    sent.remove(at);
+    assert_eq!(sent, texts, "the clients' texts in order around it");
+    let mut out = vec![vec![1.0f32, 0.0]; 4];
+    out[at] = vec![1.0, 0.0];
+    core.done(
+        "a",
+        sa,
+        Done {
+            lease: work["lease"].as_u64().unwrap(),
+            output: WorkOutput::Embeddings(out),
+            latency_ms: 1.0,
+            tokens: 400,
+        },
+    )
+    .unwrap();
+    let done = reply.try_recv().unwrap().unwrap();
+    assert_eq!(done.items.len(), 3);
+    let canary = core.counters.canary_tokens["a/e"];
+    assert!(canary > 0 && canary < 400, "{canary}");
+    // The rest is split evenly over the three items (whole tokens).
+    let accounted = done.tokens + canary;
+    assert!(
+        (398..=400).contains(&accounted),
+        "the canary's share is not the client's: {accounted}"
+    );
+    assert_eq!(core.counters.canary_texts["a/e"], 1);
+}
+
+#[test]
+fn a_drifted_canary_suspends_its_provider_at_once_and_its_lease_serves_nothing() {
+    let (mut core, sa, mut a, shape) = one_gated_embedder();
+    let (_, mut reply) = core
+        .submit(Role::Embedding, shape, vec!["x".into(), "y".into()])
+        .unwrap();
+    let work = next_work(&mut a);
+    let probes = crate::hub::gate::measure::probe_texts();
+    let at = sent_texts(&work)
+        .iter()
+        .position(|t| probes.contains(t))
+        .unwrap();
+    // The clients' vectors look fine; the canary says the encoder changed.
+    let mut out = vec![vec![1.0f32, 0.0]; 3];
+    out[at] = vec![0.6, 0.8];
+    core.done(
+        "a",
+        sa,
+        Done {
+            lease: work["lease"].as_u64().unwrap(),
+            output: WorkOutput::Embeddings(out),
+            latency_ms: 1.0,
+            tokens: 30,
+        },
+    )
+    .unwrap();
+    // Nothing of that lease is returned: the only provider is suspended, so the request fails
+    // at once with the reason (with another passing provider its items would go there).
+    assert!(
+        matches!(
+            reply.try_recv(),
+            Ok(Err(RequestFailure::Unservable(_))) | Err(_)
+        ),
+        "no vector of a drifted lease is returned"
+    );
+    assert_eq!(core.counters.canary_failures["a/e"], 1);
+    let view = core.gate.view(&Default::default());
+    let v = view.verdicts.iter().find(|v| v.provider == "a/e").unwrap();
+    assert!(
+        matches!(&v.verdict, crate::hub::gate::Verdict::Suspended { reason } if reason.contains("0.6000")),
+        "{:?}",
+        v.verdict
+    );
+    assert_eq!(v.caught_by, Some("canary"));
+}

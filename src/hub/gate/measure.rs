@@ -9,6 +9,18 @@ use serde::Serialize;
 /// No threshold below this is accepted: 0.99 already admits quantised variants.
 pub const MIN_COSINE_FLOOR: f64 = 0.99;
 
+/// Probe text `i` (the canary of a work frame is one of them), empty past the set.
+pub fn probe_text(i: usize) -> &'static str {
+    static PROBES: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::new(probe_texts);
+    PROBES.get(i).map_or("", String::as_str)
+}
+
+/// How many probe texts there are.
+pub fn probe_count() -> usize {
+    static N: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| probe_texts().len());
+    *N
+}
+
 /// The probe set: code in several languages, prose, very short, long, non-ASCII. Sent as
 /// documents (no query template, no `dimensions`), the way stored vectors are made.
 pub fn probe_texts() -> Vec<String> {

@@ -13,6 +13,9 @@
 //!   transient and retried with backoff (30 s doubling to 15 min), cleared on reconnect.
 //! * The **sentinel** re-probes every passing provider (default every 10 minutes) against the
 //!   fingerprint; one that drifted below the threshold is suspended at once.
+//! * A **canary** (one probe text) rides in every embedding work frame of documents; the core
+//!   asks [`Gate::check_canary`] before it accepts the lease's vectors, and a drifted one
+//!   suspends the provider through the same path as the sentinel (`caught_by` says which).
 //!
 //! This module decides; [`crate::hub::core`] sends the probes it asks for and asks it before
 //! every embedding lease.
@@ -44,6 +47,9 @@ pub struct GateSettings {
     pub probe_timeout: Duration,
     pub retry_initial: Duration,
     pub retry_max: Duration,
+    /// Local providers (`agent/provider`) whose work frames carry no canary (cloud ones
+    /// always do).
+    pub no_canary: std::collections::BTreeSet<String>,
 }
 
 impl Default for GateSettings {
@@ -55,6 +61,7 @@ impl Default for GateSettings {
             probe_timeout: Duration::from_secs(60),
             retry_initial: Duration::from_secs(30),
             retry_max: Duration::from_secs(900),
+            no_canary: Default::default(),
         }
     }
 }
@@ -67,6 +74,7 @@ impl GateSettings {
             min_cosine: c.gate_min_cosine.max(measure::MIN_COSINE_FLOOR),
             sentinel: Duration::from_secs(c.gate_sentinel_s.max(1)),
             reference: c.gate_reference.clone(),
+            no_canary: c.gate_no_canary.iter().cloned().collect(),
             ..Default::default()
         }
     }
@@ -182,7 +190,7 @@ pub enum Verdict {
     Refused {
         reason: String,
     },
-    /// Passed once, then drifted (the sentinel caught it).
+    /// Passed once, then drifted (a canary or the sentinel caught it).
     Suspended {
         reason: String,
     },
@@ -207,6 +215,10 @@ pub struct VerdictEntry {
     pub reference: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checked_at_ms: Option<u64>,
+    /// What caught a suspended provider: `sentinel` (a re-probe) or `canary` (a probe text
+    /// inside its work).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub caught_by: Option<&'static str>,
     #[serde(skip)]
     next_check: Option<Instant>,
     /// Sentinel probes in a row that did not come back (the verdict stays; the retry backs off).
@@ -482,6 +494,7 @@ impl Gate {
                 evidence: None,
                 reference,
                 checked_at_ms: None,
+                caught_by: None,
                 next_check: None,
                 sentinel_failures: 0,
                 probe: None,
@@ -522,6 +535,7 @@ impl Gate {
             evidence,
             reference,
             checked_at_ms: Some(now_ms()),
+            caught_by: None,
             next_check,
             sentinel_failures: 0,
             probe: None,
@@ -675,13 +689,13 @@ impl Gate {
                             tracing::info!(provider = %c.provider, space = %space, min_cosine = evidence.min_cosine, "gate: pass");
                         }
                         entry.verdict = Verdict::Pass;
+                        entry.caught_by = None;
                         entry.evidence = Some(evidence);
                         entry.next_check = Some(now + self.settings.sentinel);
                     }
                     Judgement::Refused { reason, evidence } => {
                         if p.purpose == Purpose::Sentinel {
-                            tracing::error!(provider = %c.provider, space = %space, reason = %reason, "drift: the provider is suspended");
-                            entry.verdict = Verdict::Suspended { reason };
+                            suspend(entry, reason, "sentinel");
                         } else {
                             tracing::warn!(provider = %c.provider, space = %space, reason = %reason, "gate: refused");
                             entry.verdict = Verdict::Refused { reason };
@@ -694,6 +708,51 @@ impl Gate {
                 }
             }
         }
+    }
+
+    /// Whether `c`'s embedding work frames carry a canary: cloud providers always, local ones
+    /// unless the operator turned it off for them.
+    pub fn carries_canary(&self, c: &Candidate) -> bool {
+        c.backend == Backend::Cloud || !self.settings.no_canary.contains(&c.provider)
+    }
+
+    /// Judges a canary that came back in a lease granted under verdict `key`: the vector of
+    /// probe text `probe`, made with `dimensions` (the first entries of the fingerprint's,
+    /// re-normalised). Under the threshold, or of another width, the provider is suspended at
+    /// once, as the sentinel does; the reason is returned.
+    pub fn check_canary(
+        &mut self,
+        key: &str,
+        probe: usize,
+        vector: &[f32],
+        dimensions: Option<usize>,
+    ) -> Option<String> {
+        let min = self.settings.min_cosine;
+        let entry = self.verdicts.get_mut(key)?;
+        if entry.verdict != Verdict::Pass {
+            return None;
+        }
+        let space = self.spaces.get(&entry.space)?;
+        let fingerprint = space.fingerprint.get(probe)?;
+        let width = dimensions.map_or(space.dims, |d| d.min(space.dims));
+        let text = measure::probe_text(probe);
+        let preview: String = text.chars().take(24).collect();
+        let reason = if vector.len() != width {
+            format!(
+                "canary (probe {probe}, {preview:?}…) came back with {} dims where the space has {width}",
+                vector.len()
+            )
+        } else {
+            let cos = measure::cosine(&fingerprint[..width.min(fingerprint.len())], vector);
+            if cos >= min {
+                return None;
+            }
+            format!(
+                "canary (probe {probe}, {preview:?}…) at cosine {cos:.4} to the space's fingerprint, under {min}"
+            )
+        };
+        suspend(entry, reason.clone(), "canary");
+        Some(reason)
     }
 
     /// Where a candidate stands for `space` (any space, current or not).
@@ -841,3 +900,12 @@ impl Gate {
 
 #[cfg(test)]
 mod tests;
+
+/// Suspends a provider that passed and drifted: the one path of the sentinel and the canary.
+fn suspend(entry: &mut VerdictEntry, reason: String, by: &'static str) {
+    tracing::error!(provider = %entry.provider, space = %entry.space, caught_by = by, reason = %reason, "drift: the provider is suspended");
+    entry.verdict = Verdict::Suspended { reason };
+    entry.caught_by = Some(by);
+    entry.checked_at_ms = Some(now_ms());
+    entry.next_check = None;
+}
