@@ -240,21 +240,23 @@ impl Core {
         let Some(shape) = items.first().map(|i| i.shape.clone()) else {
             return;
         };
-        // A gated embedding frame of documents carries a canary (a query template changes
-        // the text, so its vector has nothing to be compared with).
-        let wants_canary = gate.is_some()
-            && matches!(
+        // A gated embedding frame of documents at full width carries a canary (a query
+        // template changes the text, so its vector has nothing to be compared with).
+        // A Matryoshka width under the space's is judged by the sentinel only: the gate's
+        // threshold is measured at full width.
+        let wants_canary = gate.as_ref().is_some_and(|(_, space)| {
+            matches!(
                 &*shape,
                 Shape::Embed {
                     is_query: false,
                     instruction: None,
-                    ..
-                }
+                    dimensions,
+                } if dimensions.is_none_or(|d| d >= space.dims)
             )
-            && entry
-                .gate_candidate
-                .as_ref()
-                .is_some_and(|c| self.gate.carries_canary(c));
+        }) && entry
+            .gate_candidate
+            .as_ref()
+            .is_some_and(|c| self.gate.carries_canary(c));
         // The permit last, once there is work to hold it (the check in `best_pick` passed).
         if let Some(route) = &permit
             && !self.budget.try_acquire(route, now)

@@ -59,8 +59,10 @@ impl Core {
         };
         // A number off the wire: only a finite, non-negative latency is a measurement.
         let latency_ms = Some(done.latency_ms).filter(|l| l.is_finite() && *l >= 0.0);
-        let (output, canary) = take_canary(&lease, done.output);
-        let outputs = match check_outputs(&lease, output) {
+        let checked = take_canary(&lease, done.output).and_then(|(output, canary)| {
+            check_outputs(&lease, output).map(|outputs| (outputs, canary))
+        });
+        let (outputs, canary) = match checked {
             Ok(outputs) => outputs,
             Err(message) => {
                 let role = lease.role;
@@ -618,17 +620,30 @@ pub(super) fn mark_failed_locally(items: Vec<Item>, local: bool) -> Vec<Item> {
 }
 
 /// The lease's outputs, one per item and of the kind its op makes.
+/// A canary and the vector it came back with.
+type CanaryVector = (Canary, Vec<f32>);
+
 /// Takes the canary's vector out of a lease's output (where it was put), leaving the clients'.
-/// An output of the wrong count or kind is left whole: [`check_outputs`] refuses it.
-fn take_canary(lease: &Lease, output: WorkOutput) -> (WorkOutput, Option<(Canary, Vec<f32>)>) {
+/// A lease that carried a canary and came back with anything but one vector per text sent is
+/// refused whole (an answer that dropped one would otherwise skip the check, and its vectors
+/// could be shifted onto the wrong texts).
+fn take_canary(
+    lease: &Lease,
+    output: WorkOutput,
+) -> Result<(WorkOutput, Option<CanaryVector>), String> {
     match (lease.canary, output) {
+        (None, output) => Ok((output, None)),
         (Some(c), WorkOutput::Embeddings(mut v))
             if v.len() == lease.items.len() + 1 && c.position < v.len() =>
         {
             let vector = v.remove(c.position);
-            (WorkOutput::Embeddings(v), Some((c, vector)))
+            Ok((WorkOutput::Embeddings(v), Some((c, vector))))
         }
-        (_, output) => (output, None),
+        (Some(_), output) => Err(format!(
+            "done has {} outputs for {} texts sent (a canary among them); the items were requeued",
+            output.len(),
+            lease.items.len() + 1
+        )),
     }
 }
 

@@ -532,3 +532,29 @@ fn a_drifted_canary_suspends_its_provider_at_once_and_its_lease_serves_nothing()
     );
     assert_eq!(v.caught_by, Some("canary"));
 }
+
+#[test]
+fn a_lease_that_carried_a_canary_and_came_back_one_short_is_refused() {
+    let (mut core, sa, mut a, shape) = one_gated_embedder();
+    let (_, mut reply) = core
+        .submit(Role::Embedding, shape, vec!["x".into(), "y".into()])
+        .unwrap();
+    let work = next_work(&mut a);
+    assert_eq!(sent_texts(&work).len(), 3);
+    // Two vectors for three texts sent: the check must not be skipped.
+    let err = core
+        .done(
+            "a",
+            sa,
+            Done {
+                lease: work["lease"].as_u64().unwrap(),
+                output: WorkOutput::Embeddings(vec![vec![1.0, 0.0]; 2]),
+                latency_ms: 1.0,
+                tokens: 10,
+            },
+        )
+        .unwrap_err();
+    assert!(err.contains("3 texts sent"), "{err}");
+    assert!(reply.try_recv().is_err(), "nothing delivered");
+    assert_eq!(core.queue_depth(Role::Embedding), 2, "requeued");
+}

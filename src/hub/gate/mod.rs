@@ -908,4 +908,6 @@ fn suspend(entry: &mut VerdictEntry, reason: String, by: &'static str) {
     entry.caught_by = Some(by);
     entry.checked_at_ms = Some(now_ms());
     entry.next_check = None;
+    // A sentinel probe still out must not lift it when it comes back clean.
+    entry.probe = None;
 }
