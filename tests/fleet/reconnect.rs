@@ -74,7 +74,14 @@ async fn the_agent_reconnects_after_a_hub_restart_and_the_safe_config_survives()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_newer_socket_supersedes_and_the_older_close_never_tears_it_down() {
     let dir = tempfile::tempdir().unwrap();
-    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    // The agent answers a scripted frame exactly: no canary in it.
+    let hub = HubProc::start(
+        dir.path(),
+        None,
+        &["--gate-no-canary", "twin/embedding"],
+        &[],
+        "hub.log",
+    );
     let mut first = hub.raw_agent().await;
     let w1 = first
         .hello("twin", json!([fake_provider("embedding", "embedding", 8)]))
