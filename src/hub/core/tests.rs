@@ -439,6 +439,15 @@ fn one_gated_embedder() -> (Core, u64, mpsc::UnboundedReceiver<Outgoing>, Shape)
     (core, sa, a, shape)
 }
 
+/// Where the canary sits among an embedding work frame's texts.
+fn canary_at(work: &serde_json::Value) -> usize {
+    let probes = crate::hub::gate::measure::probe_texts();
+    sent_texts(work)
+        .iter()
+        .position(|t| probes.contains(t))
+        .expect("a canary in the frame")
+}
+
 /// The texts of an embedding work frame.
 fn sent_texts(work: &serde_json::Value) -> Vec<String> {
     work["input"]["texts"]
@@ -457,12 +466,10 @@ fn a_canary_rides_in_each_embedding_frame_and_never_in_the_answer_or_its_usage()
     let work = next_work(&mut a);
     let mut sent = sent_texts(&work);
     assert_eq!(sent.len(), 4, "three texts and a canary");
-    let probes = crate::hub::gate::measure::probe_texts();
-    let at = sent.iter().position(|t| probes.contains(t)).unwrap();
+    let at = canary_at(&work);
     sent.remove(at);
     assert_eq!(sent, texts, "the clients' texts in order around it");
-    let mut out = vec![vec![1.0f32, 0.0]; 4];
-    out[at] = vec![1.0, 0.0];
+    let out = vec![vec![1.0f32, 0.0]; 4];
     core.done(
         "a",
         sa,
@@ -494,11 +501,7 @@ fn a_drifted_canary_suspends_its_provider_at_once_and_its_lease_serves_nothing()
         .submit(Role::Embedding, shape, vec!["x".into(), "y".into()])
         .unwrap();
     let work = next_work(&mut a);
-    let probes = crate::hub::gate::measure::probe_texts();
-    let at = sent_texts(&work)
-        .iter()
-        .position(|t| probes.contains(t))
-        .unwrap();
+    let at = canary_at(&work);
     // The clients' vectors look fine; the canary says the encoder changed.
     let mut out = vec![vec![1.0f32, 0.0]; 3];
     out[at] = vec![0.6, 0.8];
