@@ -72,6 +72,7 @@ fn start_agent(
         drain_timeout: Duration::from_secs(5),
         max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
         providers: local,
+        servers: Default::default(),
         cloud: CloudOptions {
             openrouter_url: url.into(),
             ..CloudOptions::default()

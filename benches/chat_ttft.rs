@@ -88,6 +88,7 @@ fn main() {
             drain_timeout: Duration::from_secs(5),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             providers: Vec::new(),
+            servers: Default::default(),
             cloud: CloudOptions {
                 openrouter_url: up.base_url.clone(),
                 ..CloudOptions::default()

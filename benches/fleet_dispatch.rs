@@ -59,6 +59,7 @@ fn start(rt: &Runtime) -> Fleet {
                 drain_timeout: Duration::from_secs(5),
                 max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
                 providers: vec![Arc::new(NullProvider)],
+                servers: Default::default(),
                 cloud: Default::default(),
             });
             let (_tx, rx) = tokio::sync::watch::channel(false);

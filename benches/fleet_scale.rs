@@ -180,6 +180,7 @@ impl Fleet {
                 drain_timeout: Duration::from_secs(5),
                 max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
                 providers: vec![Arc::new(NullProvider)],
+                servers: Default::default(),
                 cloud: Default::default(),
             });
             self.next_id += 1;

@@ -28,6 +28,7 @@ impl Provider for NullProvider {
             max_batch_items: 64,
             max_batch_tokens: 1 << 20,
             score_activation: None,
+            server: None,
         }
     }
 

@@ -59,6 +59,7 @@ impl CloudProvider {
             // OpenRouter's rerank answers relevance probabilities (logits are derived from
             // them below), so a cloud reranker's scale is the sigmoid one.
             score_activation: (role.op() == Op::Rerank).then_some(ScoreActivation::Sigmoid),
+            server: None,
         };
         Self {
             route: Arc::new(route),
@@ -99,18 +100,10 @@ impl Provider for CloudProvider {
         Box::pin(async move {
             match input {
                 WorkInput::Embed(e) => {
-                    // Instruction-aware models take the instruction in the text, the way the
-                    // local encoder applies it (Qwen3-Embedding's query format).
-                    let texts: Vec<String> = match (&e.instruction, e.is_query) {
-                        (Some(task), true) => e
-                            .texts
-                            .iter()
-                            .map(|t| format!("Instruct: {task}\nQuery:{t}"))
-                            .collect(),
-                        _ => e.texts,
-                    };
+                    let dimensions = e.dimensions;
+                    let texts = e.instructed_texts();
                     let out = client
-                        .embed(&route, &texts, e.dimensions, None)
+                        .embed(&route, &texts, dimensions, None)
                         .await
                         .map_err(failure)?;
                     Ok(WorkResult {

@@ -191,6 +191,8 @@ async fn session(
     let send = |frame: &AgentFrame| {
         let _ = tx.send(Message::Text(encode_agent(frame).into()));
     };
+    let mut server_changes = agent.server_changes();
+    server_changes.mark_unchanged();
     let mut providers = agent.providers();
     send(&AgentFrame::Hello(Hello {
         agent_id: agent.id().to_string(),
@@ -312,21 +314,7 @@ async fn session(
                             None => crate::protocol::ConfigAck { id: cfg.id, applied: false, reason: Some("the push has no openrouter object".into()), roles: Default::default() },
                         };
                         send(&AgentFrame::ConfigAck(ack));
-                        let next = agent.providers();
-                        let infos: Vec<ProviderInfo> = next.iter().map(|p| p.info()).collect();
-                        if drain_deadline.is_none() && infos != providers.iter().map(|p| p.info()).collect::<Vec<_>>() {
-                            // The hub keeps the credits of an unchanged provider; new or changed
-                            // ones start from a fresh pull.
-                            send(&AgentFrame::Providers { providers: infos });
-                            for p in &next {
-                                let info = p.info();
-                                if find(&providers, &info.id).is_none_or(|old| old.info() != info) {
-                                    send(&AgentFrame::Pull(Pull { provider: info.id, credits: p.pipeline_depth() }));
-                                }
-                            }
-                        }
-                        // Always the new set: a new key rebuilds providers with equal infos.
-                        providers = next;
+                        announce(&mut providers, agent.providers(), drain_deadline.is_some(), &send);
                     }
                     Ok(HubFrame::Discover) => {
                         let (agent, tx) = (agent.clone(), tx.clone());
@@ -401,6 +389,10 @@ async fn session(
                     break String::new();
                 }
             }
+            Ok(()) = server_changes.changed() => {
+                // A fronted server came up, went down or changed revision.
+                announce(&mut providers, agent.providers(), drain_deadline.is_some(), &send);
+            }
             _ = heartbeat.tick() => {
                 send(&AgentFrame::Heartbeat(Heartbeat {
                     providers: agent.provider_stats(),
@@ -452,6 +444,32 @@ async fn session(
         return SessionEnd::Drained;
     }
     end(tx, writer, why).await
+}
+
+/// Tells the hub the provider set `next` when it differs from the one it knows: the hub keeps
+/// the credits of an unchanged provider; new or changed ones start from a fresh pull. A
+/// draining session announces nothing (it already said: none).
+fn announce(
+    providers: &mut Vec<Arc<dyn Provider>>,
+    next: Vec<Arc<dyn Provider>>,
+    draining: bool,
+    send: &impl Fn(&AgentFrame),
+) {
+    let infos: Vec<ProviderInfo> = next.iter().map(|p| p.info()).collect();
+    if !draining && infos != providers.iter().map(|p| p.info()).collect::<Vec<_>>() {
+        send(&AgentFrame::Providers { providers: infos });
+        for p in &next {
+            let info = p.info();
+            if find(providers.as_slice(), &info.id).is_none_or(|old| old.info() != info) {
+                send(&AgentFrame::Pull(Pull {
+                    provider: info.id,
+                    credits: p.pipeline_depth(),
+                }));
+            }
+        }
+    }
+    // Always the new set: a new key rebuilds providers with equal infos.
+    *providers = next;
 }
 
 fn failed(lease: u64, class: FailureClass, message: &str) -> AgentFrame {

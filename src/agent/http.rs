@@ -1,5 +1,6 @@
 //! The agent's own small HTTP server (`--http`, default 127.0.0.1:8098): `GET /health` and
-//! `GET /metrics` (Prometheus text) for the host's monitoring. No secrets: counters only.
+//! `GET /metrics` (Prometheus text) for the host's monitoring, with each fronted model server's
+//! health. No secrets: counters only.
 
 use std::fmt::Write;
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use axum::{Json, Router};
 use serde_json::json;
 
 use super::Agent;
+use super::local_server::Health;
 
 pub fn router(agent: Arc<Agent>) -> Router {
     Router::new()
@@ -41,8 +43,27 @@ async fn health(State(agent): State<Arc<Agent>>) -> impl IntoResponse {
             "providers": providers,
             "cloud_key_held": agent.holds_key(),
             "cloud": agent.cloud_settings(),
+            "local_servers": local_servers(&agent),
         })),
     )
+}
+
+/// Each fronted server and where its health checks leave it.
+fn local_servers(agent: &Agent) -> Vec<serde_json::Value> {
+    agent
+        .servers()
+        .iter()
+        .map(|s| {
+            let (status, reason, revision) = match s.health() {
+                Health::Up(c) => ("up", None, c.revision),
+                Health::Down(why) => ("down", Some(why), None),
+                Health::Unchecked => ("unchecked", None, None),
+            };
+            json!({"role": s.key(), "url": s.config.base_url(), "kind": s.config.kind.as_str(),
+                "model": s.config.model, "unit": s.config.unit, "status": status,
+                "reason": reason, "revision": revision})
+        })
+        .collect()
 }
 
 async fn metrics(State(agent): State<Arc<Agent>>) -> impl IntoResponse {
@@ -101,5 +122,20 @@ async fn metrics(State(agent): State<Arc<Agent>>) -> impl IntoResponse {
         "# HELP fantom_agent_hub_connected 1 while a hub session is open.\n# TYPE fantom_agent_hub_connected gauge\nfantom_agent_hub_connected {}",
         u8::from(agent.is_connected())
     );
+    if !agent.servers().is_empty() {
+        let _ = writeln!(
+            out,
+            "# HELP fantom_agent_local_server_up 1 while a fronted model server answers its health check.\n# TYPE fantom_agent_local_server_up gauge"
+        );
+        for s in agent.servers().iter() {
+            let _ = writeln!(
+                out,
+                "fantom_agent_local_server_up{{server=\"{}\",kind=\"{}\"}} {}",
+                s.key(),
+                s.config.kind.as_str(),
+                u8::from(s.is_up())
+            );
+        }
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
 }

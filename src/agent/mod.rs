@@ -10,6 +10,7 @@
 pub mod cloud_provider;
 pub mod connection;
 pub mod http;
+pub mod local_server;
 pub mod provider;
 pub mod stats;
 
@@ -22,6 +23,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use self::cloud_provider::CloudProvider;
+use self::local_server::LocalServers;
 use self::provider::Provider;
 use self::stats::ProviderCounters;
 use crate::cloud::openrouter::OpenRouterClient;
@@ -44,6 +46,8 @@ pub struct AgentOptions {
     pub max_frame_bytes: usize,
     /// The local providers (loaded models); cloud providers come from config pushes.
     pub providers: Vec<Arc<dyn Provider>>,
+    /// The model servers this agent fronts: each is a provider while it answers.
+    pub servers: Arc<LocalServers>,
     pub cloud: CloudOptions,
 }
 
@@ -111,11 +115,23 @@ impl Agent {
         &self.opts.agent_id
     }
 
-    /// Every provider now: the local ones, then the cloud routes pushes created.
+    /// Every provider now: the local models, the fronted servers that answer, then the cloud
+    /// routes pushes created.
     pub fn providers(&self) -> Vec<Arc<dyn Provider>> {
         let mut all = self.opts.providers.clone();
+        all.extend(self.opts.servers.providers());
         all.extend(self.held().providers.iter().cloned());
         all
+    }
+
+    /// The model servers this agent fronts.
+    pub fn servers(&self) -> &LocalServers {
+        &self.opts.servers
+    }
+
+    /// Moves when a fronted server came up, went down or changed revision.
+    pub fn server_changes(&self) -> watch::Receiver<u64> {
+        self.opts.servers.subscribe()
     }
 
     /// Whether this agent has a hub to dial at all.
@@ -371,7 +387,7 @@ pub async fn load_providers(
             Op::Embed => Task::Embed,
             Op::Rerank => Task::Rerank,
             Op::Chat => anyhow::bail!(
-                "role {} is a chat role: chat is served by cloud routes, not local models",
+                "role {} is a chat role: chat is served by cloud routes or by a model server this agent fronts ([[local_server]] with kind vllm, ollama, llama-cpp or openai), not by a [[models]] table",
                 served.roles[0]
             ),
         };

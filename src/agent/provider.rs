@@ -1,6 +1,7 @@
 //! Providers: one thing that serves one role on this agent. The [`Provider`] trait is the seam
-//! between the pull loop and what does the work: a local candle engine ([`LocalProvider`])
-//! today, cloud routes next. Benchmarks and tests plug in their own.
+//! between the pull loop and what does the work: a local candle engine ([`LocalProvider`]), a
+//! cloud route ([`super::cloud_provider`]), a fronted model server
+//! ([`super::local_server::provider`]). Benchmarks and tests plug in their own.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -103,6 +104,7 @@ impl LocalProvider {
             max_batch_items: max_items,
             max_batch_tokens: e.max_batch_tokens,
             score_activation: (role.op() == crate::roles::Op::Rerank).then_some(e.score_activation),
+            server: None,
         };
         Self {
             info,
@@ -173,7 +175,7 @@ impl Provider for LocalProvider {
                 }
                 WorkInput::Chat(_) => Err(ProviderFailure::new(
                     FailureClass::Refused,
-                    "chat roles are served by cloud routes, not local models",
+                    "chat roles are served by cloud routes and fronted model servers, not local models",
                 )),
             }
         })

@@ -13,6 +13,7 @@ use tokio::sync::watch;
 
 use super::ModelArgs;
 use super::reload;
+use crate::agent::local_server::LocalServers;
 use crate::agent::{self, Agent, AgentOptions};
 use crate::config::agent::{AgentConfig, ServedModel};
 use crate::config::hub::{HubConfig, HubLayer};
@@ -511,11 +512,19 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
     if cfg.hub_url.is_none() {
         tracing::info!("no hub_url: no hub session, Fantom masters only");
     }
-    notifier.status("models loaded; connecting");
     let cloud = cloud_options(
         cmd.openrouter_url.or(cfg.openrouter_url.clone()),
         cfg.cloud_pipeline_depth,
     );
+    let stop = shutdown_signal();
+    // Fronted servers: checked once now, so the first hello and heartbeat say where they stand.
+    let servers = Arc::new(LocalServers::new(
+        &cfg.local_servers,
+        &cfg.systemctl,
+        cloud.request_timeout,
+    )?);
+    servers.start(&stop).await;
+    notifier.status("models loaded; connecting");
     let has_hub = cfg.hub_url.is_some();
     let agent = Agent::new(AgentOptions {
         hub_url: cfg.hub_url.clone(),
@@ -530,16 +539,21 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
         } else {
             Vec::new()
         },
+        servers: servers.clone(),
         cloud: cloud.clone(),
     });
     let listener = bind(cmd.http, "agent")?;
     let bound = listener.local_addr()?;
-    let stop = shutdown_signal();
     let mut router = agent::http::router(agent.clone());
     let sidecar = if cfg.fantom_masters.is_empty() {
         None
     } else {
-        let fantom = start_sidecar(&cfg, bound, &providers, cloud, http_token, has_hub, &stop)?;
+        let local = LocalRoles {
+            providers: &providers,
+            servers: &servers,
+            shared_with_hub: has_hub,
+        };
+        let fantom = start_sidecar(&cfg, bound, local, cloud, http_token, &stop)?;
         router = router.merge(fantom::http::agent_port_router(fantom.clone()));
         Some(fantom)
     };
@@ -585,16 +599,23 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What an agent serves locally, as the relay's containers see it.
+struct LocalRoles<'a> {
+    providers: &'a [Arc<dyn agent::provider::Provider>],
+    servers: &'a LocalServers,
+    /// A hub session shares the providers (a `stop` cannot free them).
+    shared_with_hub: bool,
+}
+
 /// An agent's drop-in for Fantom masters: its slots (with each master's token), containers
 /// and relay loops, and its role ports, listening already. The caller merges its agent-port
 /// routes.
 fn start_sidecar(
     cfg: &AgentConfig,
     bound: SocketAddr,
-    providers: &[Arc<dyn agent::provider::Provider>],
+    local: LocalRoles<'_>,
     cloud: agent::CloudOptions,
     http_token: Option<Secret>,
-    shared_with_hub: bool,
     stop: &watch::Receiver<bool>,
 ) -> anyhow::Result<Arc<Sidecar>> {
     if bound.ip().is_loopback() {
@@ -615,11 +636,12 @@ fn start_sidecar(
         slots.add(&m.server_url, m.ws_port, m.auth_token()?);
     }
     let containers = Containers::new(
-        providers,
+        local.providers,
         &cfg.models,
+        local.servers,
         &cfg.role_ports,
         bound.port(),
-        shared_with_hub,
+        local.shared_with_hub,
     );
     let fantom = Sidecar::new(ctx, slots, containers, http_token, stop.clone());
     tracing::info!(masters = cfg.fantom_masters.len(), agent_url = %fantom.ctx.agent_url, "relaying to Fantom masters");
@@ -657,7 +679,9 @@ fn start_sidecar(
 fn agent_status_line(agent: &Agent, sidecar: Option<&Sidecar>) -> String {
     let mut parts = Vec::new();
     if !agent.has_hub() {
-        let roles = sidecar.map_or(0, |s| s.containers.iter().count());
+        let roles = sidecar.map_or(0, |s| {
+            s.containers.iter().count() + s.containers.servers().count()
+        });
         parts.push(format!("serving: {roles} local roles"));
     } else if agent.is_connected() {
         parts.push(format!(
@@ -745,6 +769,7 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
         drain_timeout: Duration::from_secs(30),
         max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
         providers,
+        servers: Default::default(),
         cloud: cloud_options(cmd.openrouter_url.clone(), 8),
     });
     if let Some(addr) = cmd.http {

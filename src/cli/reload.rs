@@ -1,7 +1,7 @@
 //! SIGHUP for the agent: read the config file again and apply what can change under a running
 //! agent: the Fantom masters (slots added, removed, their relay port or token changed) and the
-//! bearer token of the HTTP port. Everything else (models, hub, identity, role ports, cloud
-//! settings) needs a restart and is reported by name; the running config stays for it.
+//! bearer token of the HTTP port. Everything else (models, local servers, hub, identity, role
+//! ports, cloud settings) needs a restart and is reported by name; the running config stays for it.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -112,7 +112,7 @@ pub fn reload_agent(
         Err(e) => return ReloadReport::failed(e.to_string()),
     };
     let mut report = ReloadReport::default();
-    let fixed: [(&str, bool); 11] = [
+    let fixed: [(&str, bool); 12] = [
         ("hub_url", current.hub_url != new.hub_url),
         ("agent_id", current.agent_id != new.agent_id),
         ("agent_url", current.agent_url != new.agent_url),
@@ -137,6 +137,10 @@ pub fn reload_agent(
         ),
         ("models", current.models != new.models),
         ("role_ports", current.role_ports != new.role_ports),
+        (
+            "local_server",
+            current.local_servers != new.local_servers || current.systemctl != new.systemctl,
+        ),
     ];
     report.needs_restart = fixed
         .iter()

@@ -207,7 +207,7 @@ impl OpenRouterClient {
         &self,
         route: &CloudRoute,
         body: Value,
-        mut on_chunk: impl FnMut(Value) + Send,
+        on_chunk: impl FnMut(Value) + Send,
     ) -> Result<Chatted, CloudError> {
         if !matches!(route, CloudRoute::Chat { .. }) {
             return Err(CloudError::NoEndpoints {
@@ -219,53 +219,66 @@ impl OpenRouterClient {
         if let Some(o) = body.as_object_mut() {
             o.insert("stream".into(), Value::Bool(true));
         }
-        let mut response = self
+        let response = self
             .post_streaming("/chat/completions", &body, &route.key())
             .await?;
-        let (mut lines, mut whole, mut read) = (Lines::default(), Assembled::default(), 0usize);
-        loop {
-            let Some(bytes) = response
-                .chunk()
-                .await
-                .map_err(super::openrouter::transport)?
-            else {
-                // The upstream closed without `[DONE]`: what came is the answer if it ended
-                // with a finish reason; else the stream was cut.
-                if whole.finish_reason.is_some() {
-                    break;
-                }
-                return Err(CloudError::BadResponse {
-                    message: "the stream ended before the completion finished".into(),
-                });
-            };
-            read = read.saturating_add(bytes.len());
-            if read > MAX_STREAM_BYTES {
-                return Err(CloudError::BadResponse {
-                    message: format!("the stream is longer than {MAX_STREAM_BYTES} bytes"),
-                });
-            }
-            let mut done = false;
-            for line in lines.feed(&bytes)? {
-                match parse_line(&self.redact_key(line))? {
-                    SseLine::Chunk(chunk) => {
-                        if let Some(e) = chunk_error(&chunk) {
-                            return Err(e);
-                        }
-                        whole.add(&chunk);
-                        on_chunk(chunk);
-                    }
-                    SseLine::Done => done = true,
-                    SseLine::Nothing => {}
-                }
-            }
-            if done {
-                break;
-            }
-        }
-        let response = whole.finish();
+        let response = read_events(response, |line| self.redact_key(line), on_chunk).await?;
         let tokens = parse_tokens(&response);
         Ok(Chatted { response, tokens })
     }
+}
+
+/// Reads a chat stream's events to the end (`[DONE]`, or a close after a finish reason):
+/// each chunk to `on_chunk` as it arrives (lines pass `redact` first), the completion
+/// assembled from them. An error chunk, a cut stream or one over 32 MiB ends it with that
+/// error. OpenRouter's stream and the fronted model servers' (vLLM, Ollama, llama.cpp) are
+/// read by this one loop.
+pub async fn read_events(
+    mut response: reqwest::Response,
+    redact: impl Fn(String) -> String,
+    mut on_chunk: impl FnMut(Value) + Send,
+) -> Result<Value, CloudError> {
+    let (mut lines, mut whole, mut read) = (Lines::default(), Assembled::default(), 0usize);
+    loop {
+        let Some(bytes) = response
+            .chunk()
+            .await
+            .map_err(super::openrouter::transport)?
+        else {
+            // The upstream closed without `[DONE]`: what came is the answer if it ended
+            // with a finish reason; else the stream was cut.
+            if whole.finish_reason.is_some() {
+                break;
+            }
+            return Err(CloudError::BadResponse {
+                message: "the stream ended before the completion finished".into(),
+            });
+        };
+        read = read.saturating_add(bytes.len());
+        if read > MAX_STREAM_BYTES {
+            return Err(CloudError::BadResponse {
+                message: format!("the stream is longer than {MAX_STREAM_BYTES} bytes"),
+            });
+        }
+        let mut done = false;
+        for line in lines.feed(&bytes)? {
+            match parse_line(&redact(line))? {
+                SseLine::Chunk(chunk) => {
+                    if let Some(e) = chunk_error(&chunk) {
+                        return Err(e);
+                    }
+                    whole.add(&chunk);
+                    on_chunk(chunk);
+                }
+                SseLine::Done => done = true,
+                SseLine::Nothing => {}
+            }
+        }
+        if done {
+            break;
+        }
+    }
+    Ok(whole.finish())
 }
 
 #[cfg(test)]

@@ -186,7 +186,8 @@ impl OpenRouterClient {
         }
         let body = embed_body(route, texts, dimensions, input_type);
         let value = self.post("/embeddings", &body, &route.key()).await?;
-        let vectors = parse_embeddings(&value, texts.len(), dimensions.unwrap_or(route_dims))?;
+        let vectors =
+            parse_embeddings(&value, texts.len(), Some(dimensions.unwrap_or(route_dims)))?;
         Ok(Embedded {
             vectors,
             tokens: parse_tokens(&value),

@@ -98,7 +98,7 @@ pub(super) fn chat_body(route: &CloudRoute, body: Value) -> Result<Value, CloudE
 }
 
 /// `usage.total_tokens`, else `usage.prompt_tokens`, else 0.
-pub(super) fn parse_tokens(value: &Value) -> u64 {
+pub fn parse_tokens(value: &Value) -> u64 {
     let usage = value.get("usage");
     let field = |key: &str| usage.and_then(|u| u.get(key)).and_then(Value::as_u64);
     field("total_tokens")
@@ -107,11 +107,12 @@ pub(super) fn parse_tokens(value: &Value) -> u64 {
 }
 
 /// The `data[]` of an embeddings response in input order: exactly `expected` vectors (by
-/// `index`, or position when absent), each `dims` wide and finite.
-pub(super) fn parse_embeddings(
+/// `index`, or position when absent), each `dims` wide (or, without `dims`, as wide as the
+/// first) and finite.
+pub fn parse_embeddings(
     body: &Value,
     expected: usize,
-    dims: usize,
+    dims: Option<usize>,
 ) -> Result<Vec<Vec<f32>>, CloudError> {
     let data = body
         .get("data")
@@ -124,6 +125,7 @@ pub(super) fn parse_embeddings(
         )));
     }
     let mut slots: Vec<Option<Vec<f32>>> = vec![None; expected];
+    let mut width = dims;
     for (position, item) in data.iter().enumerate() {
         let index = match item.get("index") {
             None => position,
@@ -142,9 +144,10 @@ pub(super) fn parse_embeddings(
         }
         let vector = decode_embedding(item.get("embedding"))
             .map_err(|why| bad(format!("embedding {index}: {why}")))?;
-        if vector.len() != dims {
+        let dims = *width.get_or_insert(vector.len());
+        if vector.len() != dims || dims == 0 {
             return Err(bad(format!(
-                "embedding {index} has {} dims, the route has {dims}",
+                "embedding {index} has {} dims where {dims} are expected",
                 vector.len()
             )));
         }
@@ -370,7 +373,7 @@ mod tests {
             {"object": "embedding", "index": 1, "embedding": encoded},
             {"object": "embedding", "index": 0, "embedding": [0.5, 0.0, -1.0]},
         ], "usage": {"prompt_tokens": 7, "total_tokens": 7}});
-        let vectors = parse_embeddings(&body, 2, 3).unwrap();
+        let vectors = parse_embeddings(&body, 2, Some(3)).unwrap();
         assert_eq!(vectors, vec![vec![0.5, 0.0, -1.0], vec![1.0, -2.5, 0.25]]);
         assert_eq!(parse_tokens(&body), 7);
         assert_eq!(parse_tokens(&json!({"usage": {"prompt_tokens": 4}})), 4);
@@ -378,29 +381,29 @@ mod tests {
 
         let wrong_count = json!({"data": [{"index": 0, "embedding": [1.0, 2.0, 3.0]}]});
         assert!(matches!(
-            parse_embeddings(&wrong_count, 2, 3),
+            parse_embeddings(&wrong_count, 2, Some(3)),
             Err(CloudError::BadResponse { .. })
         ));
         let wrong_dims = json!({"data": [{"index": 0, "embedding": [1.0, 2.0]}]});
-        assert!(parse_embeddings(&wrong_dims, 1, 3).is_err());
+        assert!(parse_embeddings(&wrong_dims, 1, Some(3)).is_err());
         let twice = json!({"data": [
             {"index": 0, "embedding": [1.0, 2.0, 3.0]},
             {"index": 0, "embedding": [1.0, 2.0, 3.0]},
         ]});
-        assert!(parse_embeddings(&twice, 2, 3).is_err());
+        assert!(parse_embeddings(&twice, 2, Some(3)).is_err());
         let out_of_range = json!({"data": [{"index": 5, "embedding": [1.0, 2.0, 3.0]}]});
-        assert!(parse_embeddings(&out_of_range, 1, 3).is_err());
+        assert!(parse_embeddings(&out_of_range, 1, Some(3)).is_err());
         let not_numbers = json!({"data": [{"index": 0, "embedding": [1.0, "x", 3.0]}]});
-        assert!(parse_embeddings(&not_numbers, 1, 3).is_err());
+        assert!(parse_embeddings(&not_numbers, 1, Some(3)).is_err());
         let overflow = json!({"data": [{"index": 0, "embedding": [1.0, 1e300, 3.0]}]});
-        assert!(parse_embeddings(&overflow, 1, 3).is_err());
+        assert!(parse_embeddings(&overflow, 1, Some(3)).is_err());
         let nan = base64::engine::general_purpose::STANDARD.encode(f32::NAN.to_le_bytes());
         assert!(decode_embedding(Some(&json!(nan))).is_err());
         assert!(
             decode_embedding(Some(&json!("AAAAAAA="))).is_err(),
             "5 bytes"
         );
-        assert!(parse_embeddings(&json!({"error": "x"}), 1, 3).is_err());
+        assert!(parse_embeddings(&json!({"error": "x"}), 1, Some(3)).is_err());
     }
 
     #[test]

@@ -14,6 +14,10 @@
 //! pipeline_depth = 2
 //! ```
 //!
+//! Model servers the operator already runs (vLLM, Ollama, llama.cpp, TEI, any OpenAI-compatible
+//! server) are fronted, not reimplemented: one `[[local_server]]` table each
+//! ([`super::local_server`]). Masters see each as a container, the hub as a local provider.
+//!
 //! Cloud routes need no table: a config push with a key creates them. `openrouter_url`
 //! (default `https://openrouter.ai/api/v1`) and `cloud_pipeline_depth` (default 8) tune them.
 //!
@@ -40,6 +44,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
+use super::local_server::LocalServerConfig;
 use super::model::ModelChoice;
 use super::tokens::TokenError;
 use crate::roles::Role;
@@ -91,6 +96,12 @@ pub struct AgentConfig {
     /// Local models; none is fine (the agent then serves cloud routes only, after a push).
     #[serde(default)]
     pub models: Vec<ServedModel>,
+    /// Model servers on this host the agent fronts (`[[local_server]]` tables).
+    #[serde(default, rename = "local_server")]
+    pub local_servers: Vec<LocalServerConfig>,
+    /// The `systemctl` a declared server's `unit` is started and stopped with.
+    #[serde(default = "default_systemctl")]
+    pub systemctl: PathBuf,
 }
 
 /// One Fantom master: where its relay is (`ws://<host of server_url>:<ws_port>/sidecar`).
@@ -135,6 +146,9 @@ pub struct ServedModel {
     pub model: ModelChoice,
 }
 
+fn default_systemctl() -> PathBuf {
+    PathBuf::from("systemctl")
+}
 fn default_drain_s() -> u64 {
     30
 }
@@ -207,9 +221,13 @@ impl AgentConfig {
             if *port == 0 {
                 return Err(format!("role_ports: {role} = 0"));
             }
-            if !cfg.models.iter().any(|m| m.roles.contains(role)) {
+            let by_server = cfg
+                .local_servers
+                .iter()
+                .any(|s| s.role.hub_role() == Some(*role) && role.is_embedding());
+            if !cfg.models.iter().any(|m| m.roles.contains(role)) && !by_server {
                 return Err(format!(
-                    "role_ports: {role} has a port but no [[models]] table serves it"
+                    "role_ports: {role} has a port but no [[models]] table or embedding [[local_server]] serves it"
                 ));
             }
         }
@@ -244,6 +262,23 @@ impl AgentConfig {
                 return Err(format!(
                     "fantom_master server_url '{}' is listed twice",
                     m.server_url
+                ));
+            }
+        }
+        let mut served = std::collections::BTreeSet::new();
+        for server in &cfg.local_servers {
+            server.check()?;
+            let key = server.role.container_key();
+            if !served.insert(key) {
+                return Err(format!(
+                    "two [[local_server]] tables serve {key}; keep one per role"
+                ));
+            }
+            if let Some(role) = server.role.hub_role()
+                && cfg.models.iter().any(|m| m.roles.contains(&role))
+            {
+                return Err(format!(
+                    "role {role} is served by a [[models]] table and a [[local_server]]; keep one per agent (run the other on an agent of its own)"
                 ));
             }
         }
@@ -350,6 +385,41 @@ mod tests {
         assert!(bad(
             "agent_url = \"10.0.0.5:8098\"\n[[fantom_master]]\nserver_url = \"http://h\""
         ));
+    }
+
+    #[test]
+    fn local_servers_are_one_per_role_and_never_beside_a_model_of_their_role() {
+        let server = |role: &str| {
+            format!(
+                "\n[[local_server]]\nrole = \"{role}\"\nurl = \"http://127.0.0.1:8100\"\nmodel = \"m\"\nkind = \"vllm\"\n"
+            )
+        };
+        let top = "hub_url = \"ws://h/v1/agent\"\n";
+        let cfg =
+            AgentConfig::parse(&format!("{top}{}{}", server("rlm"), server("completion"))).unwrap();
+        assert_eq!(cfg.local_servers.len(), 2);
+        assert_eq!(cfg.systemctl, PathBuf::from("systemctl"));
+        let twice = AgentConfig::parse(&format!("{top}{}{}", server("rlm"), server("rlm-sandbox")));
+        assert!(twice.unwrap_err().contains("two [[local_server]]"));
+        let beside = AgentConfig::parse(&format!(
+            "{top}[[models]]\nroles = [\"embedding\"]\nmodel = \"x\"\n{}",
+            server("embedding")
+        ));
+        assert!(beside.unwrap_err().contains("keep one per agent"));
+        // A role port may serve a fronted embedding server.
+        let ported = AgentConfig::parse(&format!(
+            "{top}[role_ports]\nembedding = 11434\n{}",
+            server("embedding")
+        ));
+        assert!(ported.is_ok(), "{ported:?}");
+        let chat_port = AgentConfig::parse(&format!(
+            "{top}[role_ports]\ncode-assistant = 11434\n{}",
+            server("completion")
+        ));
+        assert!(
+            chat_port.is_err(),
+            "the master calls a chat server's own port"
+        );
     }
 
     #[test]

@@ -1,11 +1,15 @@
 //! The agent's local roles as the "containers" a Fantom master knows (`ss-embedding`,
-//! `ss-code-embedding`, `ss-reranker`): what each serves, on which port, whether it is loaded,
-//! and the `start`/`stop`/`acquire`/`release` actions on it (§2.2, §3.1).
+//! `ss-code-embedding`, `ss-reranker`, `ss-rlm`, `ss-completion`): what each serves, on which
+//! port, whether it is up, and the `start`/`stop`/`acquire`/`release` actions on it (§2.2,
+//! §3.1).
 //!
-//! Each container holds the [`Provider`] of its role (a candle engine) and the `[[models]]`
-//! table it came from, so `stop` can unload the model and `start` load it again. When a hub
-//! session shares the provider, the engine stays loaded until both let go of it; the answer
-//! says so. The role endpoints ([`super::role_api`]) and nothing else call the providers here.
+//! A [`LocalContainer`] is an embedding or reranker role the role endpoints
+//! ([`super::role_api`]) answer: a candle engine with the `[[models]]` table it came from (so
+//! `stop` can unload the model and `start` load it again; when a hub session shares the
+//! provider, the engine stays loaded until both let go of it, and the answer says so), or a
+//! fronted embedding server (`running` while it answers; `start`/`stop` act on its unit). A
+//! chat server (the RLM's vLLM, Ollama's completion) is a [`ServerContainer`]: the master
+//! calls its own port directly.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -13,9 +17,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use serde::Serialize;
 
 pub use super::frames::ContainerVerb;
+pub use super::server_container::ServerContainer;
 use super::status::{Container, ContainerConfig, ContainerKind, LoadedModel, RoleActivity};
+use crate::agent::local_server::{LocalServer, LocalServers, UnitError};
 use crate::agent::provider::{LocalProvider, Provider};
 use crate::config::agent::ServedModel;
+use crate::config::local_server::ServerKind;
 use crate::hub::now_ms;
 use crate::model_spec::Task;
 use crate::roles::{Op, Role};
@@ -27,7 +34,7 @@ pub enum ContainerError {
     NoContainer(String),
     #[error("model mismatch: the {role} container serves {serves}, not {requested}")]
     ModelMismatch {
-        role: Role,
+        role: String,
         serves: String,
         requested: String,
     },
@@ -35,6 +42,9 @@ pub enum ContainerError {
     Stopped(Role),
     #[error("the {role} model cannot be loaded again: {message}")]
     Load { role: Role, message: String },
+    /// A fronted server's unit: none named, or `systemctl` failed.
+    #[error(transparent)]
+    Unit(#[from] UnitError),
 }
 
 /// The answer to a container action: `{ok, role, model, status}`.
@@ -42,7 +52,8 @@ pub enum ContainerError {
 #[serde(rename_all = "camelCase")]
 pub struct ActionReport {
     pub ok: bool,
-    pub role: Role,
+    /// The container's role key (`embedding`, `rlm`, ...).
+    pub role: String,
     pub model: String,
     /// `running` or `exited`.
     pub status: &'static str,
@@ -58,13 +69,20 @@ pub struct LocalContainer {
     pub model: String,
     /// The port its role endpoints answer on (`config.port`).
     pub port: u16,
-    /// The engine's device (`cpu`, `cuda:0`).
+    /// The engine's device (`cpu`, `cuda:0`; `server` for a fronted one).
     pub device: String,
-    /// The table it was loaded from (to load it again after a `stop`).
-    served: Option<ServedModel>,
+    source: Source,
     /// A hub session holds the same provider.
     shared_with_hub: bool,
     state: Mutex<ContainerState>,
+}
+
+/// What serves a local container.
+enum Source {
+    /// A candle engine, and the table it was loaded from (to load it again after a `stop`).
+    Model(Option<ServedModel>),
+    /// A fronted embedding server.
+    Server(Arc<LocalServer>),
 }
 
 #[derive(Default)]
@@ -93,22 +111,25 @@ impl LocalContainer {
     }
 
     pub fn is_running(&self) -> bool {
-        self.lock().provider.is_some()
+        match &self.source {
+            Source::Server(server) => server.is_up(),
+            Source::Model(_) => self.lock().provider.is_some(),
+        }
     }
 
     /// Whether `requested` names this container's model (Ollama's `:latest` tag is ignored).
     pub fn serves(&self, requested: &str) -> bool {
-        let requested = requested.trim();
-        requested == self.model || requested.strip_suffix(":latest") == Some(self.model.as_str())
+        crate::agent::local_server::api::ollama_same(requested, &self.model)
     }
 
     /// The provider for one call, counted as active until the guard drops.
     pub fn begin(&self) -> Result<(Arc<dyn Provider>, ActiveCall<'_>), ContainerError> {
         let mut state = self.lock();
-        let provider = state
-            .provider
-            .clone()
-            .ok_or(ContainerError::Stopped(self.role))?;
+        let provider = match &self.source {
+            Source::Server(server) => server.provider(),
+            Source::Model(_) => state.provider.clone(),
+        }
+        .ok_or(ContainerError::Stopped(self.role))?;
         state.active_requests += 1;
         drop(state);
         Ok((provider, ActiveCall { container: self }))
@@ -117,7 +138,7 @@ impl LocalContainer {
     fn report(&self, still_loaded_for_hub: bool) -> ActionReport {
         ActionReport {
             ok: true,
-            role: self.role,
+            role: self.role.to_string(),
             model: self.model.clone(),
             status: if self.is_running() {
                 Container::RUNNING
@@ -131,23 +152,24 @@ impl LocalContainer {
     /// The master's view of this container.
     pub fn container(&self) -> Container {
         let running = self.is_running();
-        // Ollama's `/api/embed` for embedders, vLLM's `/v1/rerank` for the reranker.
-        let kind = if self.role == Role::Reranker {
-            ContainerKind::Vllm
-        } else {
-            ContainerKind::Ollama
+        // Ollama's `/api/embed` for embedders, vLLM's `/v1/rerank` for the reranker (a fronted
+        // server's API is ours to answer here: masters call the agent's port for it).
+        let kind = match &self.source {
+            Source::Server(server) => container_kind(server.config.kind),
+            Source::Model(_) if self.role == Role::Reranker => ContainerKind::Vllm,
+            Source::Model(_) => ContainerKind::Ollama,
         };
-        let on_gpu = self.device != "cpu";
-        let loaded_models = if running {
-            vec![LoadedModel {
+        let on_gpu = self.device.starts_with("cuda");
+        let loaded_models = match &self.source {
+            _ if !running => Vec::new(),
+            Source::Server(_) => vec![LoadedModel::named(&self.model)],
+            Source::Model(_) => vec![LoadedModel {
                 name: self.model.clone(),
                 size: None,
                 gpu_percent: Some(if on_gpu { 100 } else { -1 }),
                 processor: Some(if on_gpu { "GPU" } else { "CPU" }.to_string()),
                 until: None,
-            }]
-        } else {
-            Vec::new()
+            }],
         };
         Container {
             name: format!("ss-{}", self.role),
@@ -184,23 +206,51 @@ impl LocalContainer {
     }
 }
 
+/// A master's `type` for a server kind: it offers Pull buttons for `ollama` only.
+pub fn container_kind(kind: ServerKind) -> ContainerKind {
+    match kind {
+        ServerKind::Ollama => ContainerKind::Ollama,
+        _ => ContainerKind::Vllm,
+    }
+}
+
+/// What `start`/`acquire` (start it when down) and `stop` do to a fronted server's unit.
+pub(super) async fn act_on_server(
+    server: &LocalServer,
+    verb: ContainerVerb,
+) -> Result<(), ContainerError> {
+    match verb {
+        ContainerVerb::Start | ContainerVerb::Acquire if !server.is_up() => {
+            server.control("start").await?;
+        }
+        ContainerVerb::Stop => {
+            server.control("stop").await?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
 /// Every local role of this agent.
 #[derive(Default)]
 pub struct Containers {
     all: Vec<LocalContainer>,
+    servers: Vec<ServerContainer>,
 }
 
 impl Containers {
-    /// One container per local embedding or reranker provider. `tables` are the `[[models]]`
-    /// the providers came from; `ports` the role ports (else `agent_port`).
+    /// One container per local embedding or reranker provider, and one per fronted server.
+    /// `tables` are the `[[models]]` the providers came from; `ports` the role ports (else
+    /// `agent_port`, where an embedding server is answered too).
     pub fn new(
         providers: &[Arc<dyn Provider>],
         tables: &[ServedModel],
+        servers: &LocalServers,
         ports: &BTreeMap<Role, u16>,
         agent_port: u16,
         shared_with_hub: bool,
     ) -> Self {
-        let all = providers
+        let mut all: Vec<LocalContainer> = providers
             .iter()
             .filter(|p| matches!(p.info().role.op(), Op::Embed | Op::Rerank))
             .map(|p| {
@@ -210,10 +260,12 @@ impl Containers {
                     model: info.model.clone(),
                     port: ports.get(&info.role).copied().unwrap_or(agent_port),
                     device: info.device.clone().unwrap_or_else(|| "cpu".into()),
-                    served: tables
-                        .iter()
-                        .find(|t| t.roles.contains(&info.role))
-                        .cloned(),
+                    source: Source::Model(
+                        tables
+                            .iter()
+                            .find(|t| t.roles.contains(&info.role))
+                            .cloned(),
+                    ),
                     shared_with_hub,
                     state: Mutex::new(ContainerState {
                         provider: Some(p.clone()),
@@ -222,11 +274,42 @@ impl Containers {
                 }
             })
             .collect();
-        Containers { all }
+        let mut chat = Vec::new();
+        for server in servers.iter() {
+            match server.config.role.hub_role() {
+                Some(role) if role.is_embedding() => all.push(LocalContainer {
+                    role,
+                    model: server.config.model.clone(),
+                    port: ports.get(&role).copied().unwrap_or(agent_port),
+                    device: "server".into(),
+                    source: Source::Server(server.clone()),
+                    shared_with_hub: false,
+                    state: Mutex::default(),
+                }),
+                _ => chat.push(ServerContainer::new(server.clone())),
+            }
+        }
+        Containers { all, servers: chat }
     }
 
+    /// The embedding and reranker containers (the role endpoints answer them).
     pub fn iter(&self) -> impl Iterator<Item = &LocalContainer> {
         self.all.iter()
+    }
+
+    /// Every container's name (`ss-<role>`), as `register` lists them.
+    pub fn names(&self) -> Vec<String> {
+        let servers = self.servers.iter().map(|s| s.key().to_string());
+        let roles = self.all.iter().map(|c| c.role.to_string());
+        servers
+            .chain(roles)
+            .map(|key| format!("ss-{key}"))
+            .collect()
+    }
+
+    /// The chat servers masters call directly.
+    pub fn servers(&self) -> impl Iterator<Item = &ServerContainer> {
+        self.servers.iter()
     }
 
     /// The container of a role name as the master writes it.
@@ -259,15 +342,29 @@ impl Containers {
         role: &str,
         model: Option<&str>,
     ) -> Result<ActionReport, ContainerError> {
+        if let Some(server) = self.servers.iter().find(|s| s.key() == role) {
+            return server.act(verb, model).await;
+        }
         let container = self.by_role(role)?;
         if let Some(requested) = model.filter(|m| !m.trim().is_empty())
             && !container.serves(requested)
         {
             return Err(ContainerError::ModelMismatch {
-                role: container.role,
+                role: container.role.to_string(),
                 serves: container.model.clone(),
                 requested: requested.to_string(),
             });
+        }
+        if let Source::Server(server) = &container.source {
+            act_on_server(server, verb).await?;
+            let mut state = container.lock();
+            match verb {
+                ContainerVerb::Acquire => state.last_acquire_ms = Some(now_ms()),
+                ContainerVerb::Release => state.last_release_ms = Some(now_ms()),
+                _ => {}
+            }
+            drop(state);
+            return Ok(container.report(false));
         }
         match verb {
             ContainerVerb::Start | ContainerVerb::Acquire => {
@@ -302,7 +399,7 @@ async fn load(container: &LocalContainer) -> Result<Arc<dyn Provider>, Container
         role: container.role,
         message,
     };
-    let Some(served) = &container.served else {
+    let Source::Model(Some(served)) = &container.source else {
         return Err(fail("no [[models]] table to load it from".into()));
     };
     let task = match container.role.op() {

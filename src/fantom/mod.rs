@@ -28,7 +28,9 @@
 //! * [`snapshot`]: the agent's identity for masters ([`snapshot::RelayContext`]) and the
 //!   `statusData` built from it, the containers and the slots.
 //! * [`containers`]: the local roles as the containers a master knows, with `start`/`stop`/
-//!   `acquire`/`release`.
+//!   `acquire`/`release` (a candle model, or a fronted embedding server).
+//! * [`server_container`]: a fronted chat server (the RLM's vLLM, Ollama's completion) as its
+//!   container; the master calls its own port.
 //! * [`commands`]: the answers to the relay's commands (the virtual commands on the slot's
 //!   key and pinned models; the container actions).
 //! * [`sidecar`]: all of the above for one agent, and its relay loops.
@@ -40,6 +42,7 @@ pub mod containers;
 pub mod frames;
 pub mod http;
 pub mod relay;
+pub mod server_container;
 pub mod sidecar;
 pub mod slots;
 pub mod snapshot;

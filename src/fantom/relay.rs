@@ -222,11 +222,7 @@ async fn session(
     send(&SidecarFrame::Register(Register {
         agent_url: ctx.agent_url.clone(),
         hostname: Some(ctx.hostname.clone()),
-        containers: sidecar
-            .containers
-            .iter()
-            .map(|c| format!("ss-{}", c.role))
-            .collect(),
+        containers: sidecar.containers.names(),
     }));
     let register_deadline = tokio::time::sleep(REGISTER_TIMEOUT);
     tokio::pin!(register_deadline);

@@ -37,6 +37,10 @@ pub fn status_data(
     let mut by_role = BTreeMap::new();
     let mut roles = BTreeMap::new();
     let mut gpus: Vec<Gpu> = Vec::new();
+    for s in containers.servers() {
+        by_role.insert(s.key().to_string(), s.container());
+        roles.insert(s.key().to_string(), s.activity());
+    }
     for c in containers.iter() {
         by_role.insert(c.role.as_str().to_string(), c.container());
         roles.insert(c.role.as_str().to_string(), c.activity());
@@ -126,6 +130,7 @@ mod tests {
             max_batch_items: 16,
             max_batch_tokens: 1024,
             score_activation: None,
+            server: None,
         }))
     }
 
@@ -142,7 +147,7 @@ mod tests {
             described(Role::CodeAssistant, "never-local", "cpu"),
         ];
         let ports = [(Role::Reranker, 8099)].into_iter().collect();
-        let containers = Containers::new(&providers, &[], &ports, 8098, false);
+        let containers = Containers::new(&providers, &[], &Default::default(), &ports, 8098, false);
         let masters = [FantomMaster {
             server_url: "http://10.0.0.2:3848".into(),
             ws_port: None,

@@ -136,6 +136,19 @@ pub struct LoadedModel {
     pub until: Option<String>,
 }
 
+impl LoadedModel {
+    /// A model by name only (a fronted server does not say where it runs).
+    pub fn named(name: &str) -> Self {
+        LoadedModel {
+            name: name.to_string(),
+            size: None,
+            gpu_percent: None,
+            processor: None,
+            until: None,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RoleActivity {

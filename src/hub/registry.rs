@@ -44,6 +44,9 @@ pub struct ModelOrigin {
     pub revision: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub upstream: Option<String>,
+    /// The kind of model server a local provider fronts (`vllm`, `ollama`, ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server: Option<String>,
 }
 
 impl ModelOrigin {
@@ -53,6 +56,7 @@ impl ModelOrigin {
             model: info.model.clone(),
             revision: info.revision.clone(),
             upstream: info.upstream.clone(),
+            server: info.server.clone(),
         }
     }
 }
@@ -145,15 +149,17 @@ impl ProviderEntry {
                 model: info.model.clone(),
                 revision: info.revision.clone(),
                 upstream: info.upstream.clone(),
-                regime: match info.backend {
-                    Backend::Cloud => "cloud".to_string(),
-                    Backend::Local => {
+                regime: match (info.backend, &info.server) {
+                    (Backend::Cloud, _) => "cloud".to_string(),
+                    (Backend::Local, Some(kind)) => format!("server/{kind}"),
+                    (Backend::Local, None) => {
                         let device = info.device.as_deref().unwrap_or("?");
                         let kind = device.split(':').next().unwrap_or(device);
                         format!("{}/{kind}", info.dtype.as_deref().unwrap_or("?"))
                     }
                 },
                 dims: info.dims,
+                fronted: info.server.is_some(),
                 healthy: true,
             });
         let scorer = ScorerRef::of(&info).map(Arc::new);
@@ -250,6 +256,7 @@ mod tests {
             max_batch_items: 8,
             max_batch_tokens: 1024,
             score_activation: Some(ScoreActivation::Sigmoid),
+            server: None,
         }
     }
 

@@ -197,6 +197,7 @@ mod tests {
             max_batch_items: 64,
             max_batch_tokens: 16384,
             score_activation: None,
+            server: None,
         }
     }
 

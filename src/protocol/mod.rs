@@ -173,6 +173,12 @@ pub struct ProviderInfo {
     /// scored on one scale only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub score_activation: Option<ScoreActivation>,
+    /// A model server this agent fronts rather than runs (`vllm`, `ollama`, `llama-cpp`,
+    /// `tei`, `openai`): local (nothing leaves the host), but its weights are not ours to
+    /// pin, so an embedding server never founds a space unless the operator names it the
+    /// gate's reference.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server: Option<String>,
 }
 
 /// A compute device and its memory (absent where the backend cannot tell).
@@ -396,6 +402,22 @@ pub struct EmbedInput {
     /// The instruction of instruction-aware models.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instruction: Option<String>,
+}
+
+impl EmbedInput {
+    /// The texts as a model behind an API takes them: a query of an instruction-aware model
+    /// carries the instruction in its text (Qwen3-Embedding's query format, as the local
+    /// encoder applies it).
+    pub fn instructed_texts(self) -> Vec<String> {
+        match (&self.instruction, self.is_query) {
+            (Some(task), true) => self
+                .texts
+                .iter()
+                .map(|t| format!("Instruct: {task}\nQuery:{t}"))
+                .collect(),
+            _ => self.texts,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

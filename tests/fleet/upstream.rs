@@ -688,7 +688,7 @@ fn fnv(parts: &[&[u8]]) -> u64 {
     h
 }
 
-fn normalise(mut v: Vec<f32>) -> Vec<f32> {
+pub fn normalise(mut v: Vec<f32>) -> Vec<f32> {
     let n = v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
     if n > 0.0 {
         for x in &mut v {
@@ -712,7 +712,7 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 }
 
 /// `c·v + sqrt(1−c²)·u`, `u` a deterministic unit vector orthogonal to the unit vector `v`.
-fn perturb(v: &[f32], c: f32, seed: u64) -> Vec<f32> {
+pub fn perturb(v: &[f32], c: f32, seed: u64) -> Vec<f32> {
     let c = f64::from(c).clamp(-1.0, 1.0);
     let v64: Vec<f64> = v.iter().map(|x| f64::from(*x)).collect();
     let mut rng = StdRng::seed_from_u64(seed);

@@ -15,6 +15,7 @@ use serde_json::json;
 
 use super::access::{Caller, not_yours};
 use super::{error, json_body};
+use crate::agent::local_server::UnitError;
 use crate::fantom::containers::{ContainerError, ContainerVerb};
 use crate::fantom::frames::ContainerAction;
 use crate::fantom::sidecar::Sidecar;
@@ -176,6 +177,8 @@ async fn act(sidecar: &Sidecar, caller: &Caller, verb: ContainerVerb, body: &[u8
                 ContainerError::ModelMismatch { .. } => StatusCode::CONFLICT,
                 ContainerError::Stopped(_) => StatusCode::SERVICE_UNAVAILABLE,
                 ContainerError::Load { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+                ContainerError::Unit(UnitError::Unmanaged(_)) => StatusCode::CONFLICT,
+                ContainerError::Unit(UnitError::Failed { .. }) => StatusCode::BAD_GATEWAY,
             };
             error(status, e.to_string()).into_response()
         }

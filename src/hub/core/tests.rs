@@ -24,6 +24,7 @@ fn provider(id: &str, role: Role, model: &str, max_items: usize) -> ProviderInfo
         max_batch_tokens: 1 << 20,
         score_activation: (role.op() == Op::Rerank)
             .then_some(crate::protocol::ScoreActivation::Sigmoid),
+        server: None,
     }
 }
 

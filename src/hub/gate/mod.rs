@@ -123,6 +123,8 @@ pub struct Candidate {
     /// dtype and device kind (local), or `cloud`.
     pub regime: String,
     pub dims: Option<usize>,
+    /// A model server the agent fronts: never the reference unless the operator names it.
+    pub fronted: bool,
     pub healthy: bool,
 }
 
@@ -302,17 +304,15 @@ impl Gate {
                 .filter(|c| c.backend == Backend::Cloud)
                 .collect();
         }
-        let locals: Vec<&Candidate> = cands
+        let locals = cands
             .iter()
             .copied()
-            .filter(|c| c.backend == Backend::Local && c.healthy)
-            .collect();
+            .filter(|c| c.backend == Backend::Local && c.healthy);
         match &self.settings.reference {
-            Some(named) => locals
-                .into_iter()
-                .filter(|c| &c.provider == named)
-                .collect(),
-            None => locals,
+            Some(named) => locals.filter(|c| &c.provider == named).collect(),
+            // A fronted server's bytes are not ours to pin: it is judged against a space,
+            // never the one that founds it, unless the operator named it.
+            None => locals.filter(|c| !c.fronted).collect(),
         }
     }
 

@@ -13,6 +13,7 @@ mod basics {
             upstream: (backend == Backend::Cloud).then(|| "deepinfra/bf16".to_string()),
             regime: "f32/cpu".into(),
             dims: Some(3),
+            fronted: false,
             healthy: true,
         }
     }
@@ -65,6 +66,38 @@ mod basics {
             .iter()
             .all(|p| p.provider != "b/cloud:embedding:1")
         );
+    }
+
+    #[test]
+    fn a_fronted_server_never_founds_a_space_unless_named_the_reference() {
+        let t = Instant::now();
+        let mut server = cand("h/server:embedding", Backend::Local, "tei-m");
+        server.fronted = true;
+        let ours = cand("z/embedding", Backend::Local, "m");
+        // Alone, it founds nothing (and so serves nothing).
+        let mut g = gate();
+        assert!(tick(&mut g, t, std::slice::from_ref(&server), Policy::Local).is_empty());
+        assert!(g.serving_space(&server).is_none());
+        // Beside our own model it sorts first, yet our model is the reference.
+        let cands = [server.clone(), ours.clone()];
+        let first = tick(&mut g, t, &cands, Policy::Local);
+        assert_eq!(first.len(), 1);
+        assert_eq!(first[0].provider, "z/embedding");
+        g.on_result(&first[0].probe, Ok(vectors(1.0)), t);
+        let second = tick(&mut g, t, &cands, Policy::Local);
+        assert_eq!(second[0].provider, "h/server:embedding");
+        g.on_result(&second[0].probe, Ok(vectors(0.97)), t);
+        assert!(g.serving_space(&server).is_none(), "judged, and refused");
+        // Named by the operator, it is the reference.
+        let settings = GateSettings {
+            reference: Some("h/server:embedding".into()),
+            ..Default::default()
+        };
+        let mut g = Gate::new(settings, BTreeMap::new());
+        let p = tick(&mut g, t, std::slice::from_ref(&server), Policy::Local);
+        assert_eq!(p[0].provider, "h/server:embedding");
+        g.on_result(&p[0].probe, Ok(vectors(1.0)), t);
+        assert_eq!(g.serving_space(&server), Some("embedding:tei-m:3"));
     }
 
     #[test]
