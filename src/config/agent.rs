@@ -197,7 +197,10 @@ impl AgentConfig {
         text: &str,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Self, String> {
-        let mut cfg: AgentConfig = toml::from_str(text).map_err(|e| e.to_string())?;
+        // The parser quotes the offending line: a key typed into a wrong field (`api_key`
+        // for `api_key_file`) must not be echoed, so quoted values are withheld.
+        let mut cfg: AgentConfig =
+            toml::from_str(text).map_err(|e| crate::secret::redact(&e.to_string()))?;
         for master in env_masters(
             env("SIDECAR_MASTERS").as_deref(),
             env("MASTER_URL").as_deref(),
@@ -419,6 +422,22 @@ mod tests {
         assert!(
             chat_port.is_err(),
             "the master calls a chat server's own port"
+        );
+
+        // A key typed where it does not belong is refused and never echoed.
+        let key = "sk-or-v1-0123456789abcdef0123456789abcdef";
+        let wrong_field =
+            AgentConfig::parse(&format!("{top}{}api_key = \"{key}\"\n", server("rlm")))
+                .unwrap_err();
+        assert!(
+            wrong_field.contains("api_key_file") && !wrong_field.contains(key),
+            "{wrong_field}"
+        );
+        let as_model = server("rlm").replace("\"m\"", &format!("\"{key}\""));
+        let as_model = AgentConfig::parse(&format!("{top}{as_model}")).unwrap_err();
+        assert!(
+            as_model.contains("looks like a key") && !as_model.contains(key),
+            "{as_model}"
         );
     }
 

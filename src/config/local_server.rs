@@ -200,6 +200,19 @@ impl LocalServerConfig {
     /// Checks one table on its own.
     pub fn check(&self) -> Result<(), String> {
         let name = self.role.container_key();
+        // Never kept, shown or echoed: a key belongs in api_key_file.
+        let unit = self.unit.as_deref().unwrap_or_default();
+        for (field, value) in [
+            ("url", self.url.as_str()),
+            ("model", &self.model),
+            ("unit", unit),
+        ] {
+            if crate::secret::holds_key(value, &[]) {
+                return Err(format!(
+                    "local_server {name}: {field} looks like a key or token; put a server's key in api_key_file"
+                ));
+            }
+        }
         let url = reqwest::Url::parse(self.base_url())
             .map_err(|e| format!("local_server {name}: url '{}': {e}", self.url))?;
         if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
