@@ -18,7 +18,7 @@ use serde::Serialize;
 
 pub use super::frames::ContainerVerb;
 pub use super::server_container::ServerContainer;
-use super::status::{Container, ContainerConfig, ContainerKind, LoadedModel, RoleActivity};
+use super::status::{Container, ContainerKind, LoadedModel, RoleActivity};
 use crate::agent::local_server::{LocalServer, LocalServers, UnitError};
 use crate::agent::provider::{LocalProvider, Provider};
 use crate::config::agent::ServedModel;
@@ -171,28 +171,14 @@ impl LocalContainer {
                 until: None,
             }],
         };
-        Container {
-            name: format!("ss-{}", self.role),
-            status: if running {
-                Container::RUNNING
-            } else {
-                Container::EXITED
-            }
-            .to_string(),
-            image: None,
-            model: Some(self.model.clone()),
-            kind: Some(kind),
-            config: ContainerConfig {
-                image: None,
-                model: Some(self.model.clone()),
-                port: self.port,
-                vram: None,
-                kind: Some(kind),
-                gpu_only: None,
-            },
+        Container::of(
+            self.role.as_str(),
+            running,
+            &self.model,
+            kind,
+            self.port,
             loaded_models,
-            exists: Some(true),
-        }
+        )
     }
 
     pub fn activity(&self) -> RoleActivity {

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::containers::{
     ActionReport, ContainerError, ContainerVerb, act_on_server, container_kind,
 };
-use super::status::{Container, ContainerConfig, LoadedModel, RoleActivity};
+use super::status::{Container, LoadedModel, RoleActivity};
 use crate::agent::local_server::LocalServer;
 use crate::agent::local_server::api::ollama_same;
 use crate::hub::now_ms;
@@ -45,27 +45,13 @@ impl ServerContainer {
         let cfg = &self.server.config;
         let kind = container_kind(cfg.kind);
         let running = self.server.is_up();
-        Container {
-            name: format!("ss-{}", self.key()),
-            status: self.status().to_string(),
-            image: None,
-            model: Some(cfg.model.clone()),
-            kind: Some(kind),
-            config: ContainerConfig {
-                image: None,
-                model: Some(cfg.model.clone()),
-                port: cfg.port().unwrap_or(80),
-                vram: None,
-                kind: Some(kind),
-                gpu_only: None,
-            },
-            loaded_models: if running {
-                vec![LoadedModel::named(&cfg.model)]
-            } else {
-                Vec::new()
-            },
-            exists: Some(true),
-        }
+        let loaded = if running {
+            vec![LoadedModel::named(&cfg.model)]
+        } else {
+            Vec::new()
+        };
+        let port = cfg.port().unwrap_or(80);
+        Container::of(self.key(), running, &cfg.model, kind, port, loaded)
     }
 
     pub fn activity(&self) -> RoleActivity {

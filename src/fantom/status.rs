@@ -86,6 +86,35 @@ pub struct Container {
 }
 
 impl Container {
+    /// The container `ss-<key>`: `running` or `exited`, its model and kind, and the port the
+    /// master sends its inference to.
+    pub fn of(
+        key: &str,
+        running: bool,
+        model: &str,
+        kind: ContainerKind,
+        port: u16,
+        loaded_models: Vec<LoadedModel>,
+    ) -> Container {
+        Container {
+            name: format!("ss-{key}"),
+            status: if running { Self::RUNNING } else { Self::EXITED }.to_string(),
+            image: None,
+            model: Some(model.to_string()),
+            kind: Some(kind),
+            config: ContainerConfig {
+                image: None,
+                model: Some(model.to_string()),
+                port,
+                vram: None,
+                kind: Some(kind),
+                gpu_only: None,
+            },
+            loaded_models,
+            exists: Some(true),
+        }
+    }
+
     pub const RUNNING: &'static str = "running";
     pub const EXITED: &'static str = "exited";
     pub const NOT_FOUND: &'static str = "not_found";

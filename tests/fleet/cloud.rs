@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use crate::support::{
-    HubProc, Proc, eventually, fake_provider, read_sse, start_agent_toml, streamed_content,
+    HubProc, Proc, eventually, fake_provider, start_agent_toml, streamed_content,
 };
 use crate::upstream::{Endpoint, EndpointKind, Upstream, UpstreamConfig};
 
@@ -184,14 +184,7 @@ async fn cloud_policy_serves_every_op_through_two_agents_without_local_models() 
     assert_eq!(body["provenance"]["model"], CHAT_MODEL);
     let mut streamed = chat.clone();
     streamed["stream"] = json!(true);
-    let r = hub
-        .http
-        .post(hub.url("/v1/chat/completions"))
-        .json(&streamed)
-        .send()
-        .await
-        .unwrap();
-    let events = read_sse(r).await;
+    let events = hub.post_events("/v1/chat/completions", &streamed).await;
     assert_eq!(
         events.last().map(String::as_str),
         Some("[DONE]"),

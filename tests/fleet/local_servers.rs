@@ -295,15 +295,7 @@ async fn chat_under_local_is_served_by_the_declared_server_and_nothing_leaves_th
 
     let mut streamed = chat.clone();
     streamed["stream"] = json!(true);
-    let r = hub
-        .http
-        .post(hub.url("/v1/chat/completions"))
-        .json(&streamed)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let events = read_sse(r).await;
+    let events = hub.post_events("/v1/chat/completions", &streamed).await;
     assert_eq!(
         events.last().map(String::as_str),
         Some("[DONE]"),

@@ -29,7 +29,7 @@ use serde_json::{Value, json};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
-use crate::upstream::{Embedder, normalise, perturb};
+use crate::upstream::{Embedder, embed_off_runtime, normalise, perturb};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Kind {
@@ -232,12 +232,7 @@ async fn vectors(s: &ServerState, texts: Vec<String>) -> Vec<Vec<f32>> {
         .embedded_texts
         .fetch_add(texts.len() as u64, Ordering::SeqCst);
     let clean: Vec<Vec<f32>> = match &s.cfg.embedder {
-        Some(e) => {
-            let (e, t) = (e.clone(), texts.clone());
-            tokio::task::spawn_blocking(move || e(t.as_slice()))
-                .await
-                .expect("embedder panicked")
-        }
+        Some(e) => embed_off_runtime(e, &texts).await,
         None => texts
             .iter()
             .map(|t| {
@@ -263,15 +258,15 @@ async fn vectors(s: &ServerState, texts: Vec<String>) -> Vec<Vec<f32>> {
     out
 }
 
+/// An embedding request's texts: JSON, the server's own model, strings.
+fn embed_texts(s: &ServerState, body: &Bytes) -> Result<Vec<String>, Response> {
+    let body = parse(body)?;
+    same_model(s, &body)?;
+    texts_of(&body["input"])
+}
+
 async fn ollama_embed(State(s): State<Arc<ServerState>>, body: Bytes) -> Response {
-    let body = match parse(&body) {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    if let Err(r) = same_model(&s, &body) {
-        return r;
-    }
-    let texts = match texts_of(&body["input"]) {
+    let texts = match embed_texts(&s, &body) {
         Ok(t) => t,
         Err(r) => return r,
     };
@@ -287,17 +282,7 @@ async fn openai_embeddings(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(r) = authorized(&s, &headers) {
-        return r;
-    }
-    let body = match parse(&body) {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    if let Err(r) = same_model(&s, &body) {
-        return r;
-    }
-    let texts = match texts_of(&body["input"]) {
+    let texts = match authorized(&s, &headers).and_then(|()| embed_texts(&s, &body)) {
         Ok(t) => t,
         Err(r) => return r,
     };

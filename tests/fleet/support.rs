@@ -250,6 +250,20 @@ impl HubProc {
     }
 
     /// `GET path` without a token: the status and the JSON body (`Null` when it is not JSON).
+    /// POSTs `body` and reads the answer's server-sent events (`data:` payloads, in order),
+    /// after checking it is a 200.
+    pub async fn post_events(&self, path: &str, body: &Value) -> Vec<String> {
+        let r = self
+            .http
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+        read_sse(r).await
+    }
+
     pub async fn get(&self, path: &str) -> (u16, Value) {
         let r = self.http.get(self.url(path)).send().await.unwrap();
         (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))

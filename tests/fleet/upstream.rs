@@ -712,6 +712,14 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 }
 
 /// `c·v + sqrt(1−c²)·u`, `u` a deterministic unit vector orthogonal to the unit vector `v`.
+/// The embedder's vectors, computed on a blocking thread (it may run a model).
+pub async fn embed_off_runtime(embedder: &Embedder, texts: &[String]) -> Vec<Vec<f32>> {
+    let (e, t) = (embedder.clone(), texts.to_vec());
+    tokio::task::spawn_blocking(move || e(t.as_slice()))
+        .await
+        .expect("embedder panicked")
+}
+
 pub fn perturb(v: &[f32], c: f32, seed: u64) -> Vec<f32> {
     let c = f64::from(c).clamp(-1.0, 1.0);
     let v64: Vec<f64> = v.iter().map(|x| f64::from(*x)).collect();
@@ -767,12 +775,7 @@ async fn embed_answer(
         _ => 0,
     };
     let clean: Vec<Vec<f32>> = match &s.embedder {
-        Some(e) => {
-            let (e, t) = (e.clone(), texts.clone());
-            tokio::task::spawn_blocking(move || e(t.as_slice()))
-                .await
-                .expect("embedder panicked")
-        }
+        Some(e) => embed_off_runtime(e, &texts).await,
         None => texts
             .iter()
             .map(|t| hash_vector(s.seed, &adm.model, t, dims))
