@@ -3,14 +3,16 @@
 //! stand-ins for vLLM and Ollama ([`crate::model_servers`]).
 //!
 //! * the master's view: the RLM's vLLM and Ollama's completion appear as running containers on
-//!   their own ports, an embedding server on the agent's port (answered through it); `stop` on
+//!   their own ports, an embedding server on the agent's port (answered through it), a server
+//!   declared with a model it does not serve as `exited` (the agent's `/health` says why); `stop` on
 //!   a server without a unit says it is managed elsewhere, one with a unit runs `systemctl`;
 //!   the RLM container turns `exited` when its server stops answering;
 //! * the hub: chat under `local` is served by the declared server (whole and streamed) with
 //!   no cloud call, its latency in the provider's statistics; when the server dies the role
 //!   fails at once with the reason;
-//! * the gate: a declared embedding server at cosine 0.97 to the reference is refused and
-//!   serves nothing; one with the reference's own vectors passes and serves.
+//! * the gate: a declared embedding server (Ollama) at cosine 0.97 to the reference is refused
+//!   and serves nothing; one with the reference's own vectors (TEI) passes and serves, until
+//!   new weights behind the same name make it a new identity, judged again and refused.
 
 use std::path::Path;
 
@@ -86,7 +88,7 @@ async fn the_master_sees_declared_servers_as_containers_that_follow_their_health
     std::fs::write(&key_file, "vllm-secret-key-0123456789\n").unwrap();
     let systemctl = fake_systemctl(dir.path());
     let body = format!(
-        "agent_url = \"{AGENT_URL}\"\nsystemctl = \"{}\"\n\n[[fantom_master]]\nserver_url = \"{}\"\nws_port = {}\n{}{}{}",
+        "agent_url = \"{AGENT_URL}\"\nsystemctl = \"{}\"\n\n[[fantom_master]]\nserver_url = \"{}\"\nws_port = {}\n{}{}{}{}",
         systemctl.display(),
         master.http_url,
         master.ws_port,
@@ -105,6 +107,8 @@ async fn the_master_sees_declared_servers_as_containers_that_follow_their_health
             "unit = \"ollama.service\""
         ),
         table("embedding", &embedder, EMBED_MODEL, "ollama", ""),
+        // Declared with a model that server does not serve: never `running`.
+        table("ocr", &completion, "glm-ocr", "ollama", ""),
     );
     let agent = start_relay_agent(dir.path(), "servers", &body, &[TRACE]);
 
@@ -138,6 +142,24 @@ async fn the_master_sees_declared_servers_as_containers_that_follow_their_health
     let embedding_c = container(&beat, "embedding");
     assert_eq!(embedding_c["config"]["port"], agent.addr.port(), "{beat}");
     assert_eq!(embedding_c["config"]["model"], EMBED_MODEL);
+    assert_eq!(container(&beat, "ocr")["status"], "exited", "{beat}");
+    let health: Value = reqwest::get(agent.url("/health"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ocr = health["local_servers"]
+        .as_array()
+        .and_then(|all| all.iter().find(|s| s["role"] == "ocr"))
+        .unwrap_or_else(|| panic!("{health}"));
+    assert_eq!(ocr["status"], "down", "{health}");
+    assert!(
+        ocr["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("not the declared model 'glm-ocr'")),
+        "{health}"
+    );
     let health_checks = rlm.count(|c| &c.health);
     assert!(health_checks >= 1);
     assert_eq!(
@@ -329,9 +351,9 @@ async fn chat_under_local_is_served_by_the_declared_server_and_nothing_leaves_th
     assert_eq!(up.state.requests(), 0);
 }
 
-/// An agent fronting one Ollama-shaped embedding server.
-fn embedding_agent(dir: &Path, hub: &HubProc, id: &str, s: &ModelServer) -> Proc {
-    let body = table("embedding", s, EMBED_MODEL, "ollama", "dims = 384");
+/// An agent fronting one embedding server of `kind`.
+fn embedding_agent(dir: &Path, hub: &HubProc, id: &str, s: &ModelServer, kind: &str) -> Proc {
+    let body = table("embedding", s, EMBED_MODEL, kind, "dims = 384");
     start_agent_toml(dir, &hub.ws_url(), &hub.fleet_file, id, &body, &[])
 }
 
@@ -339,11 +361,11 @@ fn embedding_agent(dir: &Path, hub: &HubProc, id: &str, s: &ModelServer) -> Proc
 async fn a_declared_embedding_server_is_gated_like_any_provider() {
     let dir = tempfile::tempdir().unwrap();
     let minilm = minilm_embedder().await;
-    let server_at = |cosine: Option<f32>| {
+    let server_at = |kind: Kind, cosine: Option<f32>| {
         let embedder = Some(minilm.clone());
         async move {
             ModelServer::start(ModelServerConfig {
-                kind: Kind::Ollama,
+                kind,
                 model: EMBED_MODEL.into(),
                 embedder,
                 cosine,
@@ -352,13 +374,13 @@ async fn a_declared_embedding_server_is_gated_like_any_provider() {
             .await
         }
     };
-    let drifted = server_at(Some(0.97)).await;
-    let faithful = server_at(None).await;
+    let drifted = server_at(Kind::Ollama, Some(0.97)).await;
+    let faithful = server_at(Kind::Tei, None).await;
     let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
     // The reference: our own pinned MiniLM. A fronted server never founds the space.
     let mut gpu = start_agent(dir.path(), &hub, "gpu", &[]);
-    let _a = embedding_agent(dir.path(), &hub, "drifted", &drifted);
-    let _b = embedding_agent(dir.path(), &hub, "faithful", &faithful);
+    let _a = embedding_agent(dir.path(), &hub, "drifted", &drifted, "ollama");
+    let _b = embedding_agent(dir.path(), &hub, "faithful", &faithful, "tei");
 
     let refused = verdict(&hub, "drifted/server:embedding", &["refused"]).await;
     assert_eq!(
@@ -425,11 +447,11 @@ async fn a_declared_embedding_server_is_gated_like_any_provider() {
             d["provenance"]["provider"], "faithful/server:embedding",
             "{body}"
         );
-        assert_eq!(d["provenance"]["server"], "ollama", "{body}");
+        assert_eq!(d["provenance"]["server"], "tei", "{body}");
     }
     assert_eq!(drifted.count(|c| &c.embedded_texts), probed_texts);
 
-    // New weights behind the same name (Ollama's digest moves): a new identity, judged again
+    // New weights behind the same name (TEI's model_sha moves): a new identity, judged again
     // before it serves, and refused; with nothing left to serve the space, a request fails.
     let before = provider(&hub, "faithful/server:embedding", false)
         .await
@@ -437,7 +459,7 @@ async fn a_declared_embedding_server_is_gated_like_any_provider() {
     assert!(
         before["revision"]
             .as_str()
-            .is_some_and(|r| r.starts_with("ollama:")),
+            .is_some_and(|r| r.starts_with("tei:")),
         "{before}"
     );
     faithful.state.swap_weights("0123456789abcdef", Some(0.97));
@@ -451,7 +473,7 @@ async fn a_declared_embedding_server_is_gated_like_any_provider() {
     let after = provider(&hub, "faithful/server:embedding", false)
         .await
         .unwrap();
-    assert_eq!(after["revision"], "ollama:0123456789abcdef", "{after}");
+    assert_eq!(after["revision"], "tei:0123456789abcdef", "{after}");
     let served = faithful.count(|c| &c.embedded_texts);
     let (code, body) = hub
         .post(

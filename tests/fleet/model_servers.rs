@@ -6,6 +6,8 @@
 //!   `POST /v1/embeddings`; a request naming another model is a 404 as vLLM answers it.
 //! * `Ollama`: `GET /api/tags` (`models[].name`, `digest`), `POST /api/embed`
 //!   (`{embeddings, prompt_eval_count}`), and its OpenAI `POST /v1/chat/completions`.
+//! * `Tei`: text-embeddings-inference: `GET /health` (an empty 200), `GET /info` (`model_id`,
+//!   `model_sha`), `POST /embed` (`{inputs}` → an array of vectors); no chat.
 //!
 //! Vectors come from a supplied embedder (or a hash of the text), normalised, and optionally
 //! perturbed to an exact cosine ([`crate::upstream::perturb`]). An API key, when set, is
@@ -35,6 +37,7 @@ use crate::upstream::{Embedder, embed_off_runtime, normalise, perturb};
 pub enum Kind {
     Vllm,
     Ollama,
+    Tei,
 }
 
 pub struct ModelServerConfig {
@@ -61,7 +64,7 @@ pub struct ServerState {
     cfg: ModelServerConfig,
     /// The served cosine now (starts as `cfg.cosine`).
     cosine: Mutex<Option<f32>>,
-    /// Ollama's digest of the model now.
+    /// Ollama's digest (TEI's `model_sha`) of the model now.
     digest: Mutex<String>,
     pub counts: Counts,
     /// The last chat body received.
@@ -109,8 +112,15 @@ impl ModelServer {
             Kind::Ollama => Router::new()
                 .route("/api/tags", get(ollama_tags))
                 .route("/api/embed", post(ollama_embed)),
+            Kind::Tei => Router::new()
+                .route("/health", get(|| async { StatusCode::OK }))
+                .route("/info", get(tei_info))
+                .route("/embed", post(tei_embed)),
+        };
+        let router = match kind {
+            Kind::Tei => router,
+            _ => router.route("/v1/chat/completions", post(chat)),
         }
-        .route("/v1/chat/completions", post(chat))
         .with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
@@ -196,6 +206,25 @@ async fn ollama_tags(State(s): State<Arc<ServerState>>) -> Response {
         "size": 274302450u64, "details": {"format": "gguf", "family": "bert"}}]}),
     )
     .into_response()
+}
+
+async fn tei_info(State(s): State<Arc<ServerState>>) -> Response {
+    s.counts.health.fetch_add(1, Ordering::SeqCst);
+    s.bump();
+    Json(
+        json!({"model_id": s.cfg.model, "model_sha": *s.digest.lock().unwrap(),
+        "model_dtype": "float16", "model_type": {"embedding": {"pooling": "mean"}},
+        "max_input_length": 512, "max_client_batch_size": 32, "version": "1.8.0"}),
+    )
+    .into_response()
+}
+
+async fn tei_embed(State(s): State<Arc<ServerState>>, body: Bytes) -> Response {
+    let texts = match parse(&body).and_then(|b| texts_of(&b["inputs"])) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    Json(vectors(&s, texts).await).into_response()
 }
 
 /// `model` must be the server's own (vLLM: 404 `The model ... does not exist.`).
