@@ -170,6 +170,37 @@ struct InFlight {
     /// The provider as it was when the work started (a push may change the set meanwhile).
     provider: ProviderInfo,
     items: usize,
+    /// The credit grant it was pulled under ([`Grants`]).
+    grant: u64,
+}
+
+/// The work running on this session: the tasks, what each is, and each lease's handle.
+#[derive(Default)]
+struct Jobs {
+    tasks: JoinSet<(Result<WorkResult, ProviderFailure>, f64)>,
+    running: HashMap<tokio::task::Id, InFlight>,
+    by_lease: HashMap<u64, tokio::task::AbortHandle>,
+}
+
+/// Which grant of credits each provider's work belongs to. A provider that left the set and
+/// came back (a fronted server down, then up) was pulled afresh for its whole depth, so work
+/// it took before must not add one more credit each when it ends.
+#[derive(Default)]
+struct Grants {
+    current: HashMap<String, u64>,
+    next: u64,
+}
+
+impl Grants {
+    /// A fresh pull of `id`'s whole depth.
+    fn fresh(&mut self, id: &str) {
+        self.next += 1;
+        self.current.insert(id.to_string(), self.next);
+    }
+
+    fn of(&self, id: &str) -> u64 {
+        self.current.get(id).copied().unwrap_or(0)
+    }
 }
 
 /// The provider of `id` in `set`.
@@ -243,9 +274,12 @@ async fn session(
     agent.sessions.fetch_add(1, Ordering::Relaxed);
     agent.connected.store(true, Ordering::Relaxed);
     tracing::info!(session = welcome.session, hub = ?agent.opts.hub_url, "connected to the hub");
+    let mut grants = Grants::default();
     for p in &providers {
+        let id = p.info().id;
+        grants.fresh(&id);
         send(&AgentFrame::Pull(Pull {
-            provider: p.info().id,
+            provider: id,
             credits: p.pipeline_depth(),
         }));
     }
@@ -265,9 +299,7 @@ async fn session(
     let mut last_heard = Instant::now();
     // A hub of an older build does not ping (a mixed fleet): it is never taken for a dead one.
     let hub_pings = welcome.pings;
-    let mut tasks: JoinSet<(Result<WorkResult, ProviderFailure>, f64)> = JoinSet::new();
-    let mut running: HashMap<tokio::task::Id, InFlight> = HashMap::new();
-    let mut by_lease: HashMap<u64, tokio::task::AbortHandle> = HashMap::new();
+    let mut jobs = Jobs::default();
     let mut drain_deadline: Option<Instant> = None;
     let mut writer_done = false;
     let far = Duration::from_secs(365 * 24 * 3600);
@@ -300,10 +332,11 @@ async fn session(
                             send(&failed(work.lease, FailureClass::Refused, &format!("no provider '{}' here", work.provider)));
                             continue;
                         };
-                        start_work(agent, &tx, provider, work, &mut tasks, &mut running, &mut by_lease);
+                        let grant = grants.of(&work.provider);
+                        start_work(agent, &tx, provider, work, grant, &mut jobs);
                     }
                     Ok(HubFrame::Cancel { lease, reason }) => {
-                        if let Some(handle) = by_lease.remove(&lease) {
+                        if let Some(handle) = jobs.by_lease.remove(&lease) {
                             tracing::info!(lease, reason = %reason, "lease cancelled by the hub");
                             handle.abort();
                         }
@@ -314,7 +347,7 @@ async fn session(
                             None => crate::protocol::ConfigAck { id: cfg.id, applied: false, reason: Some("the push has no openrouter object".into()), roles: Default::default() },
                         };
                         send(&AgentFrame::ConfigAck(ack));
-                        announce(&mut providers, agent.providers(), drain_deadline.is_some(), &send);
+                        announce(&mut providers, agent.providers(), drain_deadline.is_some(), &mut grants, &send);
                     }
                     Ok(HubFrame::Discover) => {
                         let (agent, tx) = (agent.clone(), tx.clone());
@@ -348,13 +381,13 @@ async fn session(
                     Err(e) => tracing::warn!(error = %e, "bad frame from the hub"),
                 }
             }
-            Some(joined) = tasks.join_next_with_id(), if !tasks.is_empty() => {
+            Some(joined) = jobs.tasks.join_next_with_id(), if !jobs.tasks.is_empty() => {
                 let (id, outcome) = match joined {
                     Ok((id, outcome)) => (id, Some(outcome)),
                     Err(e) => (e.id(), if e.is_cancelled() { None } else { Some((Err(ProviderFailure::new(FailureClass::Transient, "the provider panicked")), 0.0)) }),
                 };
-                let Some(job) = running.remove(&id) else { continue };
-                by_lease.remove(&job.lease);
+                let Some(job) = jobs.running.remove(&id) else { continue };
+                jobs.by_lease.remove(&job.lease);
                 agent.with_counters(&job.provider.id, |c| {
                     c.in_flight = c.in_flight.saturating_sub(1);
                     match &outcome {
@@ -381,24 +414,26 @@ async fn session(
                     None => {} // cancelled: the hub already took the lease back
                 }
                 if drain_deadline.is_none() {
-                    // One more credit, unless a push removed or changed the provider meanwhile.
-                    if find(&providers, &job.provider.id).is_some_and(|p| p.info() == job.provider) {
+                    // One more credit, unless a push removed or changed the provider meanwhile,
+                    // or it left and came back with a fresh pull.
+                    let same = find(&providers, &job.provider.id).is_some_and(|p| p.info() == job.provider);
+                    if same && grants.of(&job.provider.id) == job.grant {
                         send(&AgentFrame::Pull(Pull { provider: job.provider.id, credits: 1 }));
                     }
-                } else if tasks.is_empty() {
+                } else if jobs.tasks.is_empty() {
                     break String::new();
                 }
             }
             Ok(()) = server_changes.changed() => {
                 // A fronted server came up, went down or changed revision.
-                announce(&mut providers, agent.providers(), drain_deadline.is_some(), &send);
+                announce(&mut providers, agent.providers(), drain_deadline.is_some(), &mut grants, &send);
             }
             _ = heartbeat.tick() => {
                 send(&AgentFrame::Heartbeat(Heartbeat {
                     providers: agent.provider_stats(),
                     devices: devices(&providers),
                     // Work still running: its leases live on.
-                    leases: by_lease.keys().copied().collect(),
+                    leases: jobs.by_lease.keys().copied().collect(),
                 }));
             }
             _ = silent, if hub_pings => {
@@ -409,25 +444,25 @@ async fn session(
                 break "a write to the hub failed or did not complete in time".to_string();
             }
             _ = shutdown.changed(), if drain_deadline.is_none() => {
-                tracing::info!(in_flight = tasks.len(), "shutting down: no more pulls; finishing leases in progress");
+                tracing::info!(in_flight = jobs.tasks.len(), "shutting down: no more pulls; finishing leases in progress");
                 send(&AgentFrame::Providers { providers: Vec::new() });
-                if tasks.is_empty() {
+                if jobs.tasks.is_empty() {
                     break String::new();
                 }
                 drain_deadline = Some(Instant::now() + agent.opts.drain_timeout);
             }
             _ = drain_sleep, if drain_deadline.is_some() => {
                 // Hand back what did not finish in time: the hub requeues it at the front.
-                for job in running.values() {
+                for job in jobs.running.values() {
                     send(&failed(job.lease, FailureClass::Refused, "the agent shut down before this finished"));
                 }
-                tasks.abort_all();
+                jobs.tasks.abort_all();
                 break String::new();
             }
         }
     };
     agent.connected.store(false, Ordering::Relaxed);
-    tasks.abort_all();
+    jobs.tasks.abort_all();
     for p in &providers {
         agent.with_counters(&p.info().id, |c| c.in_flight = 0);
     }
@@ -453,6 +488,7 @@ fn announce(
     providers: &mut Vec<Arc<dyn Provider>>,
     next: Vec<Arc<dyn Provider>>,
     draining: bool,
+    grants: &mut Grants,
     send: &impl Fn(&AgentFrame),
 ) {
     let infos: Vec<ProviderInfo> = next.iter().map(|p| p.info()).collect();
@@ -461,6 +497,7 @@ fn announce(
         for p in &next {
             let info = p.info();
             if find(providers.as_slice(), &info.id).is_none_or(|old| old.info() != info) {
+                grants.fresh(&info.id);
                 send(&AgentFrame::Pull(Pull {
                     provider: info.id,
                     credits: p.pipeline_depth(),
@@ -521,9 +558,8 @@ fn start_work(
     tx: &mpsc::UnboundedSender<Message>,
     provider: Arc<dyn Provider>,
     work: Work,
-    tasks: &mut JoinSet<(Result<WorkResult, ProviderFailure>, f64)>,
-    running: &mut HashMap<tokio::task::Id, InFlight>,
-    by_lease: &mut HashMap<u64, tokio::task::AbortHandle>,
+    grant: u64,
+    jobs: &mut Jobs,
 ) {
     let items = work.input.items();
     let info = provider.info();
@@ -531,7 +567,7 @@ fn start_work(
     let call_timeout = work.call_timeout_ms.map(Duration::from_millis);
     let streaming = matches!(&work.input, WorkInput::Chat(body) if body.get("stream").and_then(serde_json::Value::as_bool) == Some(true));
     let (lease, frames) = (work.lease, tx.clone());
-    let handle = tasks.spawn(async move {
+    let handle = jobs.tasks.spawn(async move {
         let started = Instant::now();
         let call = if streaming {
             stream_chunks(provider.as_ref(), work.input, lease, frames)
@@ -556,15 +592,16 @@ fn start_work(
         };
         (result, started.elapsed().as_secs_f64() * 1000.0)
     });
-    running.insert(
+    jobs.running.insert(
         handle.id(),
         InFlight {
             lease: work.lease,
             provider: info,
             items,
+            grant,
         },
     );
-    by_lease.insert(work.lease, handle);
+    jobs.by_lease.insert(work.lease, handle);
 }
 
 /// The heartbeat writes are bounded by until the welcome names the hub's.

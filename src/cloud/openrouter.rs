@@ -341,7 +341,8 @@ impl OpenRouterClient {
 const MAX_ANSWER_BYTES: usize = 32 << 20;
 
 /// Reads a body up to [`MAX_ANSWER_BYTES`]; a longer one is a bad answer, not an allocation.
-async fn read_capped(mut response: reqwest::Response) -> Result<String, CloudError> {
+/// (The fronted model servers' answers are read with it too.)
+pub async fn read_capped(mut response: reqwest::Response) -> Result<String, CloudError> {
     let mut bytes = Vec::new();
     while let Some(chunk) = response.chunk().await.map_err(transport)? {
         if bytes.len() + chunk.len() > MAX_ANSWER_BYTES {

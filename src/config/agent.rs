@@ -197,10 +197,7 @@ impl AgentConfig {
         text: &str,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Self, String> {
-        // The parser quotes the offending line: a key typed into a wrong field (`api_key`
-        // for `api_key_file`) must not be echoed, so quoted values are withheld.
-        let mut cfg: AgentConfig =
-            toml::from_str(text).map_err(|e| crate::secret::redact(&e.to_string()))?;
+        let mut cfg: AgentConfig = toml::from_str(text).map_err(|e| parse_error(text, &e))?;
         for master in env_masters(
             env("SIDECAR_MASTERS").as_deref(),
             env("MASTER_URL").as_deref(),
@@ -294,6 +291,21 @@ impl AgentConfig {
             }
         }
         Ok(cfg)
+    }
+}
+
+/// A parse error as its line number and message, never the offending line itself: a key typed
+/// into a wrong field (`api_key` for `api_key_file`, in any TOML quoting) must not be echoed;
+/// values the message quotes are withheld too.
+fn parse_error(text: &str, e: &toml::de::Error) -> String {
+    let line = e
+        .span()
+        .and_then(|span| text.get(..span.start))
+        .map(|before| before.matches('\n').count() + 1);
+    let message = crate::secret::redact(e.message());
+    match line {
+        Some(line) => format!("line {line}: {message}"),
+        None => message,
     }
 }
 
@@ -426,13 +438,17 @@ mod tests {
 
         // A key typed where it does not belong is refused and never echoed.
         let key = "sk-or-v1-0123456789abcdef0123456789abcdef";
-        let wrong_field =
-            AgentConfig::parse(&format!("{top}{}api_key = \"{key}\"\n", server("rlm")))
-                .unwrap_err();
-        assert!(
-            wrong_field.contains("api_key_file") && !wrong_field.contains(key),
-            "{wrong_field}"
-        );
+        for quoted in [format!("\"{key}\""), "'vllm-token-abc123'".to_string()] {
+            let wrong_field =
+                AgentConfig::parse(&format!("{top}{}api_key = {quoted}\n", server("rlm")))
+                    .unwrap_err();
+            assert!(
+                wrong_field.contains("api_key_file")
+                    && !wrong_field.contains(key)
+                    && !wrong_field.contains("abc123"),
+                "{wrong_field}"
+            );
+        }
         let as_model = server("rlm").replace("\"m\"", &format!("\"{key}\""));
         let as_model = AgentConfig::parse(&format!("{top}{as_model}")).unwrap_err();
         assert!(

@@ -202,14 +202,21 @@ impl LocalServerConfig {
         let name = self.role.container_key();
         // Never kept, shown or echoed: a key belongs in api_key_file.
         let unit = self.unit.as_deref().unwrap_or_default();
-        for (field, value) in [
+        let key_file = self
+            .api_key_file
+            .as_deref()
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let fields = [
             ("url", self.url.as_str()),
             ("model", &self.model),
             ("unit", unit),
-        ] {
+            ("api_key_file", &key_file),
+        ];
+        for (field, value) in fields {
             if crate::secret::holds_key(value, &[]) {
                 return Err(format!(
-                    "local_server {name}: {field} looks like a key or token; put a server's key in api_key_file"
+                    "local_server {name}: {field} looks like a key or token; put a server's key in a file and name the file in api_key_file"
                 ));
             }
         }

@@ -45,6 +45,11 @@ pub enum ContainerError {
     /// A fronted server's unit: none named, or `systemctl` failed.
     #[error(transparent)]
     Unit(#[from] UnitError),
+    /// A master's `stop` of a fronted server the hub session serves from too.
+    #[error(
+        "the {0} server also serves this agent's hub session: a master's stop would take it from the hub too; stop it where it is managed"
+    )]
+    SharedWithHub(String),
 }
 
 /// The answer to a container action: `{ok, role, model, status}`.
@@ -200,14 +205,19 @@ pub fn container_kind(kind: ServerKind) -> ContainerKind {
     }
 }
 
-/// What `start`/`acquire` (start it when down) and `stop` do to a fronted server's unit.
+/// What `start`/`acquire` (start it when down) and `stop` do to a fronted server's unit. A
+/// server the hub session serves from too is not a master's to stop.
 pub(super) async fn act_on_server(
     server: &LocalServer,
     verb: ContainerVerb,
+    shared_with_hub: bool,
 ) -> Result<(), ContainerError> {
     match verb {
         ContainerVerb::Start | ContainerVerb::Acquire if !server.is_up() => {
             server.control("start").await?;
+        }
+        ContainerVerb::Stop if shared_with_hub && server.config.role.hub_role().is_some() => {
+            return Err(ContainerError::SharedWithHub(server.key().to_string()));
         }
         ContainerVerb::Stop => {
             server.control("stop").await?;
@@ -269,10 +279,10 @@ impl Containers {
                     port: ports.get(&role).copied().unwrap_or(agent_port),
                     device: "server".into(),
                     source: Source::Server(server.clone()),
-                    shared_with_hub: false,
+                    shared_with_hub,
                     state: Mutex::default(),
                 }),
-                _ => chat.push(ServerContainer::new(server.clone())),
+                _ => chat.push(ServerContainer::new(server.clone(), shared_with_hub)),
             }
         }
         Containers { all, servers: chat }
@@ -342,7 +352,7 @@ impl Containers {
             });
         }
         if let Source::Server(server) = &container.source {
-            act_on_server(server, verb).await?;
+            act_on_server(server, verb, container.shared_with_hub).await?;
             let mut state = container.lock();
             match verb {
                 ContainerVerb::Acquire => state.last_acquire_ms = Some(now_ms()),

@@ -15,14 +15,17 @@ use crate::hub::now_ms;
 
 pub struct ServerContainer {
     server: Arc<LocalServer>,
+    /// The agent's hub session serves from it too (a master may not stop it then).
+    shared_with_hub: bool,
     /// Last acquire and release (epoch ms).
     times: Mutex<(Option<u64>, Option<u64>)>,
 }
 
 impl ServerContainer {
-    pub fn new(server: Arc<LocalServer>) -> Self {
+    pub fn new(server: Arc<LocalServer>, shared_with_hub: bool) -> Self {
         Self {
             server,
+            shared_with_hub,
             times: Mutex::default(),
         }
     }
@@ -68,7 +71,8 @@ impl ServerContainer {
 
     /// `start`/`acquire` start the unit when the server is down, `stop` stops it; without a
     /// unit those are refused (the server is managed elsewhere), except an `acquire` or
-    /// `start` of a server that answers already.
+    /// `start` of a server that answers already. A server the hub serves from too is not
+    /// stopped by a master.
     pub async fn act(
         &self,
         verb: ContainerVerb,
@@ -84,7 +88,7 @@ impl ServerContainer {
                 requested: requested.to_string(),
             });
         }
-        act_on_server(&self.server, verb).await?;
+        act_on_server(&self.server, verb, self.shared_with_hub).await?;
         {
             let mut times = self.times.lock().unwrap_or_else(PoisonError::into_inner);
             match verb {

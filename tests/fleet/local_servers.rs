@@ -55,15 +55,15 @@ fn role_payload(role: &str) -> Map<String, Value> {
     p
 }
 
-/// A `systemctl` stand-in: appends its arguments to `<dir>/systemctl.log`; `fail-*` units
-/// fail as systemctl does.
+/// A `systemctl` stand-in: appends its arguments (`--no-block <verb> <unit>`) to
+/// `<dir>/systemctl.log`; `fail-*` units fail as systemctl does.
 fn fake_systemctl(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("systemctl");
     let log = dir.join("systemctl.log");
     std::fs::write(
         &path,
         format!(
-            "#!/bin/sh\necho \"$@\" >> '{}'\ncase \"$2\" in fail-*) echo \"Failed to $1 $2: Unit $2 not found.\" >&2; exit 5;; esac\n",
+            "#!/bin/sh\necho \"$@\" >> '{}'\ncase \"$3\" in fail-*) echo \"Failed to $2 $3: Unit $3 not found.\" >&2; exit 5;; esac\n",
             log.display()
         ),
     )
@@ -108,7 +108,13 @@ async fn the_master_sees_declared_servers_as_containers_that_follow_their_health
         ),
         table("embedding", &embedder, EMBED_MODEL, "ollama", ""),
         // Declared with a model that server does not serve: never `running`.
-        table("ocr", &completion, "glm-ocr", "ollama", ""),
+        table(
+            "ocr",
+            &completion,
+            "glm-ocr",
+            "ollama",
+            "unit = \"fail-ocr.service\""
+        ),
     );
     let agent = start_relay_agent(dir.path(), "servers", &body, &[TRACE]);
 
@@ -194,7 +200,16 @@ async fn the_master_sees_declared_servers_as_containers_that_follow_their_health
     let stopped = master.command("stop", role_payload("completion")).await;
     assert!(stopped.get("error").is_none(), "{stopped}");
     let log = std::fs::read_to_string(dir.path().join("systemctl.log")).unwrap();
-    assert_eq!(log.trim(), "stop ollama.service");
+    assert_eq!(log.trim(), "--no-block stop ollama.service");
+    // A unit systemctl cannot start: the error says which and why.
+    let failed = master.command("start", role_payload("ocr")).await;
+    let error = failed["error"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{failed}"));
+    assert!(
+        error.contains("systemctl start fail-ocr.service failed") && error.contains("not found"),
+        "{failed}"
+    );
     // An acquire is timed as for our own models.
     let acquired = master.command("acquire", role_payload("rlm")).await;
     assert!(acquired.get("error").is_none(), "{acquired}");
@@ -344,11 +359,28 @@ async fn chat_under_local_is_served_by_the_declared_server_and_nothing_leaves_th
     let started = std::time::Instant::now();
     let (code, refused) = hub.post("/v1/chat/completions", &chat).await;
     assert_eq!(code, 503, "{refused}");
+    let reason = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        refused["error"]["code"] == "no_provider" && reason.contains("'rlm-sandbox'"),
+        "the reason names the role: {refused}"
+    );
     assert!(
         started.elapsed() < std::time::Duration::from_secs(15),
         "no timeout waited out"
     );
-    assert_eq!(up.state.requests(), 0);
+
+    // It comes back on its port: the provider is announced again, with one pull of its depth.
+    rlm.restart().await;
+    let back = eventually("the server's provider back with its credits", || async {
+        let p = provider(&hub, "gpu/server:rlm-sandbox", false).await?;
+        (p["credits"] == 4).then_some(p)
+    })
+    .await;
+    assert_eq!(back["in_flight"], 0, "{back}");
+    let (code, answer) = hub.post("/v1/chat/completions", &chat).await;
+    assert_eq!(code, 200, "{answer}");
+    assert_eq!(rlm.count(|c| &c.chats), 2);
+    assert_eq!(up.state.requests(), 0, "nothing went to the cloud");
 }
 
 /// An agent fronting one embedding server of `kind`.

@@ -12,7 +12,8 @@
 //! Vectors come from a supplied embedder (or a hash of the text), normalised, and optionally
 //! perturbed to an exact cosine ([`crate::upstream::perturb`]). An API key, when set, is
 //! required as a bearer token. [`ModelServer::stop`] closes the listener: from then on nothing
-//! answers (connection refused), as when the process dies. Every call is counted; waits are
+//! answers (connection refused), as when the process dies; [`ModelServer::restart`] answers on
+//! the same port again. Every call is counted; waits are
 //! on a change counter, bounded.
 #![allow(dead_code)]
 // Handlers answer errors as ready-made responses, as axum handlers do.
@@ -87,6 +88,7 @@ impl ServerState {
 pub struct ModelServer {
     pub url: String,
     pub port: u16,
+    kind: Kind,
     pub state: Arc<ServerState>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
@@ -105,6 +107,30 @@ impl ModelServer {
             last_chat: Mutex::new(None),
             events: watch::channel(0).0,
         });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let mut server = ModelServer {
+            url: format!("http://127.0.0.1:{port}"),
+            port,
+            kind,
+            state,
+            stop: None,
+            task: None,
+        };
+        server.serve(listener);
+        server
+    }
+
+    /// Answers again on the same port (the server restarted).
+    pub async fn restart(&mut self) {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", self.port))
+            .await
+            .unwrap();
+        self.serve(listener);
+    }
+
+    fn serve(&mut self, listener: tokio::net::TcpListener) {
+        let (kind, state) = (self.kind, self.state.clone());
         let router = match kind {
             Kind::Vllm => Router::new()
                 .route("/v1/models", get(vllm_models))
@@ -121,9 +147,7 @@ impl ModelServer {
             Kind::Tei => router,
             _ => router.route("/v1/chat/completions", post(chat)),
         }
-        .with_state(state.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
+        .with_state(state);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, router)
@@ -132,13 +156,8 @@ impl ModelServer {
                 })
                 .await;
         });
-        ModelServer {
-            url: format!("http://127.0.0.1:{port}"),
-            port,
-            state,
-            stop: Some(stop),
-            task: Some(task),
-        }
+        self.stop = Some(stop);
+        self.task = Some(task);
     }
 
     /// Closes the listener and waits until it is closed: nothing answers afterwards.

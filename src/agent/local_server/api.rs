@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 
 use crate::agent::provider::ProviderFailure;
 use crate::cloud::chat_stream::read_events;
+use crate::cloud::openrouter::read_capped;
 use crate::cloud::wire::{parse_embeddings, parse_tokens};
 use crate::config::local_server::{LocalServerConfig, ServerKind};
 use crate::protocol::FailureClass;
@@ -194,7 +195,7 @@ impl ServerApi {
             return Ok(response);
         }
         let headers = response.headers().clone();
-        let body = response.text().await.unwrap_or_default();
+        let body = read_capped(response).await.unwrap_or_default();
         Err(ServerError::Status {
             url: self.url(path),
             status,
@@ -206,10 +207,9 @@ impl ServerApi {
     /// Sends and reads a JSON answer.
     async fn send(&self, path: &str, rb: reqwest::RequestBuilder) -> Result<Value, ServerError> {
         let response = self.open(path, rb).await?;
-        let body = response
-            .text()
+        let body = read_capped(response)
             .await
-            .map_err(|e| self.transport(path, &e))?;
+            .map_err(|e| self.bad(path, e.to_string()))?;
         serde_json::from_str(&body).map_err(|e| ServerError::BadAnswer {
             url: self.url(path),
             message: format!("the answer is not JSON ({e})"),
@@ -264,7 +264,8 @@ impl ServerApi {
                 self.listed(path, models, digest)
             }
             ServerKind::LlamaCpp => {
-                // 200 `{"status":"ok"}` once the model is loaded, 503 while it loads.
+                // 200 `{"status":"ok"}` once the model is loaded, 503 while it loads. Its
+                // model list names the GGUF file, not a model name: not checked.
                 let path = "/health";
                 self.open(path, get(path)).await?;
                 Ok(Checked {
@@ -419,9 +420,18 @@ impl ServerApi {
         let body = self.chat_body(body, true)?;
         let rb = self.request(reqwest::Method::POST, path).json(&body);
         let response = self.open(path, rb).await?;
+        // An error chunk keeps its status (a 400 for a context too long is the client's).
         let v = read_events(response, |line| line, on_chunk)
             .await
-            .map_err(|e| self.bad(path, e.to_string()))?;
+            .map_err(|e| match e.http_status() {
+                status @ 400..=499 => ServerError::Status {
+                    url: self.url(path),
+                    status,
+                    message: truncate(&e.to_string()),
+                    retry_after_ms: e.retry_after_ms(),
+                },
+                _ => self.bad(path, e.to_string()),
+            })?;
         let tokens = parse_tokens(&v);
         Ok((v, tokens))
     }

@@ -25,8 +25,8 @@ use self::provider::ServerProvider;
 use super::provider::Provider;
 use crate::config::local_server::LocalServerConfig;
 
-/// How long `systemctl start|stop` may take.
-const UNIT_TIMEOUT: Duration = Duration::from_secs(45);
+/// How long `systemctl --no-block start|stop` may take (it only queues the job).
+const UNIT_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Where a server stands, as the last health checks saw it.
 #[derive(Clone, Debug, PartialEq)]
@@ -59,6 +59,9 @@ pub struct LocalServer {
     health: watch::Sender<Health>,
     /// Failed checks in a row.
     strikes: AtomicU32,
+    /// One check at a time: a check that started before a unit action never overwrites the
+    /// one after it.
+    checking: tokio::sync::Mutex<()>,
     check_now: Arc<Notify>,
     /// The hub provider of the current revision (rebuilt when the revision changes).
     provider: Mutex<Option<Arc<ServerProvider>>>,
@@ -100,6 +103,7 @@ impl LocalServer {
 
     /// One health check, and what it changes.
     pub async fn check(&self) -> Health {
+        let _one = self.checking.lock().await;
         let checked = self.api.check().await;
         let before = self.health();
         let next = match checked {
@@ -172,8 +176,9 @@ impl LocalServer {
         }
     }
 
-    /// `systemctl start|stop <unit>`, then one health check (its result is the answer's
-    /// status). Without a unit: [`UnitError::Unmanaged`].
+    /// `systemctl --no-block start|stop <unit>` (the job is queued; a model server may take
+    /// minutes to load), then one health check: the answer's status is where it stands now,
+    /// and the health checks follow it from there. Without a unit: [`UnitError::Unmanaged`].
     pub async fn control(&self, verb: &'static str) -> Result<Health, UnitError> {
         let Some(unit) = self.config.unit.clone() else {
             return Err(UnitError::Unmanaged(self.key()));
@@ -185,6 +190,7 @@ impl LocalServer {
         };
         tracing::info!(server = self.key(), unit = %unit, verb, "systemctl");
         let child = tokio::process::Command::new(&self.systemctl)
+            .arg("--no-block")
             .arg(verb)
             .arg(&unit)
             .stdin(std::process::Stdio::null())
@@ -237,6 +243,7 @@ impl LocalServers {
                 api: Arc::new(api),
                 health: watch::channel(Health::Unchecked).0,
                 strikes: AtomicU32::new(0),
+                checking: tokio::sync::Mutex::new(()),
                 check_now: Arc::new(Notify::new()),
                 provider: Mutex::new(None),
                 systemctl: systemctl.to_path_buf(),

@@ -177,7 +177,8 @@ async fn act(sidecar: &Sidecar, caller: &Caller, verb: ContainerVerb, body: &[u8
                 ContainerError::ModelMismatch { .. } => StatusCode::CONFLICT,
                 ContainerError::Stopped(_) => StatusCode::SERVICE_UNAVAILABLE,
                 ContainerError::Load { .. } => StatusCode::INTERNAL_SERVER_ERROR,
-                ContainerError::Unit(UnitError::Unmanaged(_)) => StatusCode::CONFLICT,
+                ContainerError::Unit(UnitError::Unmanaged(_))
+                | ContainerError::SharedWithHub(_) => StatusCode::CONFLICT,
                 ContainerError::Unit(UnitError::Failed { .. }) => StatusCode::BAD_GATEWAY,
             };
             error(status, e.to_string()).into_response()
