@@ -76,7 +76,7 @@ impl Provider for ServerProvider {
     fn run(&self, input: WorkInput) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
         let api = self.api.clone();
         let dims = self.info.dims;
-        let this = FailureSink(self.check_now.clone());
+        let bell = self.check_now.clone();
         Box::pin(async move {
             match input {
                 WorkInput::Embed(e) => {
@@ -85,7 +85,7 @@ impl Provider for ServerProvider {
                     let (vectors, tokens) = api
                         .embed(&texts, dims)
                         .await
-                        .map_err(|e| this.failure(&e))?;
+                        .map_err(|e| failure(&bell, &e))?;
                     let width = vectors.first().map_or(0, Vec::len);
                     if let Some(d) = dimensions.filter(|d| *d > width) {
                         return Err(ProviderFailure::new(
@@ -103,7 +103,8 @@ impl Provider for ServerProvider {
                     })
                 }
                 WorkInput::Chat(body) => {
-                    let (response, tokens) = api.chat(body).await.map_err(|e| this.failure(&e))?;
+                    let (response, tokens) =
+                        api.chat(body).await.map_err(|e| failure(&bell, &e))?;
                     Ok(WorkResult {
                         output: WorkOutput::Chat(response),
                         tokens,
@@ -126,7 +127,7 @@ impl Provider for ServerProvider {
             return self.run(input);
         };
         let api = self.api.clone();
-        let this = FailureSink(self.check_now.clone());
+        let bell = self.check_now.clone();
         Box::pin(async move {
             let forward = |chunk| {
                 let _ = chunks.send(chunk);
@@ -134,7 +135,7 @@ impl Provider for ServerProvider {
             let (response, tokens) = api
                 .chat_stream(body, forward)
                 .await
-                .map_err(|e| this.failure(&e))?;
+                .map_err(|e| failure(&bell, &e))?;
             Ok(WorkResult {
                 output: WorkOutput::Chat(response),
                 tokens,
@@ -143,14 +144,10 @@ impl Provider for ServerProvider {
     }
 }
 
-/// What a call's future keeps of its provider: the health loop's bell.
-struct FailureSink(Arc<Notify>);
-
-impl FailureSink {
-    fn failure(&self, e: &super::api::ServerError) -> ProviderFailure {
-        if e.is_refused() {
-            self.0.notify_one();
-        }
-        e.failure()
+/// The hub's failure for a server error; nothing listening wakes the health loop (`bell`).
+fn failure(bell: &Notify, e: &super::api::ServerError) -> ProviderFailure {
+    if e.is_refused() {
+        bell.notify_one();
     }
+    e.failure()
 }
