@@ -149,6 +149,17 @@ impl ServerApi {
         })
     }
 
+    /// A server's words as we pass them on: a server that quotes the key it was sent (in an
+    /// error body, an error chunk) never gets it into a log or a client's answer.
+    fn withhold_key(&self, message: String) -> String {
+        match &self.key {
+            Some(key) if !key.is_empty() && message.contains(key.expose()) => {
+                message.replace(key.expose(), "[withheld]")
+            }
+            _ => message,
+        }
+    }
+
     fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }
@@ -199,7 +210,7 @@ impl ServerApi {
         Err(ServerError::Status {
             url: self.url(path),
             status,
-            message: error_message(&body),
+            message: self.withhold_key(error_message(&body)),
             retry_after_ms: retry_after_ms(&headers),
         })
     }
@@ -219,7 +230,7 @@ impl ServerApi {
     fn bad(&self, path: &str, message: impl Into<String>) -> ServerError {
         ServerError::BadAnswer {
             url: self.url(path),
-            message: truncate(&message.into()),
+            message: self.withhold_key(truncate(&message.into())),
         }
     }
 
@@ -324,14 +335,14 @@ impl ServerApi {
             async move { self.send(path, rb).await }
         };
         let n = texts.len();
-        let (path, vectors, tokens) = match self.kind {
+        let (vectors, tokens) = match self.kind {
             ServerKind::Tei => {
                 let path = "/embed";
                 let v = post(path, json!({"inputs": texts, "truncate": true})).await?;
                 let rows = v
                     .as_array()
                     .ok_or_else(|| self.bad(path, "the answer is not an array of vectors"))?;
-                (path, self.vectors(path, rows, n, dims)?, 0)
+                (self.vectors(path, rows, n, dims)?, 0)
             }
             ServerKind::Ollama => {
                 let path = "/api/embed";
@@ -342,11 +353,7 @@ impl ServerApi {
                     .and_then(Value::as_array)
                     .ok_or_else(|| self.bad(path, "no embeddings array"))?;
                 let tokens = v.get("prompt_eval_count").and_then(Value::as_u64);
-                (
-                    path,
-                    self.vectors(path, rows, n, dims)?,
-                    tokens.unwrap_or(0),
-                )
+                (self.vectors(path, rows, n, dims)?, tokens.unwrap_or(0))
             }
             ServerKind::Vllm | ServerKind::LlamaCpp | ServerKind::Openai => {
                 let path = "/v1/embeddings";
@@ -354,10 +361,9 @@ impl ServerApi {
                 let v = post(path, body).await?;
                 let vectors =
                     parse_embeddings(&v, n, dims).map_err(|e| self.bad(path, e.to_string()))?;
-                (path, vectors, parse_tokens(&v))
+                (vectors, parse_tokens(&v))
             }
         };
-        debug_assert_eq!(vectors.len(), n, "{path}");
         Ok((vectors, tokens))
     }
 
@@ -427,7 +433,7 @@ impl ServerApi {
                 status @ 400..=499 => ServerError::Status {
                     url: self.url(path),
                     status,
-                    message: truncate(&e.to_string()),
+                    message: self.withhold_key(truncate(&e.to_string())),
                     retry_after_ms: e.retry_after_ms(),
                 },
                 _ => self.bad(path, e.to_string()),
@@ -509,5 +515,19 @@ mod tests {
         assert!(ollama_same("qwen3.5:9b", "qwen3.5:9b"));
         assert!(ollama_same("nomic-embed-text:latest", "nomic-embed-text"));
         assert!(!ollama_same("qwen3.5:9b", "qwen3.5:4b"));
+    }
+
+    #[test]
+    fn a_server_that_quotes_its_key_never_gets_it_passed_on() {
+        let cfg: LocalServerConfig = toml::from_str(
+            "role = \"rlm\"\nurl = \"http://127.0.0.1:8100\"\nmodel = \"m\"\nkind = \"vllm\"",
+        )
+        .unwrap();
+        let key = "vllm-key-7f3a9c2e41d08b6a";
+        let api = ServerApi::new(&cfg, Some(Secret::new(key)), Duration::from_secs(1)).unwrap();
+        let shown = api.withhold_key(format!("invalid api key '{key}' for model m"));
+        assert_eq!(shown, "invalid api key '[withheld]' for model m");
+        let bad = api.bad("/v1/chat/completions", format!("echo: {key}"));
+        assert!(!bad.to_string().contains(key), "{bad}");
     }
 }
