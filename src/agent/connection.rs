@@ -233,6 +233,7 @@ async fn session(
         providers: providers.iter().map(|p| p.info()).collect(),
         devices: devices(&providers),
         instance: Some(agent.instance().to_string()),
+        config: agent.held_config(),
     }));
 
     let max_frame = agent.opts.max_frame_bytes;
@@ -342,10 +343,7 @@ async fn session(
                         }
                     }
                     Ok(HubFrame::Config(cfg)) => {
-                        let ack = match cfg.payload.openrouter {
-                            Some(push) => agent.apply_config(cfg.id, push),
-                            None => crate::protocol::ConfigAck { id: cfg.id, applied: false, reason: Some("the push has no openrouter object".into()), roles: Default::default() },
-                        };
+                        let ack = agent.apply_config(cfg);
                         send(&AgentFrame::ConfigAck(ack));
                         announce(&mut providers, agent.providers(), drain_deadline.is_some(), &mut grants, &send);
                     }
@@ -365,7 +363,7 @@ async fn session(
                             let (vectors, error) = match provider {
                                 None => (None, Some(format!("no provider '{}' here", probe.provider))),
                                 Some(p) => {
-                                    let input = protocol::WorkInput::Embed(protocol::EmbedInput { texts: probe.texts, ..Default::default() });
+                                    let input = protocol::WorkInput::Embed(protocol::EmbedInput { texts: probe.texts, truncate: true, ..Default::default() });
                                     match p.run(input).await {
                                         Ok(WorkResult { output: protocol::WorkOutput::Embeddings(v), .. }) => (Some(v), None),
                                         Ok(_) => (None, Some("the provider answered a probe with something other than vectors".into())),
@@ -434,6 +432,7 @@ async fn session(
                     devices: devices(&providers),
                     // Work still running: its leases live on.
                     leases: jobs.by_lease.keys().copied().collect(),
+                    config: agent.held_config(),
                 }));
             }
             _ = silent, if hub_pings => {

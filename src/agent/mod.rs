@@ -28,8 +28,10 @@ use self::provider::Provider;
 use self::stats::ProviderCounters;
 use crate::cloud::openrouter::OpenRouterClient;
 use crate::cloud::route::CloudRoute;
-use crate::config::push::{self, CloudSettings, OpenRouterPush, Outcome};
-use crate::protocol::{AccountLimits, ConfigAck, DeviceInfo, ProviderStats};
+use crate::config::push::{self, CloudSettings, Outcome};
+use crate::protocol::{
+    AccountLimits, ConfigAck, ConfigFrame, DeviceInfo, HeldConfig, ProviderStats,
+};
 use crate::secret::Secret;
 
 /// How an agent runs.
@@ -78,7 +80,7 @@ impl Default for CloudOptions {
 pub struct Agent {
     opts: AgentOptions,
     counters: Mutex<BTreeMap<String, ProviderCounters>>,
-    cloud: Mutex<HeldConfig>,
+    cloud: Mutex<PushedConfig>,
     connected: AtomicBool,
     /// Hub dials attempted (connected or not): `READY=1` waits for the first.
     dials: watch::Sender<u64>,
@@ -88,12 +90,14 @@ pub struct Agent {
     instance: String,
 }
 
-/// What config pushes left here: the safe part, the key (memory only), and the cloud
-/// providers built from them.
+/// What config pushes left here: the safe part, the key (memory only), the hub's revision of
+/// it and the key's generation, and the cloud providers built from them.
 #[derive(Default)]
-struct HeldConfig {
+struct PushedConfig {
     settings: CloudSettings,
     key: Option<Secret>,
+    revision: Option<u64>,
+    key_generation: Option<String>,
     client: Option<Arc<OpenRouterClient>>,
     providers: Vec<Arc<dyn Provider>>,
 }
@@ -103,7 +107,7 @@ impl Agent {
         Arc::new(Self {
             opts,
             counters: Mutex::default(),
-            cloud: Mutex::new(HeldConfig::default()),
+            cloud: Mutex::new(PushedConfig::default()),
             connected: AtomicBool::new(false),
             dials: watch::channel(0).0,
             sessions: AtomicU64::new(0),
@@ -199,21 +203,61 @@ impl Agent {
         self.held().key.is_some()
     }
 
-    fn held(&self) -> std::sync::MutexGuard<'_, HeldConfig> {
+    fn held(&self) -> std::sync::MutexGuard<'_, PushedConfig> {
         self.cloud
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Merges a config push (DESIGN §4), rebuilds the cloud providers from what is held, and
-    /// says what became of it.
-    pub fn apply_config(&self, id: String, mut push: OpenRouterPush) -> ConfigAck {
+    /// Which of the hub's configs this agent holds (`hello`, heartbeats, acks say it).
+    pub fn held_config(&self) -> HeldConfig {
+        let held = self.held();
+        HeldConfig {
+            config_revision: held.revision,
+            key_generation: held.key_generation.clone(),
+        }
+    }
+
+    /// Applies a config frame, rebuilds the cloud providers from what is held, and says what
+    /// became of it. A frame with a `revision` is the hub's whole config: it replaces what was
+    /// held, and a key of another generation than the frame's is dropped (the hub replaced it
+    /// while this agent was away). A frame without one is a partial push (DESIGN §4), merged.
+    pub fn apply_config(&self, frame: ConfigFrame) -> ConfigAck {
+        let ConfigFrame {
+            id,
+            revision,
+            key_generation,
+            payload,
+        } = frame;
         let mut held = self.held();
-        let holds_key = held.key.is_some();
+        let Some(mut push) = payload.openrouter else {
+            return ConfigAck {
+                id,
+                applied: false,
+                reason: Some("the push has no openrouter object".into()),
+                roles: Default::default(),
+                config: HeldConfig {
+                    config_revision: held.revision,
+                    key_generation: held.key_generation.clone(),
+                },
+            };
+        };
         let held_key = held.key.clone();
-        match push::merge_holding(&mut held.settings, holds_key, held_key.as_ref(), &push) {
+        let merged = match revision {
+            Some(_) => push::replace_holding(held_key.as_ref(), &push).map(|(settings, report)| {
+                held.settings = settings;
+                report
+            }),
+            None => push::merge_holding(
+                &mut held.settings,
+                held_key.is_some(),
+                held_key.as_ref(),
+                &push,
+            ),
+        };
+        let ack = match merged {
             Ok(mut report) => {
-                let key_changed = push.api_key.is_some();
+                let mut key_changed = push.api_key.is_some();
                 if let Some(key) = push.api_key.take() {
                     match OpenRouterClient::new(
                         &self.opts.cloud.openrouter_url,
@@ -228,17 +272,31 @@ impl Agent {
                         }
                     }
                     held.key = Some(key);
+                    held.key_generation = key_generation;
+                } else if revision.is_some()
+                    && held.key.is_some()
+                    && held.key_generation != key_generation
+                {
+                    tracing::warn!(config_id = %id, "the hub's key was replaced while this agent was away: the key held here is dropped, and cloud routes stay off until a push with the key");
+                    held.key = None;
+                    held.client = None;
+                    held.key_generation = None;
+                    key_changed = true;
+                }
+                if revision.is_some() {
+                    held.revision = revision;
                 }
                 let refusals = self.rebuild_cloud(&mut held, key_changed);
                 for (role, reason) in refusals {
                     report.roles.entry(role).or_default().model = Some(Outcome::Refused { reason });
                 }
-                tracing::info!(config_id = %id, key_included = report.key_included, cloud_providers = held.providers.len(), "config push applied");
+                tracing::info!(config_id = %id, revision = ?held.revision, key_included = report.key_included, cloud_providers = held.providers.len(), "config push applied");
                 ConfigAck {
                     id,
                     applied: true,
                     reason: None,
                     roles: report.roles,
+                    config: HeldConfig::default(),
                 }
             }
             Err(refused) => {
@@ -248,14 +306,22 @@ impl Agent {
                     applied: false,
                     reason: Some(refused.to_string()),
                     roles: Default::default(),
+                    config: HeldConfig::default(),
                 }
             }
+        };
+        ConfigAck {
+            config: HeldConfig {
+                config_revision: held.revision,
+                key_generation: held.key_generation.clone(),
+            },
+            ..ack
         }
     }
 
     /// One cloud provider per role whose policy lets the cloud serve and whose model is
     /// mapped; an unchanged route keeps its provider. Returns routes that could not be built.
-    fn rebuild_cloud(&self, held: &mut HeldConfig, key_changed: bool) -> Vec<(String, String)> {
+    fn rebuild_cloud(&self, held: &mut PushedConfig, key_changed: bool) -> Vec<(String, String)> {
         let mut refusals = Vec::new();
         let Some(client) = held.client.clone() else {
             held.providers.clear();

@@ -82,11 +82,16 @@ impl LocalProvider {
         // Pinned: the commit. Unpinned: the digest of the folder's files, so changed bytes are
         // a new provider identity the gate checks again before it serves.
         let revision = Some(e.provenance.revision());
+        // An unpinned folder is named by its bytes (the same digest), never by its path: a
+        // host path reaches no response, and two hosts with the same bytes in different
+        // folders are one model. The folder stays in this agent's own log.
         let model = match &e.provenance {
             crate::model_source::Provenance::Pinned { id, .. } => id.clone(),
             crate::model_source::Provenance::Unpinned { dir, .. }
             | crate::model_source::Provenance::RandomWeights { dir, .. } => {
-                format!("folder:{}", dir.display())
+                let digest = e.provenance.revision();
+                tracing::info!(role = %role, dir = %dir.display(), model = %digest, "an unpinned model folder is known to the hub by its digest");
+                digest
             }
         };
         let info = ProviderInfo {
@@ -142,6 +147,7 @@ impl Provider for LocalProvider {
                         is_query: e.is_query,
                         task: e.instruction,
                         dimensions: e.dimensions,
+                        truncate: e.truncate,
                     };
                     let out = engine
                         .embed_counted(e.texts, opts)

@@ -92,6 +92,7 @@ pub async fn embed(args: EmbedArgs) -> anyhow::Result<()> {
         is_query: args.query,
         task: args.task,
         dimensions: args.dimensions,
+        truncate: false,
     };
     let mut out = stream::stdout();
     let progress = Progress::start(texts.len(), "texts", meter(&engine));

@@ -30,6 +30,10 @@ pub struct OpenRouterPush {
     pub mode_by_role: Option<BTreeMap<String, String>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub domain: Option<String>,
+    /// `true`: every role with no cloud model (held or in this push) takes Fantom's default
+    /// ([`seed_defaults`]). Nothing else ever maps a model nobody chose.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_defaults: Option<bool>,
     /// Write-only. Declared last: the frame encoder keeps it out of a frame's head.
     #[serde(
         default,
@@ -57,6 +61,28 @@ pub struct AllowedModel {
     pub note: Option<String>,
 }
 
+/// Fantom's default cloud model per role (its catalogue): the reranker pinned to Fireworks,
+/// the code assistant and the RLM sandbox. Embedding roles have none: their model founds a
+/// table, which only an operator chooses. Proposed by `GET /admin/config`, in force only after
+/// a push with `"useDefaults": true` (the RLM stays `local` unless a push sets its mode).
+pub fn seed_defaults() -> BTreeMap<Role, AllowedModel> {
+    let model = |model: &str, provider: Option<&str>| AllowedModel {
+        model: model.to_string(),
+        provider: provider.map(str::to_string),
+        dims: None,
+        quantization: None,
+        note: Some("Fantom's default".to_string()),
+    };
+    BTreeMap::from([
+        (
+            Role::Reranker,
+            model("qwen/qwen3-reranker-8b", Some("Fireworks")),
+        ),
+        (Role::CodeAssistant, model("poolside/laguna-s-2.1", None)),
+        (Role::RlmSandbox, model("deepseek/deepseek-v4-flash", None)),
+    ])
+}
+
 /// What a holder keeps of all pushes so far, the key aside: safe to persist and to show.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -77,6 +103,51 @@ impl CloudSettings {
             .copied()
             .unwrap_or_else(|| role.default_policy())
     }
+
+    /// These settings as one whole push (what the hub sends its agents: only what a merge
+    /// accepted, never a request's body), with `key` when the push that made them carried one.
+    pub fn whole_push(&self, key: Option<Secret>) -> OpenRouterPush {
+        OpenRouterPush {
+            allowed_models: Some(
+                self.allowed_models
+                    .iter()
+                    .map(|(role, m)| (role.to_string(), Some(m.clone())))
+                    .collect(),
+            ),
+            mode_by_role: Some(
+                self.policies
+                    .iter()
+                    .map(|(role, policy)| (role.to_string(), policy.to_string()))
+                    .collect(),
+            ),
+            domain: self.domain.clone(),
+            use_defaults: None,
+            api_key: key,
+        }
+    }
+}
+
+/// Reads a whole config (see [`CloudSettings::whole_push`]) as the settings to hold instead
+/// of the present ones; `held_key`: the key the holder keeps (never echoed if typed into a
+/// field). An empty whole config is an empty set of settings.
+pub fn replace_holding(
+    held_key: Option<&Secret>,
+    whole: &OpenRouterPush,
+) -> Result<(CloudSettings, MergeReport), PushRefused> {
+    let mut next = CloudSettings::default();
+    let empty = whole.api_key.is_none()
+        && whole.allowed_models.as_ref().is_none_or(BTreeMap::is_empty)
+        && whole.mode_by_role.as_ref().is_none_or(BTreeMap::is_empty)
+        && whole.domain.is_none();
+    if empty {
+        let report = MergeReport {
+            roles: BTreeMap::new(),
+            key_included: false,
+        };
+        return Ok((next, report));
+    }
+    let report = merge_holding(&mut next, true, held_key, whole)?;
+    Ok((next, report))
 }
 
 /// What became of one part of a push for one role.
@@ -122,7 +193,7 @@ pub enum PushRefused {
     #[error("apiKey is empty; nothing was applied")]
     EmptyKey,
     #[error(
-        "the push changes nothing: send at least one of apiKey, allowedModels, modeByRole, domain"
+        "the push changes nothing: send at least one of apiKey, allowedModels, modeByRole, domain, useDefaults"
     )]
     Empty,
     /// A key-shaped value in a field that is kept and shown; the value is not repeated.
@@ -154,6 +225,7 @@ pub fn merge_holding(
         && push.allowed_models.is_none()
         && push.mode_by_role.is_none()
         && push.domain.is_none()
+        && push.use_defaults.is_none()
     {
         return Err(PushRefused::Empty);
     }
@@ -208,6 +280,18 @@ pub fn merge_holding(
     }
     if let Some(domain) = &push.domain {
         next.domain = Some(domain.clone());
+    }
+    if push.use_defaults == Some(true) {
+        for (role, model) in seed_defaults() {
+            let named = push
+                .allowed_models
+                .as_ref()
+                .is_some_and(|m| m.contains_key(role.as_str()));
+            if !named && !next.allowed_models.contains_key(&role) {
+                next.allowed_models.insert(role, model);
+                roles.entry(role.to_string()).or_default().model = Some(Outcome::Applied);
+            }
+        }
     }
     *held = next;
     Ok(MergeReport {
@@ -467,6 +551,70 @@ mod tests {
         );
         assert!(keepable_mode("rlm", "local-only", None));
         assert!(!keepable_mode("rlm", KEY, None) && !keepable_mode(KEY, "local-only", None));
+    }
+
+    #[test]
+    fn the_whole_config_is_what_the_merge_kept_and_replaces_what_was_held() {
+        const KEY: &str = "sk-or-v1-0123456789abcdef0123456789abcdef0123456789abcdef0123456789ab";
+        let mut held = CloudSettings::default();
+        let first = push(
+            r#"{"apiKey":"k","allowedModels":{
+                "embedding":{"model":"m","provider":"p","dims":8},
+                "reranker":{"model":"r"}},
+              "modeByRole":{"embedding":"cloud","reranker":"local-only"},"domain":"code"}"#,
+        );
+        merge(&mut held, false, &first).unwrap();
+        // A key typed into a note is refused; what leaves is only what was kept.
+        let bad = push(&format!(
+            r#"{{"allowedModels":{{"reranker":{{"model":"r2","note":"{KEY}"}}}},"modeByRole":{{"code-assistant":"{KEY}"}}}}"#
+        ));
+        merge(&mut held, true, &bad).unwrap();
+        let whole = held.whole_push(None);
+        let text = serde_json::to_string(&whole).unwrap();
+        assert!(!text.contains(KEY), "{text}");
+        assert!(
+            !text.contains("r2"),
+            "the refused route is not sent: {text}"
+        );
+        // An agent that held other routes holds exactly these afterwards.
+        let (replaced, report) = replace_holding(None, &whole).unwrap();
+        assert_eq!(replaced, held);
+        assert!(!report.key_included);
+        let (nothing, _) =
+            replace_holding(None, &CloudSettings::default().whole_push(None)).unwrap();
+        assert_eq!(nothing, CloudSettings::default());
+    }
+
+    #[test]
+    fn defaults_apply_only_when_asked_and_never_over_a_choice() {
+        let mut held = CloudSettings::default();
+        merge(&mut held, false, &push(r#"{"apiKey":"k"}"#)).unwrap();
+        assert!(
+            held.allowed_models.is_empty(),
+            "nothing bills a model nobody chose"
+        );
+        let report = merge(
+            &mut held,
+            true,
+            &push(r#"{"useDefaults":true,"allowedModels":{"code-assistant":{"model":"mine"}}}"#),
+        )
+        .unwrap();
+        assert_eq!(held.allowed_models[&Role::CodeAssistant].model, "mine");
+        assert_eq!(
+            held.allowed_models[&Role::Reranker].provider.as_deref(),
+            Some("Fireworks")
+        );
+        assert_eq!(
+            held.allowed_models[&Role::RlmSandbox].model,
+            "deepseek/deepseek-v4-flash"
+        );
+        assert_eq!(
+            held.policy(Role::RlmSandbox),
+            Policy::Local,
+            "the RLM stays local"
+        );
+        assert!(!held.allowed_models.contains_key(&Role::Embedding));
+        assert_eq!(report.roles["reranker"].model, Some(Outcome::Applied));
     }
 
     #[test]

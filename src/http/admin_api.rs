@@ -42,12 +42,26 @@ pub async fn get_config(
         .into_iter()
         .map(|r| (r.to_string(), json!(state.cloud.policy(r))))
         .collect();
+    // Fantom's defaults for the roles no push mapped: proposed, never in force until a push
+    // takes them.
+    let proposed: serde_json::Map<String, Value> = crate::config::push::seed_defaults()
+        .into_iter()
+        .filter(|(role, _)| !state.cloud.allowed_models.contains_key(role))
+        .map(|(role, m)| (role.to_string(), json!(m)))
+        .collect();
     Ok(Json(json!({
         "openrouter": {
             "allowedModels": state.cloud.allowed_models,
             "modeByRole": policies,
             "domain": state.cloud.domain,
         },
+        "defaults": {
+            "inForce": false,
+            "allowedModels": proposed,
+            "take": "push {\"useDefaults\": true} to map these roles to them (roles already mapped keep their model)",
+        },
+        "revision": state.config_revision,
+        "keyGeneration": state.key_generation,
         "keyPushed": state.key.is_some(),
         "keyPushedAtMs": state.key.as_ref().map(|k| k.pushed_at_ms),
         "lastPushMs": state.last_push_ms,
@@ -162,6 +176,8 @@ pub async fn post_gate_verify(
     }
     let cleared = core.gate.reverify(provider.as_deref());
     core.gate_tick(std::time::Instant::now());
+    // Requests admitted under a retired generation fail now with `space_changed`.
+    core.dispatch_all();
     Ok(Json(json!({ "cleared": cleared, "retired": retire })))
 }
 

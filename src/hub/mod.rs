@@ -19,7 +19,6 @@ pub mod state;
 pub mod status;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -29,7 +28,6 @@ use self::core::{Completed, Core, HubSettings, RequestFailure, SubmitError};
 use self::queue::{RequestId, Shape};
 use self::state::{HubState, KeyRecord, StateError};
 use crate::config::push::{self, OpenRouterPush, PushRefused, RoleOutcome};
-use crate::protocol::{self, ConfigFrame, ConfigPayload, HubFrame};
 use crate::roles::Role;
 use crate::secret::Secret;
 
@@ -62,7 +60,6 @@ struct Inner {
     admin_token: Secret,
     client_token: Option<Secret>,
     started: Instant,
-    next_config: AtomicU64,
 }
 
 /// Why a client request did not complete.
@@ -190,6 +187,15 @@ impl Hub {
             core.budget
                 .set_override(state.budget_override, Instant::now());
         }
+        // The revision and key generation survive a restart: agents that hold them keep
+        // serving without a new push.
+        core.set_config(
+            state.cloud.clone(),
+            core::ConfigRevision {
+                revision: state.config_revision,
+                key_generation: state.key_generation.clone(),
+            },
+        );
         Ok(Self {
             inner: Arc::new(Inner {
                 core: Mutex::new(core),
@@ -200,7 +206,6 @@ impl Hub {
                 admin_token: opts.admin_token,
                 client_token: opts.client_token,
                 started: Instant::now(),
-                next_config: AtomicU64::new(1),
             }),
         })
     }
@@ -314,7 +319,8 @@ impl Hub {
     }
 
     /// Applies an admin push: merge (the hub holds no key, only that one was pushed),
-    /// persist, send the push to every connected agent, then drop it (and the key with it).
+    /// persist with a new revision (and a new key generation when it carried a key), send the
+    /// whole merged config to every connected agent, then drop the key.
     pub async fn push_config(&self, push: OpenRouterPush) -> Result<PushResult, PushError> {
         let hub = self.clone();
         to_the_end(async move { hub.apply_push(push).await })
@@ -322,7 +328,7 @@ impl Hub {
             .unwrap_or_else(|e| Err(PushError::State(e)))
     }
 
-    async fn apply_push(&self, push: OpenRouterPush) -> Result<PushResult, PushError> {
+    async fn apply_push(&self, mut push: OpenRouterPush) -> Result<PushResult, PushError> {
         // Writers one at a time; the file is written (and synced) off the runtime's threads
         // and before the core is held, so dispatch and status never wait on a disk.
         let _writing = self.inner.state_writes.lock().await;
@@ -330,39 +336,41 @@ impl Hub {
         let report = push::merge(&mut next.cloud, next.key.is_some(), &push)?;
         let at = now_ms();
         next.last_push_ms = Some(at);
+        next.config_revision = next.config_revision.saturating_add(1);
         if report.key_included {
             next.key = Some(KeyRecord {
                 pushed_at_ms: at,
                 pushes: next.key.as_ref().map_or(0, |k| k.pushes) + 1,
             });
+            next.key_generation = Some(core::ConfigRevision::new_key_generation());
         }
         let next = self.persist(next).await?;
-        let cloud = next.cloud.clone();
+        let (cloud, revision) = (
+            next.cloud.clone(),
+            core::ConfigRevision {
+                revision: next.config_revision,
+                key_generation: next.key_generation.clone(),
+            },
+        );
         *self.lock_state() = next;
+        // Only what the merge kept leaves the hub (the whole config at its revision), and the
+        // key; never the request's body.
+        let key = push.api_key.take();
+        drop(push);
         let mut core = self.core();
-        core.cloud = cloud;
+        core.set_config(cloud, revision);
         // A push may fix what a route was refused for (its pin): it is asked again.
         core.push_applied();
         if report.key_included {
             // A new key: forget a hard stop and the old account's limits; ask again.
             core.budget.key_changed(Instant::now());
         }
-        let id = format!(
-            "cfg-{}",
-            self.inner.next_config.fetch_add(1, Ordering::Relaxed)
-        );
-        let frame = protocol::encode(&HubFrame::Config(ConfigFrame {
-            id: id.clone(),
-            payload: ConfigPayload {
-                openrouter: Some(push),
-            },
-        }));
-        let sent_to = core.broadcast(&frame);
-        drop(frame);
+        let id = format!("cfg-{}", core.config_revision().revision);
+        let sent_to = core.broadcast_config(&id, key);
         // A policy may change a role's reference, and so its space: before any dispatch.
         core.gate_tick(Instant::now());
         core.dispatch_all();
-        tracing::info!(config_id = %id, key_included = report.key_included, agents = sent_to.len(), "config push applied");
+        tracing::info!(config_id = %id, revision = core.config_revision().revision, key_included = report.key_included, agents = sent_to.len(), "config push applied");
         Ok(PushResult {
             id,
             applied: true,

@@ -42,6 +42,7 @@ impl Shape {
                 dimensions: *dimensions,
                 is_query: *is_query,
                 instruction: instruction.clone(),
+                truncate: false,
             }),
             Shape::Rerank { query, instruction } => WorkInput::Rerank(RerankInput {
                 query: query.clone(),

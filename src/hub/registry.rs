@@ -9,7 +9,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use crate::protocol::{
-    Backend, ConfigAck, DeviceInfo, ProviderInfo, ProviderStats, ScoreActivation,
+    Backend, ConfigAck, DeviceInfo, HeldConfig, ProviderInfo, ProviderStats, ScoreActivation,
 };
 use crate::roles::Op;
 use crate::roles::Role;
@@ -113,6 +113,10 @@ pub struct ProviderEntry {
     pub scorer: Option<Arc<ScorerRef>>,
     /// A cloud route that refuses every call until a push (no endpoint for its pin): why.
     pub refused: Option<String>,
+    /// A cloud route that is not the hub's now (another model, pin or width; a policy that
+    /// keeps the role local; a key of an older generation, or none): why. It serves nothing,
+    /// is probed by no gate and asked nothing of the account.
+    pub stale: Option<String>,
     /// Work frames the provider still asked for.
     pub credits: u32,
     pub in_flight: u32,
@@ -170,6 +174,7 @@ impl ProviderEntry {
             gate_candidate,
             scorer,
             refused: None,
+            stale: None,
             credits: 0,
             in_flight: 0,
             served_items: 0,
@@ -219,6 +224,11 @@ pub struct AgentEntry {
     pub providers: BTreeMap<String, ProviderEntry>,
     pub devices: Vec<DeviceInfo>,
     pub last_config_ack: Option<ConfigAck>,
+    /// The config it says it holds (`hello`, then every heartbeat).
+    pub held: HeldConfig,
+    /// The revision of the whole config last sent to this session because it was behind
+    /// (sent once per revision, not on every heartbeat).
+    pub config_sent: Option<u64>,
 }
 
 impl AgentEntry {

@@ -1,5 +1,5 @@
 //! What the hub persists: only the safe config (models, pins, dims, policies, and that a key
-//! push happened, with its time). Written atomically (temp file, fsync, rename, fsync of the
+//! push happened, with its time, the config's revision and the key's generation id). Written atomically (temp file, fsync, rename, fsync of the
 //! directory) so a crash leaves the old state or the new, never a torn file.
 
 use std::io::Write;
@@ -31,6 +31,14 @@ pub struct HubState {
     /// When the last push (with or without a key) applied.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_push_ms: Option<u64>,
+    /// Bumped by every push that applied: the config frame carries it, agents report the one
+    /// they hold, and one that is behind is sent the whole config again.
+    #[serde(default)]
+    pub config_revision: u64,
+    /// A random id per push that carried a key (never derived from the key): only agents
+    /// holding this generation spend, and a refusal of an older one stops nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_generation: Option<String>,
     /// The operator's cloud budget override (permits, 1..=256).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget_override: Option<u32>,

@@ -13,7 +13,7 @@ use super::Hub;
 use super::budget::BudgetView;
 use super::registry::{ModelOrigin, SocketCount};
 use crate::histogram::{self, Histogram};
-use crate::protocol::{ConfigAck, DeviceInfo, ProviderStats};
+use crate::protocol::{ConfigAck, DeviceInfo, HeldConfig, ProviderStats};
 use crate::roles::{Policy, Role};
 
 #[derive(Debug, Serialize)]
@@ -46,6 +46,11 @@ pub struct AgentView {
     pub devices: Vec<DeviceInfo>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_config_ack: Option<ConfigAck>,
+    /// The config revision and key generation the agent says it holds.
+    pub holds: HeldConfig,
+    /// Whether it holds the hub's current key (when one was pushed): without it, its cloud
+    /// routes serve nothing until a push with the key reaches it.
+    pub needs_key_push: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -66,6 +71,10 @@ pub struct ProviderView {
     pub failures: u64,
     pub benched: bool,
     pub paused: bool,
+    /// Why a cloud route serves nothing: it is not the hub's route now, or its agent does not
+    /// hold the current key.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stale: Option<String>,
     /// Work-frame latency the agent measured (hub-side EWMA of `done.latency_ms`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub latency_ewma_ms: Option<f64>,
@@ -100,6 +109,14 @@ pub struct ConfigView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_push_ms: Option<u64>,
     pub cloud_roles: Vec<Role>,
+    /// The revision of the hub's config (bumped by every push; agents report theirs).
+    pub revision: u64,
+    /// The current key's generation id (random per push with a key; not derived from it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_generation: Option<String>,
+    /// Connected agents that do not hold the current key: push the key again to serve cloud
+    /// work from them.
+    pub agents_needing_key: Vec<String>,
 }
 
 /// The hub's own settings as they apply now (a SIGHUP may have changed them).
@@ -154,12 +171,16 @@ impl Hub {
                         failures: p.failures,
                         benched: !p.is_healthy(now),
                         paused: p.paused_until.is_some_and(|t| t > now),
+                        stale: p.stale.clone(),
                         latency_ewma_ms: p.latency_ewma_ms,
                         heartbeat: p.heartbeat.clone(),
                     })
                     .collect(),
                 devices: a.devices.clone(),
                 last_config_ack: a.last_config_ack.clone(),
+                holds: a.held.clone(),
+                needs_key_push: state.key_generation.is_some()
+                    && a.held.key_generation != state.key_generation,
             })
             .collect();
         let leases = core.leases_by_role();
@@ -192,6 +213,9 @@ impl Hub {
                 key_pushed_at_ms: state.key.as_ref().map(|k| k.pushed_at_ms),
                 last_push_ms: state.last_push_ms,
                 cloud_roles: state.cloud.allowed_models.keys().copied().collect(),
+                revision: state.config_revision,
+                key_generation: state.key_generation.clone(),
+                agents_needing_key: core.agents_needing_key(),
             },
             settings: SettingsView {
                 heartbeat_ms: core.settings.heartbeat_interval.as_millis() as u64,

@@ -108,6 +108,9 @@ pub struct EmbedOptions {
     pub task: Option<String>,
     /// Matryoshka truncation to this many dimensions (renormalised).
     pub dimensions: Option<usize>,
+    /// Cut inputs past the model's limit even where the engine refuses them (the gate's probe
+    /// texts, which every provider of a space reads the way a truncating one does).
+    pub truncate: bool,
 }
 
 /// Options of one rerank request.
@@ -424,7 +427,15 @@ impl Engine {
             .map(|t| prompts.apply(t, opts.is_query, opts.task.as_deref()))
             .collect();
         let tokenizer = self.inner.tokenizer.clone();
-        let inputs = run_blocking(move || tokenizer.encode_texts(texts)).await?;
+        let truncate = opts.truncate;
+        let inputs = run_blocking(move || {
+            if truncate {
+                tokenizer.encode_texts_truncated(texts)
+            } else {
+                tokenizer.encode_texts(texts)
+            }
+        })
+        .await?;
         let tokens = inputs.iter().map(TokenizedInput::len).sum();
         let value = self.vectors(inputs, opts.dimensions).await?;
         Ok(Counted { value, tokens })

@@ -56,6 +56,25 @@ pub struct InputTokenizer {
     truncation: Truncation,
 }
 
+/// An encoding as an input, or the error of one that was cut where truncation is refused.
+fn accept(
+    index: usize,
+    enc: Encoding,
+    truncation: Truncation,
+    max_tokens: usize,
+) -> Result<TokenizedInput, TokenizeError> {
+    if truncation == Truncation::Refuse && !enc.get_overflowing().is_empty() {
+        return Err(TokenizeError::TooLong {
+            index,
+            max: max_tokens,
+        });
+    }
+    Ok(TokenizedInput {
+        ids: enc.get_ids().to_vec(),
+        type_ids: enc.get_type_ids().to_vec(),
+    })
+}
+
 impl InputTokenizer {
     pub fn load(
         path: &Path,
@@ -100,7 +119,18 @@ impl InputTokenizer {
     /// Tokenizes single texts.
     pub fn encode_texts(&self, texts: Vec<String>) -> Result<Vec<TokenizedInput>, TokenizeError> {
         let inputs: Vec<EncodeInput> = texts.into_iter().map(EncodeInput::from).collect();
-        self.encode(inputs)
+        self.encode(inputs, self.truncation)
+    }
+
+    /// Tokenizes single texts, cutting what is too long even where this tokenizer refuses it
+    /// (the gate's probe texts: every provider of a space must read them identically, and a
+    /// truncating one cuts them at the model's limit).
+    pub fn encode_texts_truncated(
+        &self,
+        texts: Vec<String>,
+    ) -> Result<Vec<TokenizedInput>, TokenizeError> {
+        let inputs: Vec<EncodeInput> = texts.into_iter().map(EncodeInput::from).collect();
+        self.encode(inputs, Truncation::Truncate)
     }
 
     /// Tokenizes (query, document) pairs.
@@ -113,7 +143,7 @@ impl InputTokenizer {
             .into_iter()
             .map(|d| EncodeInput::from((query.to_string(), d)))
             .collect();
-        self.encode(inputs)
+        self.encode(inputs, self.truncation)
     }
 
     /// Tokenizes `text` as is: no special tokens added, no truncation (for fixed template parts).
@@ -171,7 +201,11 @@ impl InputTokenizer {
             .collect()
     }
 
-    fn encode(&self, inputs: Vec<EncodeInput>) -> Result<Vec<TokenizedInput>, TokenizeError> {
+    fn encode(
+        &self,
+        inputs: Vec<EncodeInput>,
+        truncation: Truncation,
+    ) -> Result<Vec<TokenizedInput>, TokenizeError> {
         let encodings = self
             .tokenizer
             .encode_batch(inputs, true)
@@ -179,20 +213,7 @@ impl InputTokenizer {
         encodings
             .into_iter()
             .enumerate()
-            .map(|(index, enc)| self.accept(index, enc))
+            .map(|(index, enc)| accept(index, enc, truncation, self.max_tokens))
             .collect()
-    }
-
-    fn accept(&self, index: usize, enc: Encoding) -> Result<TokenizedInput, TokenizeError> {
-        if self.truncation == Truncation::Refuse && !enc.get_overflowing().is_empty() {
-            return Err(TokenizeError::TooLong {
-                index,
-                max: self.max_tokens,
-            });
-        }
-        Ok(TokenizedInput {
-            ids: enc.get_ids().to_vec(),
-            type_ids: enc.get_type_ids().to_vec(),
-        })
     }
 }

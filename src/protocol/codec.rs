@@ -226,6 +226,10 @@ mod tests {
                 memory_free_mb: None,
             }],
             instance: Some("0123abcd".into()),
+            config: HeldConfig {
+                config_revision: Some(3),
+                key_generation: Some("kg-0123".into()),
+            },
         }));
         round_trip_agent(AgentFrame::Providers {
             providers: vec![provider()],
@@ -242,6 +246,7 @@ mod tests {
             }],
             devices: vec![],
             leases: vec![7, 9],
+            config: HeldConfig::default(),
         }));
         round_trip_agent(AgentFrame::Chunk(Chunk {
             lease: 7,
@@ -288,6 +293,10 @@ mod tests {
             applied: true,
             reason: None,
             roles: Default::default(),
+            config: HeldConfig {
+                config_revision: Some(3),
+                key_generation: None,
+            },
         }));
         round_trip_agent(AgentFrame::ProbeResult(ProbeResult {
             probe: "p1".into(),
@@ -319,6 +328,7 @@ mod tests {
                 dimensions: Some(128),
                 is_query: true,
                 instruction: None,
+                truncate: false,
             }),
             deadline_ms: 1,
             call_timeout_ms: Some(60_000),
@@ -368,6 +378,8 @@ mod tests {
             };
             let frame = HubFrame::Config(ConfigFrame {
                 id: "c".into(),
+                revision: Some(1),
+                key_generation: Some("kg-1".into()),
                 payload: ConfigPayload {
                     openrouter: Some(push),
                 },

@@ -125,6 +125,24 @@ pub struct Hello {
     /// instance claiming a live id is refused ([`ErrorCode::AgentIdInUse`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance: Option<String>,
+    /// The config this agent holds: the revision of the hub's last whole config it applied
+    /// (absent: none, or an agent of an older build; either counts as behind) and the
+    /// generation of the key it holds (absent: no key).
+    #[serde(flatten)]
+    pub config: HeldConfig,
+}
+
+/// Which of the hub's configs an agent holds (`hello` and every `heartbeat` say it): the hub
+/// serves an agent's cloud providers only while it holds the current key generation and
+/// routes equal to the hub's, and re-sends the whole config to an agent that is behind.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_revision: Option<u64>,
+    /// A random id the hub gave the key with the push that carried it (never derived from
+    /// the key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_generation: Option<String>,
 }
 
 /// Whether a provider computes here or calls a cloud upstream.
@@ -200,6 +218,8 @@ pub struct Heartbeat {
     /// so work slower than a lease on a live agent is never taken back.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub leases: Vec<u64>,
+    #[serde(flatten)]
+    pub config: HeldConfig,
 }
 
 /// A provider's counters since the agent started.
@@ -312,6 +332,9 @@ pub struct ConfigAck {
     pub reason: Option<String>,
     #[serde(default)]
     pub roles: BTreeMap<String, RoleOutcome>,
+    /// The config the agent holds after it (see [`HeldConfig`]).
+    #[serde(flatten)]
+    pub config: HeldConfig,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -342,6 +365,16 @@ pub struct Welcome {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ConfigFrame {
     pub id: String,
+    /// Set by this hub: the payload is the hub's whole merged config at this revision, which
+    /// the agent holds instead of what it held (absent: a partial push, merged as Fantom's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<u64>,
+    /// The generation of the hub's current key (with `revision`): the frame's key when it
+    /// carries one; otherwise an agent holding another generation drops its key (it was
+    /// replaced while the agent was away, and the hub cannot send it again: it never stored
+    /// it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_generation: Option<String>,
     pub payload: ConfigPayload,
 }
 
@@ -402,6 +435,11 @@ pub struct EmbedInput {
     /// The instruction of instruction-aware models.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instruction: Option<String>,
+    /// Cut texts past the model's limit even where this agent refuses them for clients
+    /// (`no_truncate`): set by the agent for the gate's probe texts, which every provider of
+    /// a space must read the way a truncating one does. The hub never sets it in work frames.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncate: bool,
 }
 
 impl EmbedInput {

@@ -187,6 +187,7 @@ async fn embed(state: &RoleState, body: &[u8]) -> Result<(String, Vec<Vec<f32>>,
         dimensions: req.dimensions,
         is_query: false,
         instruction: None,
+        truncate: false,
     });
     let done = state.run(container, input).await?;
     match done.output {

@@ -121,8 +121,12 @@ impl Core {
                 providers,
                 devices: hello.devices,
                 last_config_ack: None,
+                held: hello.config,
+                config_sent: None,
             },
         );
+        self.refresh_routes();
+        self.sync_agent(&hello.agent_id);
         self.gate_tick(Instant::now());
         self.dispatch_all();
         Ok(session)
@@ -139,6 +143,7 @@ impl Core {
         {
             tracing::info!(agent, session, "agent disconnected");
             self.note_vanished(gone.providers.values());
+            self.gate.agent_left(agent, Instant::now());
         }
         self.requeue_session_leases(agent, session);
         // A reference may have left: the gate's round decides the roles' spaces first.
@@ -205,6 +210,7 @@ impl Core {
         let serving: Vec<Role> = next.values().map(ProviderEntry::role).collect();
         let gone = std::mem::replace(&mut entry.providers, next);
         self.note_vanished(gone.values().filter(|p| !serving.contains(&p.role())));
+        self.refresh_routes();
         self.gate_tick(Instant::now());
         self.dispatch_all();
         Ok(())
@@ -247,11 +253,16 @@ impl Core {
                 self.counters.leases_renewed += 1;
             }
         }
+        self.agent_holds(agent, hb.config);
         Ok(())
     }
 
+    /// What became of a config frame; the config the agent holds since.
     pub fn config_ack(&mut self, agent: &str, session: u64, ack: ConfigAck) -> Result<(), String> {
+        let held = ack.config.clone();
         self.session_agent(agent, session)?.last_config_ack = Some(ack);
+        self.agent_holds(agent, held);
+        self.dispatch_all();
         Ok(())
     }
 
@@ -269,13 +280,19 @@ impl Core {
         Ok(())
     }
 
-    /// Asks one agent that holds cloud routes for the account's limits, when due (every 10
-    /// minutes; at once after a new key).
+    /// Asks one agent that holds current cloud routes and the current key for the account's
+    /// limits, when due (every 10 minutes; at once after a new key).
     pub fn discover_if_due(&mut self, now: Instant) {
         let Some(agent) = self
             .agents
-            .values()
-            .find(|a| a.providers.values().any(|p| p.route.is_some()))
+            .iter()
+            .find(|(id, a)| {
+                self.holds_current_key(id)
+                    && a.providers
+                        .values()
+                        .any(|p| p.route.is_some() && p.stale.is_none())
+            })
+            .map(|(_, a)| a)
         else {
             return;
         };
@@ -290,6 +307,9 @@ impl Core {
             .agents
             .values()
             .flat_map(|a| a.providers.values())
+            // A stale cloud route is probed by no gate: probe texts never reach a route the
+            // hub does not hold (or a role kept local).
+            .filter(|p| p.stale.is_none())
             .filter_map(|p| {
                 let mut c = p.gate_candidate.clone()?;
                 c.healthy = p.is_healthy(now);

@@ -48,10 +48,12 @@ impl Binding {
     /// Whether provider `p` may serve items of this binding (the gate's verdict for a space).
     pub(super) fn admits(&self, p: &ProviderEntry, gate: &crate::hub::gate::Gate) -> bool {
         match self {
-            Binding::Space(s) => p
-                .gate_candidate
-                .as_ref()
-                .is_some_and(|c| gate.standing(c, &s.id) == Standing::Pass),
+            Binding::Space(s) => {
+                gate.generation(&s.id) == Some(s.generation)
+                    && p.gate_candidate
+                        .as_ref()
+                        .is_some_and(|c| gate.standing(c, &s.id) == Standing::Pass)
+            }
             Binding::Scorer(Some(x)) => p.scorer.as_ref().is_some_and(|mine| mine.id == x.id),
             Binding::Scorer(None) | Binding::Any => true,
         }
@@ -77,6 +79,8 @@ pub enum UnservableCode {
     NoEndpoint,
     /// The role's vector space changed and no provider passes the request's any more.
     SpaceChanged,
+    /// The only providers hold an older config (a route or a key the hub replaced).
+    ConfigStale,
 }
 
 impl UnservableCode {
@@ -90,6 +94,7 @@ impl UnservableCode {
             UnservableCode::CloudRefused => "cloud_refused",
             UnservableCode::NoEndpoint => "no_endpoint",
             UnservableCode::SpaceChanged => "space_changed",
+            UnservableCode::ConfigStale => "config_stale",
         }
     }
 
@@ -102,8 +107,9 @@ impl UnservableCode {
             UnservableCode::NoEndpoint => 3,
             UnservableCode::GateRefused => 4,
             UnservableCode::Benched => 5,
-            UnservableCode::Probing => 6,
-            UnservableCode::NoProvider => 7,
+            UnservableCode::ConfigStale => 6,
+            UnservableCode::Probing => 7,
+            UnservableCode::NoProvider => 8,
         }
     }
 }
@@ -191,6 +197,23 @@ impl Core {
             retry_after: None,
             soon: false,
         };
+        if let Binding::Space(space) = binding
+            && self.gate.generation(&space.id) != Some(space.generation)
+        {
+            // Retired (and maybe founded again): nothing of its generation can come back.
+            let now_current = match self.gate.generation(&space.id) {
+                Some(g) => format!("generation {g}"),
+                None => "no fingerprint yet".to_string(),
+            };
+            return Outlook::Never(Unservable {
+                code: UnservableCode::SpaceChanged,
+                message: format!(
+                    "the vector space {} (generation {}) was retired while this request waited (now: {now_current}); vectors of two generations are never mixed: send the request again to have it served in the current one, and re-embed the rows of the old generation",
+                    space.id, space.generation
+                ),
+                retry_after_s: None,
+            });
+        }
         let mut connected = false;
         for p in self.providers().filter(|p| p.role() == role) {
             if !policy::allows(policy, p.info.backend) {
@@ -302,6 +325,9 @@ impl Core {
 
     /// Why a connected provider cannot serve anything now, whatever the binding.
     pub(super) fn unfit(&self, p: &ProviderEntry, now: Instant) -> Option<Unfit> {
+        if let Some(why) = &p.stale {
+            return Some(Unfit::new(UnservableCode::ConfigStale, why.clone()));
+        }
         if p.info.backend == Backend::Cloud {
             if let Some(why) = self.budget.stopped() {
                 return Some(Unfit::new(
@@ -316,6 +342,7 @@ impl Core {
         if let Some(why) = &p.refused {
             return Some(Unfit::new(UnservableCode::NoEndpoint, why.clone()));
         }
+
         if let Some(until) = p.benched_until.filter(|t| *t > now) {
             let left = until.saturating_duration_since(now);
             let mut unfit = Unfit::new(

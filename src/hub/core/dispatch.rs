@@ -92,7 +92,10 @@ impl Core {
                 if p.role() != role || p.credits == 0 || !p.is_available(now) {
                     continue;
                 }
-                if !policy::allows(policy, p.info.backend) || p.refused.is_some() {
+                if !policy::allows(policy, p.info.backend)
+                    || p.refused.is_some()
+                    || p.stale.is_some()
+                {
                     continue;
                 }
                 let rank = k.wrapping_sub(self.turn) % 1024;
@@ -236,6 +239,11 @@ impl Core {
             entry.route.clone(),
             entry.scorer.clone(),
         );
+        let key_generation = permit.as_ref().and_then(|_| {
+            self.agents
+                .get(agent_id)
+                .and_then(|a| a.held.key_generation.clone())
+        });
         let gate = self.lease_space(entry, &items);
         let Some(shape) = items.first().map(|i| i.shape.clone()) else {
             return;
@@ -269,9 +277,18 @@ impl Core {
         let timings = self.settings.timings(role);
         let ms = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         let mut texts: Vec<String> = items.iter().map(|i| i.text.clone()).collect();
-        let canary = wants_canary.then(|| {
-            let probe = self.next_canary % gate::measure::probe_count().max(1);
-            self.next_canary = self.next_canary.wrapping_add(1);
+        // The next probe text in turn that reaches this provider whole.
+        let max_input = self
+            .agents
+            .get(agent_id)
+            .and_then(|a| a.providers.get(pid))
+            .and_then(|p| p.info.max_input_tokens);
+        let count = gate::measure::probe_count().max(1);
+        let canary_probe = (0..count)
+            .map(|k| self.next_canary.wrapping_add(k) % count)
+            .find(|&i| gate::measure::fits_whole(i, max_input));
+        let canary = canary_probe.filter(|_| wants_canary).map(|probe| {
+            self.next_canary = probe.wrapping_add(1);
             let position = rand::random_range(0..=texts.len());
             texts.insert(position, gate::measure::probe_text(probe).to_string());
             Canary { probe, position }
@@ -353,6 +370,7 @@ impl Core {
                 provider: pid.to_string(),
                 reference,
                 permit,
+                key_generation,
                 gate,
                 scorer,
                 role,

@@ -20,6 +20,7 @@
 
 mod agents;
 pub mod binding;
+mod config_sync;
 mod dispatch;
 mod results;
 
@@ -31,6 +32,7 @@ use tokio::sync::{oneshot, watch};
 
 use self::binding::Outlook;
 pub use self::binding::{Binding, Unservable, UnservableCode};
+pub use self::config_sync::ConfigRevision;
 use super::budget::{Budget, BudgetSettings};
 use super::gate::{Candidate, Gate, GateSettings, Space};
 use super::queue::{Item, RequestId, RoleQueue, Shape};
@@ -122,6 +124,9 @@ pub struct Served {
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct SpaceRef {
     pub id: String,
+    /// Which founding of the id (see [`Space::generation`]): a request admitted under one
+    /// generation completes under it or fails with `space_changed`.
+    pub generation: u64,
     pub role: Role,
     pub model: String,
     pub dims: usize,
@@ -318,6 +323,9 @@ struct Lease {
     reference: Arc<ProviderRef>,
     /// The budget route a cloud lease holds a permit of.
     permit: Option<String>,
+    /// The key generation a cloud lease was granted under (its agent's): a refusal of the
+    /// key from an older generation stops nothing.
+    key_generation: Option<String>,
     /// The gate verdict an embedding lease was granted under, and its space.
     gate: Option<(String, Arc<SpaceRef>)>,
     /// The scorer a rerank lease's scores come from.
@@ -386,6 +394,8 @@ impl Counters {
 pub struct Core {
     pub settings: HubSettings,
     pub cloud: CloudSettings,
+    /// The revision of `cloud` and the generation of the key pushed with it.
+    config: ConfigRevision,
     pub counters: Counters,
     /// The global cloud budget: permits for cloud leases.
     pub budget: Budget,
@@ -430,6 +440,7 @@ impl Core {
         Self {
             settings,
             cloud,
+            config: ConfigRevision::default(),
             counters: Counters::default(),
             budget: Budget::new(BudgetSettings::default(), rand::random(), Instant::now()),
             gate: Gate::new(gate, spaces),
@@ -651,6 +662,7 @@ impl Core {
         {
             return Ok(Arc::new(SpaceRef {
                 id: space.id(),
+                generation: space.generation,
                 role: space.role,
                 model: space.model.clone(),
                 dims: space.dims,
@@ -674,7 +686,7 @@ impl Core {
         }
         let candidates: Vec<Candidate> = self
             .providers()
-            .filter(|p| p.role() == role)
+            .filter(|p| p.role() == role && p.stale.is_none())
             .filter_map(|p| {
                 let mut c = p.gate_candidate.clone()?;
                 c.healthy = p.is_healthy(now);

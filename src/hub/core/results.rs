@@ -99,10 +99,11 @@ impl Core {
                     .or_default() += 1;
             }
         }
-        if let Some((key, _)) = &lease.gate
-            && !self.gate.passes(key)
+        if let Some((key, space)) = &lease.gate
+            && (!self.gate.passes(key) || self.gate.generation(&space.id) != Some(space.generation))
         {
-            // Suspended (drift) or re-checked since: none of its vectors is returned.
+            // Suspended (drift), re-checked, or its space retired since: none of its vectors
+            // is returned.
             tracing::warn!(
                 agent,
                 lease = done.lease,
@@ -333,6 +334,17 @@ impl Core {
             return Ok(());
         };
         let role = lease.role;
+        // Only a cloud lease can meet an account's limit or a standing refusal: a local one
+        // that says so is failing, and counts as any transient failure (its attempt counts,
+        // so a faulty agent cannot bounce a request until its timeout).
+        let mut failed = failed;
+        if lease.reference.origin.backend == Backend::Local
+            && (failed.limit.is_some() || failed.refusal.is_some())
+        {
+            failed.class = FailureClass::Transient;
+            failed.limit = None;
+            failed.refusal = None;
+        }
         tracing::debug!(agent, lease = failed.lease, class = failure_name(failed.class), message = %failed.message, "lease failed");
         let retry_after = failed
             .retry_after_ms
@@ -358,6 +370,10 @@ impl Core {
             // them, and what nobody else can fails now with the reason.
             self.count_failure(&lease, FailureClass::RateLimited);
             match refusal {
+                Refusal::KeyRejected if lease.key_generation != self.config.key_generation => {
+                    // A key the hub has replaced since: its refusal stops nothing current.
+                    tracing::warn!(provider = %lease.reference.provider, "a key of an older generation was refused; the current key is not affected");
+                }
                 Refusal::KeyRejected => self.budget.reject_key(&failed.message),
                 Refusal::NoEndpoint => {
                     tracing::error!(provider = %lease.reference.provider, reason = %failed.message, "no endpoint for the route's pinned upstream: it serves nothing until a push");

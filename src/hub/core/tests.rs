@@ -47,6 +47,11 @@ fn connect(
                 providers: vec![info],
                 devices: Vec::new(),
                 instance: None,
+                // It holds the hub's config (the key and routes of the last push).
+                config: crate::protocol::HeldConfig {
+                    config_revision: Some(core.config_revision().revision),
+                    key_generation: core.config_revision().key_generation.clone(),
+                },
             },
             tx,
         )
@@ -234,6 +239,23 @@ fn two_equal_chats_are_two_leases() {
 #[test]
 fn an_embedding_role_with_no_possible_reference_is_refused_at_once() {
     let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let route = crate::config::push::AllowedModel {
+        model: "m".into(),
+        provider: Some("deepinfra/bf16".into()),
+        dims: Some(2),
+        quantization: None,
+        note: None,
+    };
+    core.set_config(
+        CloudSettings {
+            allowed_models: [(Role::Embedding, route)].into(),
+            ..Default::default()
+        },
+        ConfigRevision {
+            revision: 1,
+            key_generation: Some("kg-1".into()),
+        },
+    );
     let mut cloud = provider("cloud:embedding:1", Role::Embedding, "m", 64);
     cloud.backend = Backend::Cloud;
     cloud.upstream = Some("deepinfra/bf16".into());
@@ -265,6 +287,7 @@ fn hello_as(agent: &str, instance: Option<&str>) -> Hello {
         providers: vec![provider("e", Role::Embedding, "m", 8)],
         devices: Vec::new(),
         instance: instance.map(str::to_string),
+        config: Default::default(),
     }
 }
 
@@ -561,4 +584,246 @@ fn a_lease_that_carried_a_canary_and_came_back_one_short_is_refused() {
     assert!(err.contains("3 texts sent"), "{err}");
     assert!(reply.try_recv().is_err(), "nothing delivered");
     assert_eq!(core.queue_depth(Role::Embedding), 2, "requeued");
+}
+
+/// A cloud reranker route, as a push maps it and an agent announces it.
+fn cloud_reranker(model: &str) -> (crate::config::push::AllowedModel, ProviderInfo) {
+    let allowed = crate::config::push::AllowedModel {
+        model: model.into(),
+        provider: None,
+        dims: None,
+        quantization: None,
+        note: None,
+    };
+    let mut info = provider(&format!("cloud:reranker:{model}"), Role::Reranker, model, 8);
+    info.backend = Backend::Cloud;
+    info.revision = None;
+    (allowed, info)
+}
+
+fn rerank_shape() -> Shape {
+    Shape::Rerank {
+        query: "q".into(),
+        instruction: None,
+    }
+}
+
+#[test]
+fn a_stale_agent_serves_nothing_is_sent_the_config_and_its_old_key_stops_nothing() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (old_route, old_info) = cloud_reranker("old-model");
+    let (new_route, new_info) = cloud_reranker("new-model");
+    let settings = |route| CloudSettings {
+        allowed_models: [(Role::Reranker, route)].into(),
+        policies: [(Role::Reranker, Policy::Cloud)].into(),
+        ..Default::default()
+    };
+    core.set_config(
+        settings(old_route),
+        ConfigRevision {
+            revision: 1,
+            key_generation: Some("kg-old".into()),
+        },
+    );
+    // The stale agent holds revision 1 and the old key; its lease is out when the push lands.
+    let (s_stale, mut stale) = connect(&mut core, "stale", old_info.clone(), 4);
+    let (_, mut reply) = core
+        .submit(Role::Reranker, rerank_shape(), vec!["d".into()])
+        .unwrap();
+    let old_lease = next_work(&mut stale)["lease"].as_u64().unwrap();
+    core.set_config(
+        settings(new_route),
+        ConfigRevision {
+            revision: 2,
+            key_generation: Some("kg-new".into()),
+        },
+    );
+    let (_, mut fresh) = connect(&mut core, "fresh", new_info, 4);
+    // The old key's refusal comes back: it stops nothing current.
+    core.failed(
+        "stale",
+        s_stale,
+        crate::protocol::Failed {
+            lease: old_lease,
+            class: crate::protocol::FailureClass::Refused,
+            retry_after_ms: None,
+            limit: None,
+            refusal: Some(crate::protocol::Refusal::KeyRejected),
+            message: "401 from the old key".into(),
+        },
+    )
+    .unwrap();
+    assert!(
+        core.budget.key_rejected().is_none(),
+        "the current key is not stopped"
+    );
+    let work = next_work(&mut fresh);
+    assert_eq!(work["provider"], "cloud:reranker:new-model");
+    // The stale agent's heartbeat says what it holds: it is sent the whole config (no key),
+    // once, and gets no work.
+    core.heartbeat(
+        "stale",
+        s_stale,
+        crate::protocol::Heartbeat {
+            config: crate::protocol::HeldConfig {
+                config_revision: Some(1),
+                key_generation: Some("kg-old".into()),
+            },
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    core.heartbeat("stale", s_stale, Default::default())
+        .unwrap();
+    let mut configs = Vec::new();
+    while let Ok(Outgoing::Frame(text)) = stale.try_recv() {
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_ne!(v["type"], "work", "the stale agent serves nothing: {v}");
+        if v["type"] == "config" {
+            configs.push(v);
+        }
+    }
+    assert_eq!(configs.len(), 1, "sent once per revision");
+    let config = &configs[0];
+    assert_eq!(config["revision"], 2);
+    assert_eq!(config["key_generation"], "kg-new");
+    assert!(config["payload"]["openrouter"].get("apiKey").is_none());
+    assert_eq!(
+        config["payload"]["openrouter"]["allowedModels"]["reranker"]["model"],
+        "new-model"
+    );
+    assert_eq!(core.agents_needing_key(), vec!["stale".to_string()]);
+    let stale_provider = &core.agents()["stale"].providers["cloud:reranker:old-model"];
+    assert!(stale_provider.stale.is_some());
+    core.done(
+        "fresh",
+        core.agents()["fresh"].session,
+        Done {
+            lease: work["lease"].as_u64().unwrap(),
+            output: scores(&work, 0.7),
+            latency_ms: 1.0,
+            tokens: 1,
+        },
+    )
+    .unwrap();
+    let done = reply.try_recv().unwrap().unwrap();
+    assert_eq!(done.items[0].provider.agent, "fresh");
+}
+
+#[test]
+fn a_limit_or_refusal_on_a_local_lease_counts_its_attempt_and_fails_at_the_cap() {
+    // No bench (two failures in a row would bench the only provider): the attempts decide.
+    let settings = HubSettings {
+        bench: std::time::Duration::ZERO,
+        ..HubSettings::default()
+    };
+    let mut core = Core::new(settings, CloudSettings::default());
+    let (sa, mut a) = connect(&mut core, "a", provider("r", Role::Reranker, "m", 8), 64);
+    let (_, mut reply) = core
+        .submit(Role::Reranker, rerank_shape(), vec!["d".into()])
+        .unwrap();
+    let cap = core.settings.max_attempts;
+    for attempt in 0..cap {
+        let work = next_work(&mut a);
+        core.failed(
+            "a",
+            sa,
+            crate::protocol::Failed {
+                lease: work["lease"].as_u64().unwrap(),
+                class: crate::protocol::FailureClass::RateLimited,
+                retry_after_ms: Some(1),
+                limit: (attempt % 2 == 0).then_some(crate::protocol::LimitKind::Platform),
+                refusal: (attempt % 2 == 1).then_some(crate::protocol::Refusal::KeyRejected),
+                message: "a faulty local agent says limit".into(),
+            },
+        )
+        .unwrap();
+    }
+    let Err(RequestFailure::TooManyAttempts { attempts, last }) = reply.try_recv().unwrap() else {
+        panic!("fails at the attempt cap");
+    };
+    assert_eq!(attempts, cap);
+    assert!(last.contains("says limit"), "{last}");
+    assert!(
+        core.budget.key_rejected().is_none(),
+        "a local lease never stops the cloud"
+    );
+}
+
+#[test]
+fn a_request_of_a_retired_generation_never_completes_with_the_new_one() {
+    let (mut core, sa, mut a, shape) = one_gated_embedder();
+    let first = core.gate.generation("embedding:ma:2").unwrap();
+    let (_, mut reply) = core
+        .submit(Role::Embedding, shape, vec!["x".into(), "y".into()])
+        .unwrap();
+    let work = next_work(&mut a);
+    // The space is retired and its reference fingerprints it again (a new stack).
+    assert!(core.gate.retire("embedding:ma:2"));
+    core.gate_tick(Instant::now());
+    answer_probes(&mut core, "a", sa, &mut a, 1);
+    let second = core.gate.generation("embedding:ma:2").unwrap();
+    assert!(second > first, "{second} after {first}");
+    // The old lease's vectors come back: not one is delivered as the new generation.
+    core.done(
+        "a",
+        sa,
+        Done {
+            lease: work["lease"].as_u64().unwrap(),
+            output: WorkOutput::Embeddings(vec![vec![1.0, 0.0]; 3]),
+            latency_ms: 1.0,
+            tokens: 3,
+        },
+    )
+    .unwrap();
+    let Err(RequestFailure::Unservable(u)) = reply.try_recv().unwrap() else {
+        panic!("the request of the retired generation fails");
+    };
+    assert_eq!(u.code, UnservableCode::SpaceChanged);
+    // A new request is served, and says its generation.
+    let shape = Shape::Embed {
+        dimensions: None,
+        is_query: false,
+        instruction: None,
+    };
+    let (_, mut again) = core
+        .submit(Role::Embedding, shape, vec!["x".into()])
+        .unwrap();
+    core.pull("a", sa, "e", 1).unwrap();
+    let work = next_work(&mut a);
+    let n = sent_texts(&work).len();
+    core.done(
+        "a",
+        sa,
+        Done {
+            lease: work["lease"].as_u64().unwrap(),
+            output: WorkOutput::Embeddings(vec![vec![0.0, 1.0]; n]),
+            latency_ms: 1.0,
+            tokens: 3,
+        },
+    )
+    .unwrap();
+    let done = again.try_recv().unwrap().unwrap();
+    assert_eq!(done.items[0].space.as_ref().unwrap().generation, second);
+}
+
+#[test]
+fn a_reference_that_leaves_mid_fingerprint_hands_the_space_to_the_next_at_once() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (sa, _a) = connect(&mut core, "a", provider("e", Role::Embedding, "m", 8), 1);
+    let (sb, mut b) = connect(&mut core, "b", provider("e", Role::Embedding, "m", 8), 1);
+    assert!(
+        core.gate.founding(Role::Embedding),
+        "a's fingerprint probe is out"
+    );
+    while let Ok(Outgoing::Frame(text)) = b.try_recv() {
+        assert!(
+            !text.contains("\"probe\""),
+            "b is not asked while a fingerprints"
+        );
+    }
+    core.disconnect("a", sa);
+    // b is asked now, not after the probe timeout.
+    answer_probes(&mut core, "b", sb, &mut b, 0);
+    assert_eq!(core.gate.current_id(Role::Embedding), Some("embedding:m:2"));
 }

@@ -15,6 +15,15 @@ pub fn probe_text(i: usize) -> &'static str {
     PROBES.get(i).map_or("", String::as_str)
 }
 
+/// Whether probe text `i` reaches a model of `max_input_tokens` whole (a bound that holds for
+/// every tokenizer we run: at most one token per byte, plus special tokens). A canary is only
+/// ever a text that fits whole: a provider that refuses long inputs (`no_truncate`) must not
+/// fail a frame for its canary, and a cut canary would say nothing the fingerprint knows.
+pub fn fits_whole(i: usize, max_input_tokens: Option<usize>) -> bool {
+    const SPECIAL_TOKENS: usize = 8;
+    max_input_tokens.is_none_or(|max| probe_text(i).len() + SPECIAL_TOKENS <= max)
+}
+
 /// How many probe texts there are.
 pub fn probe_count() -> usize {
     static N: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| probe_texts().len());

@@ -98,12 +98,30 @@ pub struct Space {
     /// another probe set cannot judge anyone.
     #[serde(default)]
     pub probe_set: String,
+    /// Which founding of this id it is: a space retired and fingerprinted again under the
+    /// same id is a new generation (ms since the Unix epoch at its founding, rising), and
+    /// nothing of an older generation is ever delivered as this one. (0 in a state written
+    /// before generations existed: read as its `created_ms`.)
+    #[serde(default)]
+    pub generation: u64,
 }
 
 impl Space {
     pub fn id(&self) -> String {
         space_id(self.role, &self.model, self.dims)
     }
+
+    /// Whether an unpinned folder founded it (named by its digest, or by its path in a state
+    /// written before unpinned models were named by their bytes).
+    fn unpinned_reference(&self) -> bool {
+        !self.cloud_reference && unpinned_model(&self.model)
+    }
+}
+
+/// Whether a model name is an unpinned folder's: `sha256:` and the digest of its files (or the
+/// `folder:` path older builds sent).
+fn unpinned_model(model: &str) -> bool {
+    model.starts_with("sha256:") || model.starts_with("folder:")
 }
 
 fn space_id(role: Role, model: &str, dims: usize) -> String {
@@ -269,6 +287,8 @@ pub struct Gate {
     rows: BTreeMap<(String, String), u64>,
     /// Each role's configured table width, as of the last tick.
     widths: BTreeMap<Role, usize>,
+    /// The generation each retired space id had: its next founding is a later one.
+    retired: BTreeMap<String, u64>,
 }
 
 impl Gate {
@@ -282,6 +302,11 @@ impl Gate {
             }
             usable
         });
+        for s in spaces.values_mut() {
+            if s.generation == 0 {
+                s.generation = s.created_ms.max(1);
+            }
+        }
         Self {
             settings,
             spaces,
@@ -292,6 +317,7 @@ impl Gate {
             dirty: false,
             rows: BTreeMap::new(),
             widths: BTreeMap::new(),
+            retired: BTreeMap::new(),
         }
     }
 
@@ -351,7 +377,7 @@ impl Gate {
             for r in &references {
                 let w = configured.or(r.dims);
                 let Some(w) = w else { continue };
-                let sid = space_id(role, &r.model, w);
+                let sid = self.reference_space(r, w);
                 if self.spaces.contains_key(&sid) {
                     space = Some(sid);
                     break;
@@ -452,6 +478,25 @@ impl Gate {
             }
         }
         out
+    }
+
+    /// The space a reference answers for at width `w`: its model's; for an unpinned folder
+    /// (named by its bytes), the role's newest stored space an unpinned folder founded at that
+    /// width, so new bytes in the reference's folder are a new provider judged against the
+    /// stored fingerprint, never a silently new space.
+    fn reference_space(&self, r: &Candidate, w: usize) -> String {
+        let own = space_id(r.role, &r.model, w);
+        if self.spaces.contains_key(&own)
+            || r.backend != Backend::Local
+            || !unpinned_model(&r.model)
+        {
+            return own;
+        }
+        self.spaces
+            .values()
+            .filter(|s| s.role == r.role && s.dims == w && s.unpinned_reference())
+            .max_by_key(|s| s.created_ms)
+            .map_or(own, Space::id)
     }
 
     /// The role's current space, else its newest stored one; either only as wide as the
@@ -640,6 +685,8 @@ impl Gate {
                     entry.checked_at_ms = Some(now_ms());
                     return;
                 }
+                let created_ms = now_ms();
+                let after = self.retired.get(&p.space).copied().unwrap_or(0);
                 let s = Space {
                     role: c.role,
                     model: c.model.clone(),
@@ -647,8 +694,9 @@ impl Gate {
                     encoder: c.encoder(),
                     cloud_reference: c.backend == Backend::Cloud,
                     fingerprint: vectors,
-                    created_ms: now_ms(),
+                    created_ms,
                     probe_set: measure::probe_set_id(),
+                    generation: created_ms.max(after.saturating_add(1)),
                 };
                 tracing::info!(space = %s.id(), encoder = %s.encoder, "a new vector space: its fingerprint is stored");
                 entry.verdict = Verdict::Pass;
@@ -853,6 +901,22 @@ impl Gate {
             .retain(|_, p| !p.candidate.provider.starts_with(&prefix));
     }
 
+    /// An agent's socket ended: its probes in flight fail now, as unsendable ones do (a space
+    /// it was fingerprinting goes to the next reference at once, never after the probe
+    /// timeout).
+    pub fn agent_left(&mut self, agent: &str, now: Instant) {
+        let prefix = format!("{agent}/");
+        let probes: Vec<String> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.candidate.provider.starts_with(&prefix))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for probe in probes {
+            self.on_result(&probe, Err("the agent disconnected".into()), now);
+        }
+    }
+
     /// Forgets verdicts (all, or one provider's) so they are checked again.
     pub fn reverify(&mut self, provider: Option<&str>) -> usize {
         let before = self.verdicts.len();
@@ -872,12 +936,18 @@ impl Gate {
         self.spaces.get(id)
     }
 
+    /// The generation of space `id` now (`None`: no such space, e.g. retired).
+    pub fn generation(&self, id: &str) -> Option<u64> {
+        self.spaces.get(id).map(|s| s.generation)
+    }
+
     /// Forgets a space (its fingerprint and verdicts): the role's reference fingerprints it
     /// again. For a fingerprint that is wrong (a bad reference), never for routine checks.
     pub fn retire(&mut self, space: &str) -> bool {
-        if self.spaces.remove(space).is_none() {
+        let Some(gone) = self.spaces.remove(space) else {
             return false;
-        }
+        };
+        self.retired.insert(space.to_string(), gone.generation);
         // Its verdicts go, probes out included: an answer that comes later is ignored.
         self.verdicts.retain(|_, e| e.space != space);
         self.pending.retain(|_, p| p.space != space);

@@ -31,6 +31,7 @@ impl Gate {
                     encoder: s.encoder.clone(),
                     current,
                     created_ms: s.created_ms,
+                    generation: s.generation,
                     coverage: if s.cloud_reference && passing.len() <= 1 && connected <= 1 {
                         "reduced: a sole cloud provider, checked on dims and pin only".into()
                     } else if s.cloud_reference {
@@ -77,6 +78,8 @@ pub struct SpaceView {
     /// The role's space now.
     pub current: bool,
     pub created_ms: u64,
+    /// Which founding of this id it is (a retired id fingerprinted again is a new one).
+    pub generation: u64,
     pub coverage: String,
     /// Rows (vectors) returned from this space, per provider.
     pub rows: BTreeMap<String, u64>,
