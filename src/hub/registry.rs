@@ -114,9 +114,9 @@ pub struct ProviderEntry {
     /// A cloud route that refuses every call until a push (no endpoint for its pin): why.
     pub refused: Option<String>,
     /// A cloud route that is not the hub's now (another model, pin or width; a policy that
-    /// keeps the role local; a key of an older generation, or none): why. It serves nothing,
-    /// is probed by no gate and asked nothing of the account.
-    pub stale: Option<String>,
+    /// keeps the role local; a key of an older generation, or none). It serves nothing, is
+    /// probed by no gate and asked nothing of the account.
+    pub stale: Option<Stale>,
     /// Work frames the provider still asked for.
     pub credits: u32,
     pub in_flight: u32,
@@ -207,6 +207,15 @@ impl ProviderEntry {
             None => latency_ms,
         });
     }
+}
+
+/// Why a cloud route serves nothing now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stale {
+    pub reason: String,
+    /// The current config is on its way to its agent (sent, not yet acknowledged): it may
+    /// hold it within a round trip, so work waits rather than fails.
+    pub config_on_the_way: bool,
 }
 
 /// One connected agent.

@@ -171,7 +171,7 @@ impl Hub {
                         failures: p.failures,
                         benched: !p.is_healthy(now),
                         paused: p.paused_until.is_some_and(|t| t > now),
-                        stale: p.stale.clone(),
+                        stale: p.stale.as_ref().map(|s| s.reason.clone()),
                         latency_ewma_ms: p.latency_ewma_ms,
                         heartbeat: p.heartbeat.clone(),
                     })

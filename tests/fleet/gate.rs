@@ -470,3 +470,74 @@ async fn a_canary_in_every_frame_suspends_a_drifted_route_on_its_first_drifted_b
         "usage {usage}, the texts' own tokens {own}"
     );
 }
+
+/// Canaries at every width (issue 27): stored rows at a Matryoshka width under the space's are
+/// checked as full-width ones, on the fingerprint's first entries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_drifting_at_a_narrower_width_is_suspended_on_its_first_drifted_batch() {
+    const WIDTH: usize = 128;
+    let dir = tempfile::tempdir().unwrap();
+    let embedder = minilm_embedder().await;
+    let up = upstream(Some(embedder.clone())).await;
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    let _gpu = start_agent(dir.path(), &hub, "gpu", &[]);
+    let _cloud = cloud_agent(dir.path(), &hub, "cloud-a", &up.base_url);
+    hub.wait_for_agent("gpu").await;
+    hub.wait_for_agent("cloud-a").await;
+    push(&hub, "aggregate").await;
+    verdict(&hub, "gpu/embedding", &["pass"]).await;
+    verdict(&hub, "cloud-a/", &["pass"]).await;
+
+    up.state.set_cosine_after(SLUG, 6, 0.95);
+    let mut rounds = Vec::new();
+    for round in 0..30 {
+        if up.state.requests() > 8 {
+            break;
+        }
+        let texts: Vec<String> = (0..200)
+            .map(|i| format!("round {round}: text {i} about widths"))
+            .collect();
+        let (code, body) = hub
+            .post(
+                "/v1/embeddings",
+                &json!({"model": "embedding", "input": texts, "dimensions": WIDTH}),
+            )
+            .await;
+        assert_eq!(code, 200, "{body}");
+        rounds.push((texts, body));
+    }
+    let suspended = verdict(&hub, "cloud-a/", &["suspended"]).await;
+    assert_eq!(suspended["caught_by"], "canary", "{suspended}");
+    assert_eq!(
+        hub.metric("fantom_hub_canary_failures_total{provider=\"cloud-a/")
+            .await,
+        1.0,
+        "suspended on its first drifted batch"
+    );
+    let mut from_cloud = 0;
+    for (texts, body) in &rounds {
+        let data = body["data"].as_array().unwrap();
+        assert_eq!(data.len(), texts.len());
+        let clean = {
+            let (embedder, texts) = (embedder.clone(), texts.clone());
+            tokio::task::spawn_blocking(move || embedder(&texts))
+                .await
+                .unwrap()
+        };
+        for (i, d) in data.iter().enumerate() {
+            let v = crate::support::vector(&d["embedding"]);
+            assert_eq!(v.len(), WIDTH);
+            let cos = fantom_sidecar::hub::gate::measure::cosine(&clean[i][..WIDTH], &v);
+            assert!(
+                cos >= 0.99,
+                "text {i}: cosine {cos} from {}",
+                d["provenance"]
+            );
+            from_cloud += usize::from(d["provenance"]["backend"] == "cloud");
+        }
+    }
+    assert!(
+        from_cloud > 0,
+        "the cloud served at {WIDTH} dims before its drift"
+    );
+}

@@ -650,8 +650,8 @@ async fn two_identical_chats_are_two_work_frames_and_two_answers() {
     agent
         .hello(
             "chatty",
-            json!([{"id":"chat","role":"code-assistant","backend":"cloud","model":"m",
-                    "max_batch_items":8,"max_batch_tokens":1_000_000}]),
+            json!([{"id":"chat","role":"code-assistant","backend":"local","model":"m",
+                    "server":"vllm","max_batch_items":8,"max_batch_tokens":1_000_000}]),
         )
         .await;
     agent

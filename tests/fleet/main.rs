@@ -23,6 +23,7 @@ mod model_servers;
 mod reconnect;
 mod relay;
 mod relay_commands;
+mod seams;
 mod secrets;
 mod serve;
 mod service;

@@ -227,11 +227,16 @@ impl HubProc {
     }
 
     pub async fn push(&self, body: Value) -> (u16, Value) {
+        self.post_admin("/admin/config", &body).await
+    }
+
+    /// POSTs `body` to an admin route with the admin token.
+    pub async fn post_admin(&self, path: &str, body: &Value) -> (u16, Value) {
         let r = self
             .http
-            .post(self.url("/admin/config"))
+            .post(self.url(path))
             .bearer_auth(&self.admin)
-            .json(&body)
+            .json(body)
             .send()
             .await
             .unwrap();
@@ -437,9 +442,10 @@ pub struct RawAgent {
     ws: tokio_tungstenite::WebSocketStream<
         tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
     >,
-    /// Gate probes are answered on the way (every text: the first unit vector of this width),
-    /// so tests see the frames they are about.
+    /// Gate probes are answered on the way (every text: the unit vector along `probe_axis`
+    /// of this width), so tests see the frames they are about.
     pub probe_dims: usize,
+    pub probe_axis: usize,
 }
 
 impl RawAgent {
@@ -451,7 +457,11 @@ impl RawAgent {
                 .insert("authorization", format!("Bearer {t}").parse().unwrap());
         }
         let (ws, _) = tokio_tungstenite::connect_async(request).await?;
-        Ok(RawAgent { ws, probe_dims: 2 })
+        Ok(RawAgent {
+            ws,
+            probe_dims: 2,
+            probe_axis: 0,
+        })
     }
 
     pub async fn send(&mut self, frame: Value) {
@@ -468,8 +478,10 @@ impl RawAgent {
 
     /// The next text frame as text; `None` when the socket closed (bounded wait).
     pub async fn recv_text(&mut self) -> Option<String> {
+        // One deadline for the frame wanted: the hub's pings must not extend it.
+        let deadline = tokio::time::Instant::now() + PATIENCE;
         loop {
-            let next = tokio::time::timeout(PATIENCE, self.ws.next())
+            let next = tokio::time::timeout_at(deadline, self.ws.next())
                 .await
                 .expect("a frame in time");
             match next {
@@ -478,10 +490,8 @@ impl RawAgent {
                         && v["type"] == "probe"
                     {
                         let n = v["texts"].as_array().map_or(0, Vec::len);
-                        let mut unit = vec![0.0f32; self.probe_dims];
-                        unit[0] = 1.0;
                         let answer = json!({"type":"probe_result","probe":v["probe"],
-                            "provider":v["provider"],"vectors":vec![unit; n]});
+                            "provider":v["provider"],"vectors":vec![self.probe_unit(); n]});
                         self.send(answer).await;
                         continue;
                     }
@@ -496,8 +506,9 @@ impl RawAgent {
     /// Reads frames until one gate probe came and was answered (the gate's first word with a
     /// new provider).
     pub async fn answer_one_probe(&mut self) {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
         loop {
-            let next = tokio::time::timeout(PATIENCE, self.ws.next())
+            let next = tokio::time::timeout_at(deadline, self.ws.next())
                 .await
                 .expect("a probe in time");
             let Some(Ok(Message::Text(t))) = next else {
@@ -506,12 +517,32 @@ impl RawAgent {
             let v: Value = serde_json::from_str(t.as_str()).unwrap();
             if v["type"] == "probe" {
                 let n = v["texts"].as_array().map_or(0, Vec::len);
-                let mut unit = vec![0.0f32; self.probe_dims];
-                unit[0] = 1.0;
                 self.send(json!({"type":"probe_result","probe":v["probe"],
-                    "provider":v["provider"],"vectors":vec![unit; n]}))
+                    "provider":v["provider"],"vectors":vec![self.probe_unit(); n]}))
                     .await;
                 return;
+            }
+        }
+    }
+
+    /// What this agent answers a probe text with.
+    fn probe_unit(&self) -> Vec<f32> {
+        let mut unit = vec![0.0f32; self.probe_dims];
+        unit[self.probe_axis] = 1.0;
+        unit
+    }
+
+    /// The next text frame, parsed, probes included (not answered); panics on close.
+    pub async fn recv_unanswered(&mut self) -> Value {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let next = tokio::time::timeout_at(deadline, self.ws.next())
+                .await
+                .expect("a frame in time");
+            match next {
+                Some(Ok(Message::Text(t))) => return serde_json::from_str(t.as_str()).unwrap(),
+                Some(Ok(Message::Close(_))) | None | Some(Err(_)) => panic!("socket closed"),
+                Some(Ok(_)) => continue,
             }
         }
     }

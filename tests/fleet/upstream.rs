@@ -145,7 +145,10 @@ struct Gate {
 }
 
 pub struct UpstreamState {
-    key: String,
+    /// The key the account accepts now (a test may replace it, as a key rotation does).
+    key: Mutex<String>,
+    /// Calls refused for a wrong or missing key.
+    unauthorised: AtomicU64,
     endpoints: Vec<Endpoint>,
     embedder: Option<Embedder>,
     rpm: Option<u32>,
@@ -205,7 +208,8 @@ impl UpstreamState {
                 starts: VecDeque::new(),
                 capacity: cfg.max_concurrency,
             }),
-            key: cfg.key,
+            key: Mutex::new(cfg.key),
+            unauthorised: AtomicU64::new(0),
             endpoints: cfg.endpoints,
             embedder: cfg.embedder,
             rpm: cfg.rpm,
@@ -339,11 +343,25 @@ impl UpstreamState {
     }
 
     fn authorised(&self, headers: &HeaderMap) -> bool {
-        let want = format!("Bearer {}", self.key);
-        headers
+        let want = format!("Bearer {}", lock(&self.key));
+        let ok = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            == Some(want.as_str())
+            == Some(want.as_str());
+        if !ok {
+            self.unauthorised.fetch_add(1, Ordering::SeqCst);
+        }
+        ok
+    }
+
+    /// The account accepts `key` from now on (the old one is refused with 401).
+    pub fn set_key(&self, key: &str) {
+        *lock(&self.key) = key.to_string();
+    }
+
+    /// Calls refused for a wrong or missing key.
+    pub fn unauthorised(&self) -> u64 {
+        self.unauthorised.load(Ordering::SeqCst)
     }
 }
 

@@ -258,3 +258,71 @@ async fn minilm_canary_overhead_on_a_realistic_mix() {
         100.0 * overhead / client
     );
 }
+
+/// Canaries at every width (issue 27): a frame of a Matryoshka width under the space's is
+/// judged on the fingerprint's first entries (the gate's `check_canary`), at the space's own
+/// minimum cosine. Honest numerics must keep above that floor at every width that carries a
+/// canary ([`MIN_CANARY_DIMS`] and up): each probe rides in batches of 1, 8 and 32 in f32
+/// (packed and padded) and both half dtypes, cut to each width, against the f32 fingerprint
+/// cut the same way. The lowest cosine per width is printed for `docs/operations.md`.
+#[tokio::test]
+async fn canaries_keep_above_the_floor_at_every_width_that_carries_one() {
+    use fantom_sidecar::hub::gate::measure::{MIN_CANARY_DIMS, MIN_COSINE_FLOOR};
+    let tmp = tempfile::tempdir().unwrap();
+    let minilm = minilm_engine(tmp.path(), cpu()).await;
+    let qwen3 = qwen3_engine("tiny-qwen3-embedding", Task::Embed, cpu()).await;
+    let probes = probe_texts();
+    for (model, reference) in [("minilm", minilm), ("tiny-qwen3", qwen3)] {
+        let full = reference.info().dims;
+        let fingerprint = reference
+            .embed(probes.clone(), EmbedOptions::default())
+            .await
+            .unwrap();
+        let widths: Vec<usize> = [8, 16, 32, 64, 128, 256, 384, 1024]
+            .into_iter()
+            .filter(|w| *w < full)
+            .chain([full])
+            .collect();
+        let mut lowest = vec![1.0f64; widths.len()];
+        let configs = [("f32 packed", cpu()), ("f32 padded", gpu_path("f32"))]
+            .into_iter()
+            .chain(HALF.map(|d| (d, gpu_path(d))));
+        for (_, cfg) in configs {
+            let engine = match model {
+                "minilm" => {
+                    let tmp = tempfile::tempdir().unwrap();
+                    minilm_engine(tmp.path(), cfg).await
+                }
+                _ => qwen3_engine("tiny-qwen3-embedding", Task::Embed, cfg).await,
+            };
+            for (p, probe) in probes.iter().enumerate() {
+                let size = [1usize, 8, 32][p % 3];
+                let mut batch: Vec<String> = (0..size - 1)
+                    .map(|i| format!("client text {i}: how the queue hands out leases"))
+                    .collect();
+                let at = (p / 3) % batch.len().max(1);
+                batch.insert(at.min(batch.len()), probe.clone());
+                let at = batch.iter().position(|t| t == probe).unwrap();
+                for (k, w) in widths.iter().enumerate() {
+                    let opts = EmbedOptions {
+                        dimensions: Some(*w),
+                        ..EmbedOptions::default()
+                    };
+                    let out = engine.embed(batch.clone(), opts).await.unwrap();
+                    finite(&out, model);
+                    let c = cosine(&out[at], &fingerprint[p][..*w]);
+                    lowest[k] = lowest[k].min(c);
+                }
+            }
+        }
+        for (w, c) in widths.iter().zip(&lowest) {
+            println!("canary width {w} of {full} ({model}): lowest honest cosine {c:.6}");
+            if *w >= MIN_CANARY_DIMS {
+                assert!(
+                    *c >= MIN_COSINE_FLOOR,
+                    "{model} at width {w}: honest numerics at {c} fall under the floor"
+                );
+            }
+        }
+    }
+}

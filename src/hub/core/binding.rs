@@ -230,6 +230,7 @@ impl Core {
                 if let Some(after) = unfit.retry_after {
                     why.retry(after);
                 }
+                why.soon |= unfit.soon;
                 why.note(unfit.code, format!("{name}: {}", unfit.text));
                 continue;
             }
@@ -325,8 +326,10 @@ impl Core {
 
     /// Why a connected provider cannot serve anything now, whatever the binding.
     pub(super) fn unfit(&self, p: &ProviderEntry, now: Instant) -> Option<Unfit> {
-        if let Some(why) = &p.stale {
-            return Some(Unfit::new(UnservableCode::ConfigStale, why.clone()));
+        if let Some(stale) = &p.stale {
+            let mut unfit = Unfit::new(UnservableCode::ConfigStale, stale.reason.clone());
+            unfit.soon = stale.config_on_the_way;
+            return Some(unfit);
         }
         if p.info.backend == Backend::Cloud {
             if let Some(why) = self.budget.stopped() {
@@ -455,6 +458,8 @@ pub(super) struct Unfit {
     pub code: UnservableCode,
     pub text: String,
     pub retry_after: Option<Duration>,
+    /// It may serve within a round trip (a config on its way to its agent): wait, not fail.
+    pub soon: bool,
 }
 
 impl Unfit {
@@ -463,6 +468,7 @@ impl Unfit {
             code,
             text,
             retry_after: None,
+            soon: false,
         }
     }
 }

@@ -15,6 +15,7 @@
 use super::Core;
 use crate::cloud::route::CloudRoute;
 use crate::config::push::CloudSettings;
+use crate::hub::registry::Stale;
 use crate::protocol::{self, Backend, ConfigFrame, ConfigPayload, HeldConfig, HubFrame};
 use crate::roles::Policy;
 use crate::secret::Secret;
@@ -70,6 +71,7 @@ impl Core {
                 sent.push(agent_id.clone());
             }
         }
+        self.refresh_routes();
         sent
     }
 
@@ -109,6 +111,7 @@ impl Core {
         {
             a.config_sent = Some(revision);
             tracing::info!(agent, held = ?behind, revision, "the agent is behind: the whole config is sent again (without the key)");
+            self.refresh_routes();
         }
     }
 
@@ -116,12 +119,21 @@ impl Core {
     pub(super) fn refresh_routes(&mut self) {
         let (cloud, config) = (&self.cloud, &self.config);
         for a in self.agents.values_mut() {
+            let config_on_the_way = a.config_sent == Some(config.revision)
+                && a.held.config_revision != Some(config.revision);
             for p in a.providers.values_mut() {
                 let stale = (p.info.backend == Backend::Cloud)
                     .then(|| stale_reason(cloud, config, &a.held, &p.info))
-                    .flatten();
-                if stale.is_some() && p.stale.is_none() {
-                    tracing::warn!(provider = %p.reference.provider, reason = ?stale, "a cloud provider does not hold the hub's config: it serves nothing");
+                    .flatten()
+                    .map(|reason| Stale {
+                        reason,
+                        config_on_the_way,
+                    });
+                if let Some(s) = &stale
+                    && p.stale.is_none()
+                    && !s.config_on_the_way
+                {
+                    tracing::warn!(provider = %p.reference.provider, reason = %s.reason, "a cloud provider does not hold the hub's config: it serves nothing");
                 }
                 p.stale = stale;
             }

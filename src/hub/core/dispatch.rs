@@ -248,10 +248,10 @@ impl Core {
         let Some(shape) = items.first().map(|i| i.shape.clone()) else {
             return;
         };
-        // A gated embedding frame of documents at full width carries a canary (a query
-        // template changes the text, so its vector has nothing to be compared with).
-        // A Matryoshka width under the space's is judged by the sentinel only: the gate's
-        // threshold is measured at full width.
+        // A gated embedding frame of documents carries a canary (a query template changes the
+        // text, so its vector has nothing to be compared with), at full width and at every
+        // Matryoshka width from `MIN_CANARY_DIMS` up (judged on the fingerprint's first
+        // entries); narrower frames are watched by the sentinel alone.
         let wants_canary = gate.as_ref().is_some_and(|(_, space)| {
             matches!(
                 &*shape,
@@ -259,7 +259,7 @@ impl Core {
                     is_query: false,
                     instruction: None,
                     dimensions,
-                } if dimensions.is_none_or(|d| d >= space.dims)
+                } if dimensions.is_none_or(|d| d >= space.dims.min(gate::measure::MIN_CANARY_DIMS))
             )
         }) && entry
             .gate_candidate

@@ -9,6 +9,14 @@ use serde::Serialize;
 /// No threshold below this is accepted: 0.99 already admits quantised variants.
 pub const MIN_COSINE_FLOOR: f64 = 0.99;
 
+/// The narrowest Matryoshka width whose work frames carry a canary. At every width from here
+/// up the canary is judged at the space's own minimum cosine (never under the floor) on the
+/// fingerprint's first entries: measured honest numerics (f32 packed and padded, bf16, f16,
+/// batches of 1, 8 and 32; `tests/local_inference/half.rs`) keep above the floor there, while
+/// narrower cuts of a model not trained for them drift apart with nothing wrong. Narrower
+/// frames are watched by the sentinel alone (as queries are: they are not stored).
+pub const MIN_CANARY_DIMS: usize = 64;
+
 /// Probe text `i` (the canary of a work frame is one of them), empty past the set.
 pub fn probe_text(i: usize) -> &'static str {
     static PROBES: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::new(probe_texts);
