@@ -11,9 +11,9 @@
 //! second against its cap of 10, to see where any shortfall goes.
 
 #[path = "support/latency.rs"]
+#[allow(dead_code)]
 mod latency;
 #[path = "../tests/fleet/upstream.rs"]
-#[allow(dead_code)]
 mod upstream;
 
 use std::path::Path;
@@ -126,7 +126,13 @@ async fn run() {
         )
         .expect("agent config");
         agents.push(spawn(
-            &["agent", "--config", &config.display().to_string()],
+            &[
+                "agent",
+                "--config",
+                &config.display().to_string(),
+                "--http",
+                "127.0.0.1:0",
+            ],
             &dir.path().join(format!("{id}.log")),
         ));
     }
@@ -170,16 +176,17 @@ async fn run() {
     // The run: 48 clients, each sending its next chat when the last is answered.
     let sent = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
     let sampler = {
         let state = up.state.clone();
+        let mut stopped = stopped;
         tokio::spawn(async move {
             let mut samples = Vec::new();
             let mut tick = tokio::time::interval(Duration::from_millis(50));
             loop {
-                tick.tick().await;
-                samples.push((started.elapsed(), state.in_flight()));
-                if samples.len() > 20 * 60 * 5 {
-                    return samples;
+                tokio::select! {
+                    _ = tick.tick() => samples.push((started.elapsed(), state.in_flight())),
+                    _ = stopped.changed() => return samples,
                 }
             }
         })
@@ -211,9 +218,9 @@ async fn run() {
         failed += c.await.expect("a client");
     }
     let took = started.elapsed();
-    sampler.abort();
+    let _ = stop.send(true);
     let route = status().await["budget"]["routes"].clone();
-    let samples = sampler.await.unwrap_or_default();
+    let samples = sampler.await.expect("the sampler");
 
     let mean_s = (LATENCY_MS.0 + LATENCY_MS.1) as f64 / 2000.0;
     let possible = CAP as f64 * took.as_secs_f64() / mean_s;

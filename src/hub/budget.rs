@@ -11,14 +11,18 @@
 //!   would not bound the rate).
 //! * **Throttle**: a 429 or an in-flight-budget 402 halves the limit of its scope, from what
 //!   is actually in flight, at most once per 15 s window, and cools the scope down for
-//!   `base × [0.5, 1.5)` (`base` = max(Retry-After, backoff); never under Retry-After); the
-//!   backoff doubles 2 s → 60 s and resets after a clean window.
+//!   `base × [0.5, 1.5)`, never under Retry-After (`base`: the Retry-After of a first throttle
+//!   after a clean spell, else max(Retry-After, backoff)); the backoff doubles 2 s → 60 s and
+//!   resets after a clean window. Each further refusal of the burst that caused the halving
+//!   lowers the limit the wall is remembered at by one (k refusals of a burst at limit L: the
+//!   capacity is about L − k).
 //! * **Ramp**: capacity comes back in round trips below the last known-good limit, slowly
 //!   above it. A halving remembers the limit its 429 came at (`last_bad`, TCP's `W_max`);
 //!   while the limit is under `last_bad − 1` (the known-good limit), each clean round trip
 //!   (a window of [`BudgetSettings::round_trips_per_step`] latency EWMAs in which a call came
-//!   back done and none was refused) in which at least half the limit was used adds one
-//!   permit, so a halving recovers in seconds. At the
+//!   back done and none was refused) in which at least half the limit was used doubles the
+//!   limit, up to the known-good one (TCP's slow start to its threshold), so a halving
+//!   recovers in a round trip or two. At the
 //!   known-good limit it holds while `last_bad` is remembered (so it does not walk into the
 //!   wall again); `last_bad` is forgotten after [`BudgetSettings::bad_memory`] without a
 //!   halving (the upstream's capacity changes), and from there, as when nothing was learnt,
@@ -252,7 +256,9 @@ impl Limiter {
                 && used_enough
                 && self.limit < good.min(ceiling)
             {
-                self.limit += 1;
+                // Slow start towards a threshold that was measured: the limit doubles per
+                // clean round trip, never past the known-good limit.
+                self.limit = self.limit.saturating_mul(2).min(good.min(ceiling));
             }
             self.trip_start += trip;
             self.trip_throttled = false;
@@ -277,14 +283,19 @@ impl Limiter {
             .last_halving
             .is_some_and(|t| now.saturating_duration_since(t) < s.clean_window);
         if halved_recently {
-            // Honour a later Retry-After, but do not halve twice for one burst. The fast ramp
-            // walked into the wall again: remember the lower limit, and step back under it.
-            if let Some((bad, at)) = self.last_bad
-                && self.limit < bad
-                && self.limit > self.halved_to
-            {
-                self.last_bad = Some((self.limit, at));
-                self.limit = self.known_good().unwrap_or(self.limit);
+            // Honour a later Retry-After, but do not halve twice for one burst.
+            if let Some((bad, at)) = self.last_bad {
+                if self.limit < bad && self.limit > self.halved_to {
+                    // The ramp walked into the wall again: remember the lower limit, and step
+                    // back under it.
+                    self.last_bad = Some((self.limit, at));
+                    self.limit = self.known_good().unwrap_or(self.limit);
+                } else if self.limit <= self.halved_to && bad > self.halved_to + 1 {
+                    // Another refusal of the burst that caused the halving: k refusals of a
+                    // burst at limit L mean the capacity is about L − k, so the limit the wall
+                    // stands at is one lower per refusal (never down to the halved limit).
+                    self.last_bad = Some((bad - 1, at));
+                }
             }
             let floor = now + retry_after;
             if self.cooldown_until.is_none_or(|t| t < floor) {
@@ -295,7 +306,13 @@ impl Limiter {
         self.last_bad = Some((self.limit, now));
         self.limit = (self.limit.min(self.in_flight) / 2).max(1);
         self.halved_to = self.limit;
-        let base = retry_after.max(self.backoff);
+        // The first throttle after a clean spell honours the upstream's Retry-After as it is
+        // (the halving already took the pressure off); repeated ones back off further.
+        let base = if self.backoff <= s.backoff_initial && !retry_after.is_zero() {
+            retry_after
+        } else {
+            retry_after.max(self.backoff)
+        };
         let jittered = base.mul_f64(rng.random_range(0.5..1.5));
         self.cooldown_until = Some(now + jittered.max(retry_after));
         self.backoff = (self.backoff * 2).min(s.backoff_max);
@@ -881,11 +898,12 @@ mod tests {
                 kind: LimitKind::Platform,
                 retry_after: Some(Duration::from_secs(s)),
             };
-            // Retry-After 1 s under a 2 s backoff: base 2 s, cooldown in [1 s, 3 s).
+            // The first throttle after a clean spell: Retry-After 1 s is the base (the 2 s
+            // backoff is for throttles that repeat), cooldown in [1 s, 1.5 s).
             b.release("r", limited(1), t);
             b.release("r", Outcome::Other, t);
             let cd = b.view(t).cooldown_remaining_ms;
-            assert!((1000..3000).contains(&cd), "seed {seed}: {cd} ms");
+            assert!((1000..1500).contains(&cd), "seed {seed}: {cd} ms");
             assert!(matches!(b.check("r", t), Some(Hold::CoolingDown { .. })));
             assert_eq!(b.view(t).backoff_ms, 4000, "the backoff doubles");
             // Retry-After 10 s: base 10 s, jitter upward only past the floor.
@@ -992,7 +1010,7 @@ mod tests {
     }
 
     #[test]
-    fn after_a_halving_a_permit_comes_back_per_clean_round_trip_up_to_the_known_good_limit() {
+    fn after_a_halving_the_limit_doubles_per_clean_round_trip_up_to_the_known_good_limit() {
         let (mut b, t) = budget();
         b.set_account(account(None, Some(true)), t);
         // The latency EWMA at about 1 s: a round trip is about a second.
@@ -1014,16 +1032,14 @@ mod tests {
             Some(15),
             "one under the limit the 429 came at"
         );
-        // Past the cooldown, each clean, well-used round trip adds one, up to 15.
+        // Past the cooldown, each clean, well-used round trip doubles it, up to 15.
         let mut now = t + 5 * S;
         b.tick(now);
-        for expected in 9..=15 {
-            let n = b.limit() / 2 + 1;
-            round(&mut b, n, 1000.0, now);
-            now += Duration::from_millis(1100);
-            b.tick(now);
-            assert_eq!(b.limit(), expected);
-        }
+        let n = b.limit() / 2 + 1;
+        round(&mut b, n, 1000.0, now);
+        now += Duration::from_millis(1100);
+        b.tick(now);
+        assert_eq!(b.limit(), 15, "8 doubled, capped at the known-good limit");
         // It holds there while the 429's limit is remembered, however clean the trips.
         for _ in 0..20 {
             let n = b.limit();
@@ -1056,6 +1072,7 @@ mod tests {
             kind: LimitKind::Upstream,
             retry_after: Some(S),
         };
+        // A lone refusal at 16: the wall is remembered at 16, known good 15.
         take(&mut b, "r", 16, t);
         b.release("r", upstream, t);
         for _ in 0..15 {
@@ -1063,23 +1080,63 @@ mod tests {
         }
         let route = |b: &Budget| b.view(t).routes[0].clone();
         assert_eq!(route(&b).limit, 8);
+        assert_eq!(route(&b).known_good, Some(15));
         let mut now = t + 5 * S;
-        for _ in 0..3 {
-            let n = route(&b).limit;
-            take(&mut b, "r", n, now);
-            for _ in 0..n {
-                b.release("r", Outcome::Success { latency_ms: 1000.0 }, now);
-            }
-            now += Duration::from_millis(1100);
-            b.tick(now);
+        let n = route(&b).limit;
+        take(&mut b, "r", n, now);
+        for _ in 0..n {
+            b.release("r", Outcome::Success { latency_ms: 1000.0 }, now);
         }
-        assert_eq!(route(&b).limit, 11);
-        // The upstream holds 10: the 11th call is refused within the halving's window.
-        take(&mut b, "r", 11, now);
-        b.release("r", upstream, now);
+        now += Duration::from_millis(1100);
+        b.tick(now);
+        assert_eq!(route(&b).limit, 15);
+        // The upstream holds 10: the five calls past it are refused within the halving's
+        // window; each steps back one, not a second halving.
+        take(&mut b, "r", 15, now);
+        for _ in 0..5 {
+            b.release("r", upstream, now);
+        }
         let r = route(&b);
-        assert_eq!(r.limit, 10, "one step back, not a second halving");
+        assert_eq!(
+            r.limit, 10,
+            "one step back per refusal, not a second halving"
+        );
         assert_eq!(r.known_good, Some(10));
+    }
+
+    #[test]
+    fn the_refusals_of_one_burst_say_where_the_wall_is() {
+        let (mut b, t) = budget();
+        b.set_account(account(None, Some(true)), t);
+        for _ in 0..30 {
+            round(&mut b, 1, 1000.0, t);
+        }
+        let upstream = Outcome::Limited {
+            kind: LimitKind::Upstream,
+            retry_after: Some(S),
+        };
+        // 16 sent at once to an upstream that holds 10: six refused, fast.
+        take(&mut b, "r", 16, t);
+        for _ in 0..6 {
+            b.release("r", upstream, t);
+        }
+        let r = b.view(t).routes[0].clone();
+        assert_eq!(r.limit, 8, "halved once, from the 16 in flight");
+        assert_eq!(r.known_good, Some(10), "16 less the six refused");
+        // One clean round trip past the Retry-After: straight back to 10, not past it.
+        for _ in 0..10 {
+            b.release("r", Outcome::Success { latency_ms: 1000.0 }, t);
+        }
+        let mut now = t + 2 * S;
+        b.tick(now);
+        let n = b.view(now).routes[0].limit;
+        take(&mut b, "r", n, now);
+        for _ in 0..n {
+            b.release("r", Outcome::Success { latency_ms: 1000.0 }, now);
+        }
+        now += Duration::from_millis(1100);
+        b.tick(now);
+        assert_eq!(b.view(now).routes[0].limit, 10);
     }
 
     #[test]

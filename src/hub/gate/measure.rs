@@ -12,10 +12,15 @@ pub const MIN_COSINE_FLOOR: f64 = 0.99;
 /// The narrowest Matryoshka width whose work frames carry a canary. At every width from here
 /// up the canary is judged at the space's own minimum cosine (never under the floor) on the
 /// fingerprint's first entries: measured honest numerics (f32 packed and padded, bf16, f16,
-/// batches of 1, 8 and 32; `tests/local_inference/half.rs`) keep above the floor there, while
-/// narrower cuts of a model not trained for them drift apart with nothing wrong. Narrower
-/// frames are watched by the sentinel alone (as queries are: they are not stored).
-pub const MIN_CANARY_DIMS: usize = 64;
+/// batches of 1, 8 and 32; `tests/local_inference/half.rs`) stay within a fifth of the floor's
+/// allowance of 1 there ([`HONEST_MARGIN`]), so an honest provider is never suspended on noise.
+/// A cut narrower than this says too little to judge on; such frames are watched by the
+/// sentinel alone (as queries are: they are not stored).
+pub const MIN_CANARY_DIMS: usize = 8;
+
+/// The share of the floor's allowance (`1 − MIN_COSINE_FLOOR`) honest numerics may use at a
+/// width that carries canaries: their lowest cosine is at least `1 − 0.01 × HONEST_MARGIN`.
+pub const HONEST_MARGIN: f64 = 0.2;
 
 /// Probe text `i` (the canary of a work frame is one of them), empty past the set.
 pub fn probe_text(i: usize) -> &'static str {
