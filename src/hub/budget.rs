@@ -770,6 +770,17 @@ mod tests {
         }
     }
 
+    /// A funded account (16 permits) whose calls take about a second: a round trip is about
+    /// a second.
+    fn funded_at_one_second() -> (Budget, Instant) {
+        let (mut b, t) = budget();
+        b.set_account(account(None, Some(true)), t);
+        for _ in 0..30 {
+            round(&mut b, 1, 1000.0, t);
+        }
+        (b, t)
+    }
+
     #[test]
     fn ceiling_comes_from_override_then_rpm_or_credits_then_the_default() {
         let (mut b, t) = budget();
@@ -1011,12 +1022,7 @@ mod tests {
 
     #[test]
     fn after_a_halving_the_limit_doubles_per_clean_round_trip_up_to_the_known_good_limit() {
-        let (mut b, t) = budget();
-        b.set_account(account(None, Some(true)), t);
-        // The latency EWMA at about 1 s: a round trip is about a second.
-        for _ in 0..30 {
-            round(&mut b, 1, 1000.0, t);
-        }
+        let (mut b, t) = funded_at_one_second();
         take(&mut b, "r", 16, t);
         let platform = Outcome::Limited {
             kind: LimitKind::Platform,
@@ -1063,11 +1069,7 @@ mod tests {
 
     #[test]
     fn a_429_while_ramping_steps_back_under_it_without_halving_again() {
-        let (mut b, t) = budget();
-        b.set_account(account(None, Some(true)), t);
-        for _ in 0..30 {
-            round(&mut b, 1, 1000.0, t);
-        }
+        let (mut b, t) = funded_at_one_second();
         let upstream = Outcome::Limited {
             kind: LimitKind::Upstream,
             retry_after: Some(S),
@@ -1106,11 +1108,7 @@ mod tests {
 
     #[test]
     fn the_refusals_of_one_burst_say_where_the_wall_is() {
-        let (mut b, t) = budget();
-        b.set_account(account(None, Some(true)), t);
-        for _ in 0..30 {
-            round(&mut b, 1, 1000.0, t);
-        }
+        let (mut b, t) = funded_at_one_second();
         let upstream = Outcome::Limited {
             kind: LimitKind::Upstream,
             retry_after: Some(S),

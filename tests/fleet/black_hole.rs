@@ -10,6 +10,27 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+use crate::support::{HubProc, Proc, start_agent_toml};
+use crate::upstream::Upstream;
+
+/// A cloud-only agent `id` (its routes calling `up`) whose socket to `hub` runs through a
+/// proxy the test can black-hole.
+pub async fn cloud_agent_behind_proxy(
+    dir: &std::path::Path,
+    hub: &HubProc,
+    id: &str,
+    up: &Upstream,
+) -> (BlackHoleProxy, Proc) {
+    let proxy = BlackHoleProxy::start(hub.proc.addr).await;
+    let body = format!(
+        "openrouter_url = \"{}\"\ncloud_pipeline_depth = 8",
+        up.base_url
+    );
+    let proxied = format!("ws://{}/v1/agent", proxy.addr);
+    let agent = start_agent_toml(dir, &proxied, &hub.fleet_file, id, &body, &[]);
+    (proxy, agent)
+}
+
 pub struct BlackHoleProxy {
     pub addr: SocketAddr,
     /// One switch per connection accepted so far.

@@ -375,23 +375,7 @@ async fn a_canary_in_every_frame_suspends_a_drifted_route_on_its_first_drifted_b
     // The host redeploys behind the same slug after six more calls, while traffic flows
     // (a request whose items the drifted route also served is served again whole).
     up.state.set_cosine_after(SLUG, 6, 0.95);
-    let mut rounds = Vec::new();
-    for round in 0..30 {
-        if up.state.requests() > 8 {
-            break;
-        }
-        let texts: Vec<String> = (0..200)
-            .map(|i| format!("round {round}: text {i} about leases"))
-            .collect();
-        let (code, body) = hub
-            .post(
-                "/v1/embeddings",
-                &json!({"model": "embedding", "input": texts}),
-            )
-            .await;
-        assert_eq!(code, 200, "{body}");
-        rounds.push((texts, body));
-    }
+    let rounds = rounds_until_drifted(&hub, &up, None).await;
     let suspended = verdict(&hub, "cloud-a/", &["suspended"]).await;
     assert_eq!(suspended["caught_by"], "canary", "{suspended}");
     let reason = suspended["reason"].as_str().unwrap();
@@ -407,28 +391,7 @@ async fn a_canary_in_every_frame_suspends_a_drifted_route_on_its_first_drifted_b
     );
 
     // Not one drifted vector reached a client; the canaries never did either.
-    let mut from_cloud = 0;
-    for (texts, body) in &rounds {
-        let data = body["data"].as_array().unwrap();
-        assert_eq!(data.len(), texts.len(), "no canary in a response");
-        let clean = {
-            let (embedder, texts) = (embedder.clone(), texts.clone());
-            tokio::task::spawn_blocking(move || embedder(&texts))
-                .await
-                .unwrap()
-        };
-        for (i, d) in data.iter().enumerate() {
-            assert_eq!(d["index"], i);
-            let v = crate::support::vector(&d["embedding"]);
-            let cos = fantom_sidecar::hub::gate::measure::cosine(&clean[i], &v);
-            assert!(
-                cos >= 0.99,
-                "round text {i}: cosine {cos} from {}",
-                d["provenance"]
-            );
-            from_cloud += usize::from(d["provenance"]["backend"] == "cloud");
-        }
-    }
+    let from_cloud = cloud_vectors_all_clean(&rounds, &embedder, None).await;
     assert!(
         from_cloud > 0,
         "the cloud served before its drift: {} calls, {} canaries, {suspended}",
@@ -489,23 +452,7 @@ async fn a_route_drifting_at_a_narrower_width_is_suspended_on_its_first_drifted_
     verdict(&hub, "cloud-a/", &["pass"]).await;
 
     up.state.set_cosine_after(SLUG, 6, 0.95);
-    let mut rounds = Vec::new();
-    for round in 0..30 {
-        if up.state.requests() > 8 {
-            break;
-        }
-        let texts: Vec<String> = (0..200)
-            .map(|i| format!("round {round}: text {i} about widths"))
-            .collect();
-        let (code, body) = hub
-            .post(
-                "/v1/embeddings",
-                &json!({"model": "embedding", "input": texts, "dimensions": WIDTH}),
-            )
-            .await;
-        assert_eq!(code, 200, "{body}");
-        rounds.push((texts, body));
-    }
+    let rounds = rounds_until_drifted(&hub, &up, Some(WIDTH)).await;
     let suspended = verdict(&hub, "cloud-a/", &["suspended"]).await;
     assert_eq!(suspended["caught_by"], "canary", "{suspended}");
     assert_eq!(
@@ -514,10 +461,50 @@ async fn a_route_drifting_at_a_narrower_width_is_suspended_on_its_first_drifted_
         1.0,
         "suspended on its first drifted batch"
     );
+    let from_cloud = cloud_vectors_all_clean(&rounds, &embedder, Some(WIDTH)).await;
+    assert!(
+        from_cloud > 0,
+        "the cloud served at {WIDTH} dims before its drift"
+    );
+}
+
+/// Requests of 200 texts (at `dimensions`, if given) while the upstream drifts after its next
+/// calls, until the drift must have come; each request with its answer (all 200).
+async fn rounds_until_drifted(
+    hub: &HubProc,
+    up: &Upstream,
+    dimensions: Option<usize>,
+) -> Vec<(Vec<String>, Value)> {
+    let mut rounds = Vec::new();
+    for round in 0..30 {
+        if up.state.requests() > 8 {
+            break;
+        }
+        let texts: Vec<String> = (0..200)
+            .map(|i| format!("round {round}: text {i} about leases"))
+            .collect();
+        let mut body = json!({"model": "embedding", "input": texts});
+        if let Some(d) = dimensions {
+            body["dimensions"] = json!(d);
+        }
+        let (code, answer) = hub.post("/v1/embeddings", &body).await;
+        assert_eq!(code, 200, "{answer}");
+        rounds.push((texts, answer));
+    }
+    rounds
+}
+
+/// Asserts every vector answered is the clean model's for its text (cosine ≥ 0.99, cut to
+/// `width` when given), one per text and no canary among them; how many came from the cloud.
+async fn cloud_vectors_all_clean(
+    rounds: &[(Vec<String>, Value)],
+    embedder: &Embedder,
+    width: Option<usize>,
+) -> usize {
     let mut from_cloud = 0;
-    for (texts, body) in &rounds {
+    for (texts, body) in rounds {
         let data = body["data"].as_array().unwrap();
-        assert_eq!(data.len(), texts.len());
+        assert_eq!(data.len(), texts.len(), "no canary in a response");
         let clean = {
             let (embedder, texts) = (embedder.clone(), texts.clone());
             tokio::task::spawn_blocking(move || embedder(&texts))
@@ -525,19 +512,18 @@ async fn a_route_drifting_at_a_narrower_width_is_suspended_on_its_first_drifted_
                 .unwrap()
         };
         for (i, d) in data.iter().enumerate() {
+            assert_eq!(d["index"], i);
             let v = crate::support::vector(&d["embedding"]);
-            assert_eq!(v.len(), WIDTH);
-            let cos = fantom_sidecar::hub::gate::measure::cosine(&clean[i][..WIDTH], &v);
+            let want = width.map_or(clean[i].as_slice(), |w| &clean[i][..w]);
+            assert_eq!(v.len(), want.len());
+            let cos = fantom_sidecar::hub::gate::measure::cosine(want, &v);
             assert!(
                 cos >= 0.99,
-                "text {i}: cosine {cos} from {}",
+                "round text {i}: cosine {cos} from {}",
                 d["provenance"]
             );
             from_cloud += usize::from(d["provenance"]["backend"] == "cloud");
         }
     }
-    assert!(
-        from_cloud > 0,
-        "the cloud served at {WIDTH} dims before its drift"
-    );
+    from_cloud
 }

@@ -324,15 +324,7 @@ async fn a_width_push_mid_request_never_mixes_spaces_in_one_response() {
         .await;
     assert_eq!(code, 200, "{body}");
     b.answer_one_probe().await;
-    eventually("b's space is the role's", || async {
-        let s = hub.status().await;
-        s["gate"]["spaces"]
-            .as_array()?
-            .iter()
-            .find(|x| x["id"] == "embedding:model-b:3" && x["current"] == true)
-            .map(|_| ())
-    })
-    .await;
+    hub.wait_for_current_space("embedding:model-b:3").await;
     b.send(json!({"type":"pull","provider":"embedding","credits":4}))
         .await;
     // The rest of the request stays in its admitted space, with a.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::black_hole::BlackHoleProxy;
+use crate::black_hole::cloud_agent_behind_proxy;
 use crate::cloud::{CHAT_MODEL, KEY, cloud_agent, upstream, wait_for_cloud};
 use crate::integrity::{chat, spawn_post};
 use crate::support::*;
@@ -116,13 +116,7 @@ async fn a_black_holed_socket_is_noticed_and_the_agent_serves_again_within_20_s(
     let dir = tempfile::tempdir().unwrap();
     let up = upstream(|_| {}).await;
     let hub = HubProc::start(dir.path(), None, &["--heartbeat-ms", "500"], &[], "hub.log");
-    let proxy = BlackHoleProxy::start(hub.proc.addr).await;
-    let body = format!(
-        "openrouter_url = \"{}\"\ncloud_pipeline_depth = 8",
-        up.base_url
-    );
-    let proxied = format!("ws://{}/v1/agent", proxy.addr);
-    let _agent = start_agent_toml(dir.path(), &proxied, &hub.fleet_file, "far", &body, &[]);
+    let (proxy, _agent) = cloud_agent_behind_proxy(dir.path(), &hub, "far", &up).await;
     hub.wait_for_agent("far").await;
     push_chat(&hub).await;
     wait_for_cloud(&hub, "far", 1).await;

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::black_hole::BlackHoleProxy;
+use crate::black_hole::cloud_agent_behind_proxy;
 use crate::cloud::{CHAT_MODEL, KEY, RERANK_MODEL, cloud_agent, upstream, wait_for_cloud};
 use crate::integrity::{chat, spawn_post};
 use crate::support::*;
@@ -40,13 +40,7 @@ async fn an_agent_that_missed_a_push_serves_nothing_spends_nothing_and_is_named(
     let dir = tempfile::tempdir().unwrap();
     let up = upstream(|_| {}).await;
     let hub = HubProc::start(dir.path(), None, &["--heartbeat-ms", "500"], &[], "hub.log");
-    let proxy = BlackHoleProxy::start(hub.proc.addr).await;
-    let body = format!(
-        "openrouter_url = \"{}\"\ncloud_pipeline_depth = 8",
-        up.base_url
-    );
-    let proxied = format!("ws://{}/v1/agent", proxy.addr);
-    let _stale = start_agent_toml(dir.path(), &proxied, &hub.fleet_file, "stale", &body, &[]);
+    let (proxy, _stale) = cloud_agent_behind_proxy(dir.path(), &hub, "stale", &up).await;
     let _fresh = cloud_agent(dir.path(), &hub, "fresh", &up);
     hub.wait_for_agent("stale").await;
     hub.wait_for_agent("fresh").await;
@@ -214,15 +208,9 @@ async fn retiring_a_space_mid_request_answers_one_generation_or_409() {
     a.hello("a", embedder("model-a", 500)).await;
     a.answer_one_probe().await;
     let space = "embedding:model-a:2";
-    let first = eventually("the space is founded", || async {
-        let s = hub.status().await;
-        let found = s["gate"]["spaces"]
-            .as_array()?
-            .iter()
-            .find(|x| x["id"] == space)?;
-        found["generation"].as_u64()
-    })
-    .await;
+    let first = hub.wait_for_current_space(space).await["generation"]
+        .as_u64()
+        .unwrap();
     let texts = many_texts(2000);
     let client = spawn_post(
         &hub,
@@ -287,15 +275,7 @@ async fn a_reference_that_leaves_mid_fingerprint_is_replaced_within_seconds() {
     let left = Instant::now();
     a.close().await;
     b.answer_one_probe().await;
-    eventually("b founds the space", || async {
-        let s = hub.status().await;
-        s["gate"]["spaces"]
-            .as_array()?
-            .iter()
-            .find(|x| x["id"] == "embedding:m:2" && x["current"] == true)
-            .map(|_| ())
-    })
-    .await;
+    hub.wait_for_current_space("embedding:m:2").await;
     let took = left.elapsed();
     assert!(
         took < Duration::from_secs(10),
@@ -407,4 +387,89 @@ async fn minilm_that_refuses_long_inputs_passes_the_gate_and_serves() {
             .await,
         0.0
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpinned_model_is_named_by_its_bytes_and_no_host_path_reaches_a_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    // The MiniLM folder without its pinned id: an unpinned model.
+    let unpinned = minilm_models_toml().replace("model = \"all-minilm-l6-v2\"\n", "");
+    assert!(!unpinned.contains("model = "), "{unpinned}");
+    let _gpu = start_agent_toml(
+        dir.path(),
+        &hub.ws_url(),
+        &hub.fleet_file,
+        "gpu",
+        &unpinned,
+        &[],
+    );
+    crate::gate::verdict(&hub, "gpu/embedding", &["pass"]).await;
+    let (code, body) = hub
+        .post(
+            "/v1/embeddings",
+            &json!({"model": "embedding", "input": ["fn main() {}"]}),
+        )
+        .await;
+    assert_eq!(code, 200, "{body}");
+    let d = &body["data"][0];
+    let model = d["provenance"]["model"].as_str().unwrap();
+    assert!(model.starts_with("sha256:") && model.len() == 7 + 24, "{d}");
+    assert_eq!(d["provenance"]["revision"], model);
+    assert_eq!(d["space"]["id"], format!("embedding:{model}:384"));
+    let path = minilm_dir().display().to_string();
+    let (_, models) = hub.get("/v1/models").await;
+    for shown in [
+        body.to_string(),
+        models.to_string(),
+        hub.status().await.to_string(),
+    ] {
+        assert!(!shown.contains(&path), "a host path in {shown}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fantoms_defaults_are_proposed_and_bill_nothing_until_a_push_takes_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    let config = hub.admin_get("/admin/config").await;
+    let proposed = &config["defaults"];
+    assert_eq!(proposed["inForce"], false, "{config}");
+    assert_eq!(
+        proposed["allowedModels"]["reranker"]["model"],
+        "qwen/qwen3-reranker-8b"
+    );
+    assert_eq!(
+        proposed["allowedModels"]["reranker"]["provider"],
+        "Fireworks"
+    );
+    assert_eq!(
+        proposed["allowedModels"]["rlm-sandbox"]["model"],
+        "deepseek/deepseek-v4-flash"
+    );
+    assert!(proposed["allowedModels"].get("embedding").is_none());
+    assert_eq!(config["openrouter"]["allowedModels"], json!({}));
+
+    // A key alone maps nothing; `useDefaults` maps what no push chose.
+    let (code, _) = hub.push(json!({"openrouter": {"apiKey": KEY}})).await;
+    assert_eq!(code, 200);
+    assert_eq!(
+        hub.admin_get("/admin/config").await["openrouter"]["allowedModels"],
+        json!({})
+    );
+    let (code, result) = hub
+        .push(json!({"openrouter": {"useDefaults": true,
+            "allowedModels": {"code-assistant": {"model": "qwen/qwen3-coder"}}}}))
+        .await;
+    assert_eq!(code, 200, "{result}");
+    let config = hub.admin_get("/admin/config").await;
+    let held = &config["openrouter"]["allowedModels"];
+    assert_eq!(held["reranker"]["model"], "qwen/qwen3-reranker-8b");
+    assert_eq!(
+        held["code-assistant"]["model"], "qwen/qwen3-coder",
+        "a choice wins"
+    );
+    assert_eq!(held["rlm-sandbox"]["model"], "deepseek/deepseek-v4-flash");
+    assert_eq!(config["openrouter"]["modeByRole"]["rlm-sandbox"], "local");
+    assert_eq!(config["defaults"]["allowedModels"], json!({}));
 }

@@ -288,6 +288,19 @@ impl HubProc {
         .await
     }
 
+    /// Waits until space `id` is its role's current one; returns it as status shows it.
+    pub async fn wait_for_current_space(&self, id: &str) -> Value {
+        eventually(&format!("{id} is its role's space"), || async {
+            let s = self.status().await;
+            s["gate"]["spaces"]
+                .as_array()?
+                .iter()
+                .find(|x| x["id"] == id && x["current"] == true)
+                .cloned()
+        })
+        .await
+    }
+
     /// A counter or gauge from `/metrics` (summed over matching label sets).
     pub async fn metric(&self, name_and_labels: &str) -> f64 {
         let text = self
@@ -476,29 +489,45 @@ impl RawAgent {
         self.ws.send(Message::Binary(bytes.into())).await.unwrap();
     }
 
-    /// The next text frame as text; `None` when the socket closed (bounded wait).
-    pub async fn recv_text(&mut self) -> Option<String> {
-        // One deadline for the frame wanted: the hub's pings must not extend it.
+    /// The next text frame as it came (pings and other control frames skipped); `None` when
+    /// the socket closed. One deadline for the frame wanted: the hub's pings never extend it.
+    async fn next_text(&mut self) -> Option<String> {
         let deadline = tokio::time::Instant::now() + PATIENCE;
         loop {
             let next = tokio::time::timeout_at(deadline, self.ws.next())
                 .await
                 .expect("a frame in time");
             match next {
-                Some(Ok(Message::Text(t))) => {
-                    if let Ok(v) = serde_json::from_str::<Value>(t.as_str())
-                        && v["type"] == "probe"
-                    {
-                        let n = v["texts"].as_array().map_or(0, Vec::len);
-                        let answer = json!({"type":"probe_result","probe":v["probe"],
-                            "provider":v["provider"],"vectors":vec![self.probe_unit(); n]});
-                        self.send(answer).await;
-                        continue;
-                    }
-                    return Some(t.to_string());
-                }
+                Some(Ok(Message::Text(t))) => return Some(t.to_string()),
                 Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return None,
                 Some(Ok(_)) => continue,
+            }
+        }
+    }
+
+    /// Answers `frame` if it is a gate probe (every text: [`RawAgent::probe_unit`]); whether
+    /// it was one.
+    async fn answer_if_probe(&mut self, frame: &str) -> bool {
+        let Ok(v) = serde_json::from_str::<Value>(frame) else {
+            return false;
+        };
+        if v["type"] != "probe" {
+            return false;
+        }
+        let n = v["texts"].as_array().map_or(0, Vec::len);
+        self.send(json!({"type":"probe_result","probe":v["probe"],
+            "provider":v["provider"],"vectors":vec![self.probe_unit(); n]}))
+            .await;
+        true
+    }
+
+    /// The next text frame as text, gate probes answered on the way; `None` when the socket
+    /// closed (bounded wait).
+    pub async fn recv_text(&mut self) -> Option<String> {
+        loop {
+            let text = self.next_text().await?;
+            if !self.answer_if_probe(&text).await {
+                return Some(text);
             }
         }
     }
@@ -506,20 +535,12 @@ impl RawAgent {
     /// Reads frames until one gate probe came and was answered (the gate's first word with a
     /// new provider).
     pub async fn answer_one_probe(&mut self) {
-        let deadline = tokio::time::Instant::now() + PATIENCE;
         loop {
-            let next = tokio::time::timeout_at(deadline, self.ws.next())
+            let text = self
+                .next_text()
                 .await
-                .expect("a probe in time");
-            let Some(Ok(Message::Text(t))) = next else {
-                panic!("the socket closed before a probe came");
-            };
-            let v: Value = serde_json::from_str(t.as_str()).unwrap();
-            if v["type"] == "probe" {
-                let n = v["texts"].as_array().map_or(0, Vec::len);
-                self.send(json!({"type":"probe_result","probe":v["probe"],
-                    "provider":v["provider"],"vectors":vec![self.probe_unit(); n]}))
-                    .await;
+                .expect("the socket closed before a probe came");
+            if self.answer_if_probe(&text).await {
                 return;
             }
         }
@@ -534,17 +555,8 @@ impl RawAgent {
 
     /// The next text frame, parsed, probes included (not answered); panics on close.
     pub async fn recv_unanswered(&mut self) -> Value {
-        let deadline = tokio::time::Instant::now() + PATIENCE;
-        loop {
-            let next = tokio::time::timeout_at(deadline, self.ws.next())
-                .await
-                .expect("a frame in time");
-            match next {
-                Some(Ok(Message::Text(t))) => return serde_json::from_str(t.as_str()).unwrap(),
-                Some(Ok(Message::Close(_))) | None | Some(Err(_)) => panic!("socket closed"),
-                Some(Ok(_)) => continue,
-            }
-        }
+        let text = self.next_text().await.expect("socket open");
+        serde_json::from_str(&text).unwrap()
     }
 
     /// The next text frame, parsed; panics on close.

@@ -283,3 +283,75 @@ mod policy_switch_tests {
         );
     }
 }
+
+mod unpinned_tests {
+    use super::super::*;
+    use super::basics::{cand, vectors};
+
+    fn local(g: &mut Gate, t: Instant, c: &Candidate) -> Vec<ProbeRequest> {
+        g.tick(t, std::slice::from_ref(c), |_| Policy::Local, |_| Some(3))
+    }
+
+    #[test]
+    fn new_bytes_in_an_unpinned_reference_are_judged_against_its_space_never_a_new_one() {
+        let (mut g, t) = (
+            Gate::new(GateSettings::default(), BTreeMap::new()),
+            Instant::now(),
+        );
+        // An unpinned folder is named by its digest: the space it founds carries no path.
+        let first = cand(
+            "a/embedding",
+            Backend::Local,
+            "sha256:0123456789abcdef01234567",
+        );
+        let p = local(&mut g, t, &first);
+        g.on_answer(&p[0].probe, "a/embedding", Ok(vectors(1.0)), t);
+        let space = "embedding:sha256:0123456789abcdef01234567:3";
+        assert_eq!(g.current_id(Role::Embedding), Some(space));
+        // New bytes in the same folder: a new provider identity, probed against that space.
+        let changed = cand(
+            "a/embedding",
+            Backend::Local,
+            "sha256:fedcba9876543210fedcba98",
+        );
+        let p = local(&mut g, t, &changed);
+        assert_eq!(p.len(), 1);
+        g.on_answer(&p[0].probe, "a/embedding", Ok(vectors(0.9)), t);
+        assert_eq!(
+            g.current_id(Role::Embedding),
+            Some(space),
+            "no silently new space"
+        );
+        assert!(g.serving_space(&changed).is_none(), "refused at 0.9");
+        assert!(
+            g.space("embedding:sha256:fedcba9876543210fedcba98:3")
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn a_space_stored_under_a_folder_path_keeps_serving_after_the_upgrade() {
+        let (mut g, t) = (
+            Gate::new(GateSettings::default(), BTreeMap::new()),
+            Instant::now(),
+        );
+        let old = cand("a/embedding", Backend::Local, "folder:/srv/models/minilm");
+        let p = local(&mut g, t, &old);
+        g.on_answer(&p[0].probe, "a/embedding", Ok(vectors(1.0)), t);
+        let stored = g.take_dirty().unwrap();
+        // The upgraded agent sends the same bytes by their digest.
+        let mut g = Gate::new(GateSettings::default(), stored);
+        let now = cand(
+            "a/embedding",
+            Backend::Local,
+            "sha256:0123456789abcdef01234567",
+        );
+        let p = local(&mut g, t, &now);
+        g.on_answer(&p[0].probe, "a/embedding", Ok(vectors(1.0)), t);
+        assert_eq!(
+            g.serving_space(&now),
+            Some("embedding:folder:/srv/models/minilm:3"),
+            "judged against the stored space and serving it"
+        );
+    }
+}
