@@ -102,6 +102,16 @@ struct PushedConfig {
     providers: Vec<Arc<dyn Provider>>,
 }
 
+impl PushedConfig {
+    /// The hub's revision of it and the key's generation, as the hub is told.
+    fn revision(&self) -> HeldConfig {
+        HeldConfig {
+            config_revision: self.revision,
+            key_generation: self.key_generation.clone(),
+        }
+    }
+}
+
 impl Agent {
     pub fn new(opts: AgentOptions) -> Arc<Self> {
         Arc::new(Self {
@@ -211,11 +221,7 @@ impl Agent {
 
     /// Which of the hub's configs this agent holds (`hello`, heartbeats, acks say it).
     pub fn held_config(&self) -> HeldConfig {
-        let held = self.held();
-        HeldConfig {
-            config_revision: held.revision,
-            key_generation: held.key_generation.clone(),
-        }
+        self.held().revision()
     }
 
     /// Applies a config frame, rebuilds the cloud providers from what is held, and says what
@@ -236,10 +242,7 @@ impl Agent {
                 applied: false,
                 reason: Some("the push has no openrouter object".into()),
                 roles: Default::default(),
-                config: HeldConfig {
-                    config_revision: held.revision,
-                    key_generation: held.key_generation.clone(),
-                },
+                config: held.revision(),
             };
         };
         let held_key = held.key.clone();
@@ -255,67 +258,57 @@ impl Agent {
                 &push,
             ),
         };
-        let ack = match merged {
-            Ok(mut report) => {
-                let mut key_changed = push.api_key.is_some();
-                if let Some(key) = push.api_key.take() {
-                    match OpenRouterClient::new(
-                        &self.opts.cloud.openrouter_url,
-                        key.clone(),
-                        self.opts.cloud.request_timeout,
-                    ) {
-                        Ok(client) => held.client = Some(Arc::new(client)),
-                        Err(e) => {
-                            // Never keep calling with the old key's client.
-                            held.client = None;
-                            tracing::error!(error = %e, "no OpenRouter client: cloud routes stay off");
-                        }
-                    }
-                    held.key = Some(key);
-                    held.key_generation = key_generation;
-                } else if revision.is_some()
-                    && held.key.is_some()
-                    && held.key_generation != key_generation
-                {
-                    tracing::warn!(config_id = %id, "the hub's key was replaced while this agent was away: the key held here is dropped, and cloud routes stay off until a push with the key");
-                    held.key = None;
-                    held.client = None;
-                    held.key_generation = None;
-                    key_changed = true;
-                }
-                if revision.is_some() {
-                    held.revision = revision;
-                }
-                let refusals = self.rebuild_cloud(&mut held, key_changed);
-                for (role, reason) in refusals {
-                    report.roles.entry(role).or_default().model = Some(Outcome::Refused { reason });
-                }
-                tracing::info!(config_id = %id, revision = ?held.revision, key_included = report.key_included, cloud_providers = held.providers.len(), "config push applied");
-                ConfigAck {
-                    id,
-                    applied: true,
-                    reason: None,
-                    roles: report.roles,
-                    config: HeldConfig::default(),
-                }
-            }
+        let mut report = match merged {
+            Ok(report) => report,
             Err(refused) => {
                 tracing::warn!(config_id = %id, reason = %refused, "config push refused");
-                ConfigAck {
+                return ConfigAck {
                     id,
                     applied: false,
                     reason: Some(refused.to_string()),
                     roles: Default::default(),
-                    config: HeldConfig::default(),
-                }
+                    config: held.revision(),
+                };
             }
         };
+        let mut key_changed = push.api_key.is_some();
+        if let Some(key) = push.api_key.take() {
+            match OpenRouterClient::new(
+                &self.opts.cloud.openrouter_url,
+                key.clone(),
+                self.opts.cloud.request_timeout,
+            ) {
+                Ok(client) => held.client = Some(Arc::new(client)),
+                Err(e) => {
+                    // Never keep calling with the old key's client.
+                    held.client = None;
+                    tracing::error!(error = %e, "no OpenRouter client: cloud routes stay off");
+                }
+            }
+            held.key = Some(key);
+            held.key_generation = key_generation;
+        } else if revision.is_some() && held.key.is_some() && held.key_generation != key_generation
+        {
+            tracing::warn!(config_id = %id, "the hub's key was replaced while this agent was away: the key held here is dropped, and cloud routes stay off until a push with the key");
+            held.key = None;
+            held.client = None;
+            held.key_generation = None;
+            key_changed = true;
+        }
+        if revision.is_some() {
+            held.revision = revision;
+        }
+        let refusals = self.rebuild_cloud(&mut held, key_changed);
+        for (role, reason) in refusals {
+            report.roles.entry(role).or_default().model = Some(Outcome::Refused { reason });
+        }
+        tracing::info!(config_id = %id, revision = ?held.revision, key_included = report.key_included, cloud_providers = held.providers.len(), "config push applied");
         ConfigAck {
-            config: HeldConfig {
-                config_revision: held.revision,
-                key_generation: held.key_generation.clone(),
-            },
-            ..ack
+            id,
+            applied: true,
+            reason: None,
+            roles: report.roles,
+            config: held.revision(),
         }
     }
 

@@ -235,9 +235,11 @@ pub struct AgentEntry {
     pub last_config_ack: Option<ConfigAck>,
     /// The config it says it holds (`hello`, then every heartbeat).
     pub held: HeldConfig,
-    /// The revision of the whole config last sent to this session because it was behind
-    /// (sent once per revision, not on every heartbeat).
+    /// The revision of the whole config last sent to this session (sent once per revision,
+    /// not on every heartbeat).
     pub config_sent: Option<u64>,
+    /// A config frame went to it and no `config_ack` came back yet.
+    pub config_awaiting_ack: bool,
 }
 
 impl AgentEntry {

@@ -145,6 +145,7 @@ impl Hub {
         core.budget.tick(now);
         let budget = core.budget.view(now);
         let gate = core.gate.view(&serving_by_role(&core));
+        let needing_key = core.agents_needing_key();
         let agents = core
             .agents()
             .iter()
@@ -179,8 +180,7 @@ impl Hub {
                 devices: a.devices.clone(),
                 last_config_ack: a.last_config_ack.clone(),
                 holds: a.held.clone(),
-                needs_key_push: state.key_generation.is_some()
-                    && a.held.key_generation != state.key_generation,
+                needs_key_push: needing_key.contains(id),
             })
             .collect();
         let leases = core.leases_by_role();
@@ -215,7 +215,7 @@ impl Hub {
                 cloud_roles: state.cloud.allowed_models.keys().copied().collect(),
                 revision: state.config_revision,
                 key_generation: state.key_generation.clone(),
-                agents_needing_key: core.agents_needing_key(),
+                agents_needing_key: needing_key,
             },
             settings: SettingsView {
                 heartbeat_ms: core.settings.heartbeat_interval.as_millis() as u64,

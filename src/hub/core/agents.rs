@@ -123,6 +123,7 @@ impl Core {
                 last_config_ack: None,
                 held: hello.config,
                 config_sent: None,
+                config_awaiting_ack: false,
             },
         );
         self.refresh_routes();
@@ -260,8 +261,13 @@ impl Core {
     /// What became of a config frame; the config the agent holds since.
     pub fn config_ack(&mut self, agent: &str, session: u64, ack: ConfigAck) -> Result<(), String> {
         let held = ack.config.clone();
-        self.session_agent(agent, session)?.last_config_ack = Some(ack);
+        let entry = self.session_agent(agent, session)?;
+        entry.last_config_ack = Some(ack);
+        // Answered: whatever it holds now is what it will hold (an agent of an older build
+        // acks without taking the revision; its routes are stale, not on their way).
+        entry.config_awaiting_ack = false;
         self.agent_holds(agent, held);
+        self.refresh_routes();
         self.dispatch_all();
         Ok(())
     }
@@ -367,15 +373,6 @@ impl Core {
         self.gate_tick(Instant::now());
         self.dispatch_all();
         Ok(())
-    }
-
-    /// Sends a frame to every connected agent; returns their ids.
-    pub fn broadcast(&self, frame: &str) -> Vec<String> {
-        self.agents
-            .iter()
-            .filter(|(_, a)| a.send(frame.to_string()))
-            .map(|(id, _)| id.clone())
-            .collect()
     }
 }
 

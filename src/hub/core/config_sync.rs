@@ -68,6 +68,7 @@ impl Core {
         for (agent_id, a) in self.agents.iter_mut() {
             if a.send(frame.clone()) {
                 a.config_sent = Some(revision);
+                a.config_awaiting_ack = true;
                 sent.push(agent_id.clone());
             }
         }
@@ -110,6 +111,7 @@ impl Core {
             && a.send(frame)
         {
             a.config_sent = Some(revision);
+            a.config_awaiting_ack = true;
             tracing::info!(agent, held = ?behind, revision, "the agent is behind: the whole config is sent again (without the key)");
             self.refresh_routes();
         }
@@ -119,8 +121,8 @@ impl Core {
     pub(super) fn refresh_routes(&mut self) {
         let (cloud, config) = (&self.cloud, &self.config);
         for a in self.agents.values_mut() {
-            let config_on_the_way = a.config_sent == Some(config.revision)
-                && a.held.config_revision != Some(config.revision);
+            let config_on_the_way =
+                a.config_awaiting_ack && a.held.config_revision != Some(config.revision);
             for p in a.providers.values_mut() {
                 let stale = (p.info.backend == Backend::Cloud)
                     .then(|| stale_reason(cloud, config, &a.held, &p.info))

@@ -230,20 +230,24 @@ impl Core {
     /// Sends `items` to `agent_id/pid` as one lease (the first lease of a rerank request binds
     /// it to this provider's scorer).
     fn grant(&mut self, role: Role, agent_id: &str, pid: &str, items: Vec<Item>, now: Instant) {
-        let Some(entry) = self.agents.get(agent_id).and_then(|a| a.providers.get(pid)) else {
+        let Some((agent, entry)) = self
+            .agents
+            .get(agent_id)
+            .and_then(|a| Some((a, a.providers.get(pid)?)))
+        else {
             self.requeue(role, items, false, "the provider left");
             return;
         };
-        let (reference, permit, scorer) = (
+        let (reference, permit, scorer, max_input) = (
             entry.reference.clone(),
             entry.route.clone(),
             entry.scorer.clone(),
+            entry.info.max_input_tokens,
         );
-        let key_generation = permit.as_ref().and_then(|_| {
-            self.agents
-                .get(agent_id)
-                .and_then(|a| a.held.key_generation.clone())
-        });
+        // A cloud lease remembers the key generation it was granted under.
+        let key_generation = permit
+            .as_ref()
+            .and_then(|_| agent.held.key_generation.clone());
         let gate = self.lease_space(entry, &items);
         let Some(shape) = items.first().map(|i| i.shape.clone()) else {
             return;
@@ -278,11 +282,6 @@ impl Core {
         let ms = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         let mut texts: Vec<String> = items.iter().map(|i| i.text.clone()).collect();
         // The next probe text in turn that reaches this provider whole.
-        let max_input = self
-            .agents
-            .get(agent_id)
-            .and_then(|a| a.providers.get(pid))
-            .and_then(|p| p.info.max_input_tokens);
         let count = gate::measure::probe_count().max(1);
         let canary_probe = (0..count)
             .map(|k| self.next_canary.wrapping_add(k) % count)

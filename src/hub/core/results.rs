@@ -329,7 +329,7 @@ impl Core {
         Ok(())
     }
 
-    pub fn failed(&mut self, agent: &str, session: u64, failed: Failed) -> Result<(), String> {
+    pub fn failed(&mut self, agent: &str, session: u64, mut failed: Failed) -> Result<(), String> {
         let Some(lease) = self.take_lease(agent, session, failed.lease) else {
             return Ok(());
         };
@@ -337,7 +337,6 @@ impl Core {
         // Only a cloud lease can meet an account's limit or a standing refusal: a local one
         // that says so is failing, and counts as any transient failure (its attempt counts,
         // so a faulty agent cannot bounce a request until its timeout).
-        let mut failed = failed;
         if lease.reference.origin.backend == Backend::Local
             && (failed.limit.is_some() || failed.refusal.is_some())
         {

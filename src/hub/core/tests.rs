@@ -827,3 +827,43 @@ fn a_reference_that_leaves_mid_fingerprint_hands_the_space_to_the_next_at_once()
     answer_probes(&mut core, "b", sb, &mut b, 0);
     assert_eq!(core.gate.current_id(Role::Embedding), Some("embedding:m:2"));
 }
+
+#[test]
+fn a_stale_route_waits_for_its_config_only_until_the_agent_answers() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (route, info) = cloud_reranker("m");
+    core.set_config(
+        CloudSettings {
+            allowed_models: [(Role::Reranker, route)].into(),
+            policies: [(Role::Reranker, Policy::Cloud)].into(),
+            ..Default::default()
+        },
+        ConfigRevision {
+            revision: 3,
+            key_generation: Some("kg-3".into()),
+        },
+    );
+    // An agent of an older build: it says nothing of what it holds.
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let hello = Hello {
+        providers: vec![info],
+        ..hello_as("old", None)
+    };
+    let session = core.hello(hello, tx).unwrap();
+    // The config is on its way to it: a request may wait for the answer.
+    let soon = core.admit(Role::Reranker, &rerank_shape());
+    assert!(matches!(soon, Err(SubmitError::NotYet(_))), "{soon:?}");
+    // It answers without taking the revision: nothing is on its way any more.
+    let ack = crate::protocol::ConfigAck {
+        id: "cfg-sync-3".into(),
+        applied: true,
+        reason: None,
+        roles: Default::default(),
+        config: Default::default(),
+    };
+    core.config_ack("old", session, ack).unwrap();
+    let Err(SubmitError::Unservable(u)) = core.admit(Role::Reranker, &rerank_shape()) else {
+        panic!("refused at once, not left waiting");
+    };
+    assert_eq!(u.code, UnservableCode::ConfigStale, "{}", u.message);
+}
