@@ -26,9 +26,10 @@ use fantom_sidecar::agent::{self, Agent, AgentOptions, CloudOptions};
 use fantom_sidecar::config::agent::ServedModel;
 use fantom_sidecar::config::push::OpenRouterPush;
 use fantom_sidecar::hub::Hub;
+use fantom_sidecar::hub::projects::Caller;
 use fantom_sidecar::hub::queue::Shape;
-use fantom_sidecar::protocol::Backend;
 use fantom_sidecar::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
+use fantom_sidecar::protocol::{Backend, WorkClass};
 use fantom_sidecar::roles::Role;
 use fantom_sidecar::secret::Secret;
 use serde_json::json;
@@ -97,7 +98,12 @@ async fn round(hub: &Hub, tag: &str) -> (f64, usize) {
     };
     let started = Instant::now();
     let done = hub
-        .run(Role::Embedding, shape, texts)
+        .run(
+            Caller::default_project(WorkClass::Batch),
+            Role::Embedding,
+            shape,
+            texts,
+        )
         .await
         .expect("served");
     let secs = started.elapsed().as_secs_f64();

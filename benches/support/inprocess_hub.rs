@@ -24,6 +24,7 @@ pub fn start() -> BenchHub {
         fleet_token: fleet_token.clone(),
         admin_token: Secret::generate(),
         client_token: None,
+        require_project_key: false,
         gate: Default::default(),
     })
     .expect("a hub");

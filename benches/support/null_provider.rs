@@ -42,6 +42,7 @@ impl Provider for NullProvider {
             Ok(WorkResult {
                 output: WorkOutput::Embeddings(vec![vec![0.125; 8]; n]),
                 tokens: n as u64,
+                cost_usd: None,
             })
         })
     }

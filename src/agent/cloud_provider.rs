@@ -109,6 +109,7 @@ impl Provider for CloudProvider {
                     Ok(WorkResult {
                         output: WorkOutput::Embeddings(out.vectors),
                         tokens: out.tokens,
+                        cost_usd: out.cost_usd,
                     })
                 }
                 WorkInput::Rerank(r) => {
@@ -127,6 +128,7 @@ impl Provider for CloudProvider {
                     Ok(WorkResult {
                         output: WorkOutput::Scores(scores),
                         tokens: out.tokens,
+                        cost_usd: out.cost_usd,
                     })
                 }
                 WorkInput::Chat(body) => {
@@ -134,6 +136,7 @@ impl Provider for CloudProvider {
                     Ok(WorkResult {
                         output: WorkOutput::Chat(out.response),
                         tokens: out.tokens,
+                        cost_usd: out.cost_usd,
                     })
                 }
             }
@@ -160,6 +163,7 @@ impl Provider for CloudProvider {
             Ok(WorkResult {
                 output: WorkOutput::Chat(out.response),
                 tokens: out.tokens,
+                cost_usd: out.cost_usd,
             })
         })
     }

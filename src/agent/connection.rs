@@ -400,6 +400,7 @@ async fn session(
                         output: result.output,
                         latency_ms,
                         tokens: result.tokens,
+                        cost_usd: result.cost_usd,
                     })),
                     Some((Err(f), _)) => send(&AgentFrame::Failed(Failed {
                         lease: job.lease,

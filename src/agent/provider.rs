@@ -19,6 +19,8 @@ pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 pub struct WorkResult {
     pub output: WorkOutput,
     pub tokens: u64,
+    /// What the call cost (US dollars), where the upstream says.
+    pub cost_usd: Option<f64>,
 }
 
 /// A failed work item and what it means (see [`FailureClass`]).
@@ -156,6 +158,7 @@ impl Provider for LocalProvider {
                     Ok(WorkResult {
                         output: WorkOutput::Embeddings(out.value),
                         tokens: out.tokens as u64,
+                        cost_usd: None,
                     })
                 }
                 WorkInput::Rerank(r) => {
@@ -177,6 +180,7 @@ impl Provider for LocalProvider {
                     Ok(WorkResult {
                         output: WorkOutput::Scores(scores),
                         tokens: out.tokens as u64,
+                        cost_usd: None,
                     })
                 }
                 WorkInput::Chat(_) => Err(ProviderFailure::new(

@@ -56,6 +56,10 @@ pub struct HubArgs {
     /// When given (or the client-token credential), client endpoints require this token.
     #[arg(long)]
     client_token_file: Option<PathBuf>,
+    /// Every client request must present a project key (`fantom-sidecar projects add`); a
+    /// request without one is refused instead of belonging to `default`.
+    #[arg(long)]
+    require_project_key: bool,
     /// Seconds a lease lives without a heartbeat renewing it, for every role without its own
     /// `[roles.<role>] lease_s` [default: 60 for embeddings and reranks, 120 for chats].
     #[arg(long)]
@@ -116,6 +120,7 @@ impl HubArgs {
             admin_token_file: self.admin_token_file.clone(),
             fleet_token_file: self.fleet_token_file.clone(),
             client_token_file: self.client_token_file.clone(),
+            require_project_key: self.require_project_key.then_some(true),
             lease_s: self.lease_s,
             queue_capacity: self.queue_capacity,
             request_timeout_s: self.request_timeout_s,
@@ -326,6 +331,7 @@ fn open_hub(args: &HubConfig) -> anyhow::Result<Hub> {
         fleet_token,
         admin_token,
         client_token,
+        require_project_key: args.require_project_key,
         gate,
     })?)
 }

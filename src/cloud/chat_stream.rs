@@ -14,7 +14,7 @@ use serde_json::{Map, Value, json};
 use super::error::CloudError;
 use super::openrouter::{Chatted, OpenRouterClient};
 use super::route::CloudRoute;
-use super::wire::{chat_body, parse_tokens};
+use super::wire::{chat_body, parse_cost, parse_tokens};
 
 /// The most bytes one streamed completion may carry (its chunks together).
 const MAX_STREAM_BYTES: usize = 32 << 20;
@@ -223,8 +223,12 @@ impl OpenRouterClient {
             .post_streaming("/chat/completions", &body, &route.key())
             .await?;
         let response = read_events(response, |line| self.redact_key(line), on_chunk).await?;
-        let tokens = parse_tokens(&response);
-        Ok(Chatted { response, tokens })
+        let (tokens, cost_usd) = (parse_tokens(&response), parse_cost(&response));
+        Ok(Chatted {
+            response,
+            tokens,
+            cost_usd,
+        })
     }
 }
 

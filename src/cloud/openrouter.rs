@@ -14,8 +14,8 @@ use serde_json::Value;
 use super::error::{CloudError, MAX_MESSAGE_CHARS, truncate_chars};
 use super::route::CloudRoute;
 use super::wire::{
-    bad, chat_body, credit_totals, embed_body, error_in_success, parse_credits, parse_embeddings,
-    parse_key, parse_rerank, parse_tokens, rerank_body,
+    bad, chat_body, credit_totals, embed_body, error_in_success, parse_cost, parse_credits,
+    parse_embeddings, parse_key, parse_rerank, parse_tokens, rerank_body,
 };
 use crate::secret::Secret;
 
@@ -42,6 +42,8 @@ impl fmt::Debug for OpenRouterClient {
 pub struct Embedded {
     pub vectors: Vec<Vec<f32>>,
     pub tokens: u64,
+    /// `usage.cost` (US dollars), where the answer carries one.
+    pub cost_usd: Option<f64>,
 }
 
 /// Relevance scores in document order.
@@ -49,6 +51,8 @@ pub struct Embedded {
 pub struct Reranked {
     pub scores: Vec<f32>,
     pub tokens: u64,
+    /// `usage.cost` (US dollars), where the answer carries one.
+    pub cost_usd: Option<f64>,
 }
 
 /// The chat completion response object, unchanged.
@@ -56,6 +60,8 @@ pub struct Reranked {
 pub struct Chatted {
     pub response: Value,
     pub tokens: u64,
+    /// `usage.cost` (US dollars), where the answer carries one.
+    pub cost_usd: Option<f64>,
 }
 
 /// What the key says about its limits and funding (numbers only).
@@ -182,6 +188,7 @@ impl OpenRouterClient {
             return Ok(Embedded {
                 vectors: Vec::new(),
                 tokens: 0,
+                cost_usd: None,
             });
         }
         let body = embed_body(route, texts, dimensions, input_type);
@@ -191,6 +198,7 @@ impl OpenRouterClient {
         Ok(Embedded {
             vectors,
             tokens: parse_tokens(&value),
+            cost_usd: parse_cost(&value),
         })
     }
 
@@ -208,6 +216,7 @@ impl OpenRouterClient {
             return Ok(Reranked {
                 scores: Vec::new(),
                 tokens: 0,
+                cost_usd: None,
             });
         }
         let body = rerank_body(route, query, documents);
@@ -216,6 +225,7 @@ impl OpenRouterClient {
         Ok(Reranked {
             scores,
             tokens: parse_tokens(&value),
+            cost_usd: parse_cost(&value),
         })
     }
 
@@ -229,8 +239,12 @@ impl OpenRouterClient {
         if !response.is_object() {
             return Err(bad("the chat response is not a JSON object"));
         }
-        let tokens = parse_tokens(&response);
-        Ok(Chatted { response, tokens })
+        let (tokens, cost_usd) = (parse_tokens(&response), parse_cost(&response));
+        Ok(Chatted {
+            response,
+            tokens,
+            cost_usd,
+        })
     }
 
     /// What the key says about itself (`/key`, or `/auth/key` on 404) and, when the key may

@@ -106,6 +106,17 @@ pub fn parse_tokens(value: &Value) -> u64 {
         .unwrap_or(0)
 }
 
+/// `usage.cost`: what the call cost in credits (US dollars), as OpenRouter reports it on
+/// every answer (a stream's in its last event); `None` when absent or not a finite number
+/// of zero or more.
+pub fn parse_cost(value: &Value) -> Option<f64> {
+    value
+        .get("usage")?
+        .get("cost")?
+        .as_f64()
+        .filter(|c| c.is_finite() && *c >= 0.0)
+}
+
 /// The `data[]` of an embeddings response in input order: exactly `expected` vectors (by
 /// `index`, or position when absent), each `dims` wide (or, without `dims`, as wide as the
 /// first) and finite.
@@ -378,6 +389,12 @@ mod tests {
         assert_eq!(parse_tokens(&body), 7);
         assert_eq!(parse_tokens(&json!({"usage": {"prompt_tokens": 4}})), 4);
         assert_eq!(parse_tokens(&json!({})), 0);
+        assert_eq!(
+            parse_cost(&json!({"usage": {"cost": 0.0125}})),
+            Some(0.0125)
+        );
+        assert_eq!(parse_cost(&json!({"usage": {"cost": -1}})), None);
+        assert_eq!(parse_cost(&json!({"usage": {"total_tokens": 3}})), None);
 
         let wrong_count = json!({"data": [{"index": 0, "embedding": [1.0, 2.0, 3.0]}]});
         assert!(matches!(

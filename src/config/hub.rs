@@ -26,6 +26,8 @@ pub struct HubLayer {
     pub admin_token_file: Option<PathBuf>,
     pub fleet_token_file: Option<PathBuf>,
     pub client_token_file: Option<PathBuf>,
+    /// Every client request must present a project key (no key: 401, never `default`).
+    pub require_project_key: Option<bool>,
     pub lease_s: Option<u64>,
     pub queue_capacity: Option<usize>,
     pub request_timeout_s: Option<u64>,
@@ -78,6 +80,7 @@ pub struct HubConfig {
     pub admin_token_file: Option<PathBuf>,
     pub fleet_token_file: Option<PathBuf>,
     pub client_token_file: Option<PathBuf>,
+    pub require_project_key: bool,
     /// The global timing keys (a role's own key wins over them).
     pub timings: RoleTimingsLayer,
     pub roles: BTreeMap<Role, RoleTimingsLayer>,
@@ -117,6 +120,10 @@ impl HubLayer {
             admin_token_file: pick(&self.admin_token_file, &under.admin_token_file),
             fleet_token_file: pick(&self.fleet_token_file, &under.fleet_token_file),
             client_token_file: pick(&self.client_token_file, &under.client_token_file),
+            require_project_key: self
+                .require_project_key
+                .or(under.require_project_key)
+                .unwrap_or(false),
             timings: RoleTimingsLayer {
                 lease_s: self.lease_s.or(under.lease_s),
                 request_timeout_s: self.request_timeout_s.or(under.request_timeout_s),
@@ -206,6 +213,10 @@ impl HubConfig {
         };
         check("listen", self.listen != other.listen);
         check("state_dir", self.state_dir != other.state_dir);
+        check(
+            "require_project_key",
+            self.require_project_key != other.require_project_key,
+        );
         check(
             "token files",
             (

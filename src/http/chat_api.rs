@@ -24,6 +24,7 @@ use super::error::ApiError;
 use crate::hub::Hub;
 use crate::hub::core::ItemOutput;
 use crate::hub::queue::Shape;
+use crate::protocol::WorkClass;
 use crate::roles::Op;
 
 /// Messages one chat may carry.
@@ -34,7 +35,8 @@ pub async fn completions(
     headers: HeaderMap,
     request: Result<Json<Value>, JsonRejection>,
 ) -> Result<Response, ApiError> {
-    client_auth(&hub, &headers)?;
+    let client = client_auth(&hub, &headers)?;
+    let caller = client.caller(WorkClass::Interactive);
     let Json(body) = request.map_err(|e| {
         let shown = crate::secret::redact(&e.body_text());
         ApiError::bad_request(format!("invalid request body: {shown}"))
@@ -69,6 +71,7 @@ pub async fn completions(
     if !stream {
         let done = hub
             .run(
+                caller,
                 role,
                 Shape::Chat {
                     body: Value::Object(body),
@@ -82,6 +85,7 @@ pub async fn completions(
     body.insert("stream".into(), Value::Bool(true));
     let mut streaming = hub
         .run_streaming(
+            caller,
             role,
             Shape::Chat {
                 body: Value::Object(body),

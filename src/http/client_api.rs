@@ -19,8 +19,10 @@ use super::auth;
 use super::error::ApiError;
 use crate::hub::Hub;
 use crate::hub::core::{Completed, ItemOutput, ScorerRef, SpaceRef};
+use crate::hub::projects::Caller;
 use crate::hub::queue::Shape;
 use crate::hub::registry::ProviderRef;
+use crate::protocol::WorkClass;
 use crate::roles::{Op, Role};
 
 #[derive(Serialize)]
@@ -38,11 +40,68 @@ impl Usage {
     }
 }
 
-pub(super) fn client_auth(hub: &Hub, headers: &HeaderMap) -> Result<(), ApiError> {
-    match hub.client_token() {
-        Some(token) => auth::require(headers, token, "client"),
-        None => Ok(()),
+/// Who sent a client request: its project (from its bearer token, and its sub-project from
+/// `X-FantomMCP-Project` where its key may name one), and the class it asked for with
+/// `X-Priority`, if any.
+pub(super) struct Client {
+    caller: Caller,
+    priority: Option<WorkClass>,
+}
+
+impl Client {
+    /// The caller of a request of `class` by its nature (a query, a rerank or a chat is
+    /// interactive), unless the client asked for another class.
+    pub fn caller(&self, class: WorkClass) -> Caller {
+        let mut caller = self.caller.clone();
+        caller.class = self.priority.unwrap_or(class);
+        caller
     }
+
+    /// The caller of an embedding request (a query is interactive).
+    pub fn embedding(&self, is_query: bool) -> Caller {
+        self.caller(if is_query {
+            WorkClass::Interactive
+        } else {
+            WorkClass::Batch
+        })
+    }
+}
+
+/// The sub-project header Fantom's master sends.
+pub const PROJECT_HEADER: &str = "x-fantommcp-project";
+/// The client's class for its request: `interactive` or `batch`.
+pub const PRIORITY_HEADER: &str = "x-priority";
+
+/// Identifies the client: a project key, the client token (`default`), or no token where
+/// the hub requires neither. An unknown key is refused (401), never taken as `default`; no
+/// presented value is ever echoed. The request's span and log lines carry the project.
+pub(super) fn client_auth(hub: &Hub, headers: &HeaderMap) -> Result<Client, ApiError> {
+    let priority = match headers
+        .get(PRIORITY_HEADER)
+        .map(|v| v.to_str().map(str::trim))
+    {
+        None => None,
+        Some(Ok(v)) if v.eq_ignore_ascii_case("interactive") => Some(WorkClass::Interactive),
+        Some(Ok(v)) if v.eq_ignore_ascii_case("batch") => Some(WorkClass::Batch),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "X-Priority is 'interactive' or 'batch' (the value sent was not kept)",
+            ));
+        }
+    };
+    let sub = headers
+        .get(PROJECT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim);
+    let caller = hub
+        .identify(auth::bearer(headers), sub, WorkClass::Batch)
+        .map_err(|e| ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string()))?;
+    let span = tracing::Span::current();
+    span.record("project", &*caller.project);
+    if let Some(sub) = &caller.sub_project {
+        span.record("sub_project", &**sub);
+    }
+    Ok(Client { caller, priority })
 }
 
 /// The JSON body, or a 400 that shows what was wrong (secrets redacted).
@@ -192,6 +251,8 @@ impl Timing {
 
 /// An embedding request as every family's route reduces it.
 pub(super) struct EmbedCall {
+    /// Who sent it (a query is interactive unless the client said otherwise).
+    pub client: Client,
     pub role: Role,
     /// The request's field the texts came in (`input`, `texts`, `inputs`), for its errors.
     pub field: &'static str,
@@ -220,12 +281,13 @@ pub(super) async fn embed(hub: &Hub, call: EmbedCall) -> Result<Embedded, ApiErr
     if call.dimensions == Some(0) {
         return Err(ApiError::bad_request("dimensions must be at least 1"));
     }
+    let caller = call.client.embedding(call.is_query);
     let shape = Shape::Embed {
         dimensions: call.dimensions,
         is_query: call.is_query,
         instruction: call.instruction,
     };
-    let done = hub.run(call.role, shape, call.texts).await?;
+    let done = hub.run(caller, call.role, shape, call.texts).await?;
     let timing = Timing::of(&done, started);
     let vectors = done
         .items
@@ -274,6 +336,7 @@ pub(super) struct Reranked {
 /// Runs a rerank request through the hub: every score from one scorer, sorted best first.
 pub(super) async fn rerank(
     hub: &Hub,
+    client: &Client,
     role: Role,
     query: String,
     (field, documents): (&'static str, Vec<String>),
@@ -285,7 +348,14 @@ pub(super) async fn rerank(
     }
     check_texts(&documents, field)?;
     let shape = Shape::Rerank { query, instruction };
-    let done = hub.run(role, shape, documents).await?;
+    let done = hub
+        .run(
+            client.caller(WorkClass::Interactive),
+            role,
+            shape,
+            documents,
+        )
+        .await?;
     let timing = Timing::of(&done, started);
     let mut results = done
         .items
@@ -357,12 +427,13 @@ pub async fn rerank_v1(
     headers: HeaderMap,
     request: Result<Json<RerankRequest>, JsonRejection>,
 ) -> Result<impl IntoResponse, ApiError> {
-    client_auth(&hub, &headers)?;
+    let client = client_auth(&hub, &headers)?;
     let req = json_body(request)?;
     let role = resolve_role(&hub, req.model.as_deref().unwrap_or("reranker"), Op::Rerank)?;
     let keep = req.return_documents.then(|| req.documents.clone());
     let mut done = rerank(
         &hub,
+        &client,
         role,
         req.query,
         ("documents", req.documents),

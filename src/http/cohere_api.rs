@@ -75,7 +75,7 @@ async fn run_embed(
     headers: &HeaderMap,
     request: Result<Json<EmbedRequest>, JsonRejection>,
 ) -> Result<impl IntoResponse + use<>, ApiError> {
-    client_auth(hub, headers)?;
+    let client = client_auth(hub, headers)?;
     let req = json_body(request)?;
     let role = client_api::resolve_role(hub, &req.model, Op::Embed)?;
     if req.images.is_some() || req.inputs.is_some() {
@@ -121,6 +121,7 @@ async fn run_embed(
     let done = client_api::embed(
         hub,
         EmbedCall {
+            client,
             role,
             field: "texts",
             texts,
@@ -186,7 +187,7 @@ async fn run_rerank(
     headers: &HeaderMap,
     request: Result<Json<RerankRequest>, JsonRejection>,
 ) -> Result<impl IntoResponse + use<>, ApiError> {
-    client_auth(hub, headers)?;
+    let client = client_auth(hub, headers)?;
     let req = json_body(request)?;
     let role =
         client_api::resolve_role(hub, req.model.as_deref().unwrap_or("reranker"), Op::Rerank)?;
@@ -210,7 +211,15 @@ async fn run_rerank(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let keep = req.return_documents.then(|| documents.clone());
-    let mut done = client_api::rerank(hub, role, req.query, ("documents", documents), None).await?;
+    let mut done = client_api::rerank(
+        hub,
+        &client,
+        role,
+        req.query,
+        ("documents", documents),
+        None,
+    )
+    .await?;
     if let Some(n) = req.top_n {
         done.results.truncate(n);
     }

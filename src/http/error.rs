@@ -162,6 +162,14 @@ impl From<HubError> for ApiError {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", message)
             }
             HubError::Timeout(_) => Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout", message),
+            HubError::Submit(SubmitError::Project(refusal))
+            | HubError::Failed(RequestFailure::Project(refusal)) => {
+                let mut err = Self::new(StatusCode::TOO_MANY_REQUESTS, refusal.code(), message);
+                err.retry_after_s = Some(refusal.retry_after_s());
+                // An allowance resets at midnight UTC: retrying before then cannot help.
+                err.final_answer = refusal.code() == "project_quota";
+                err
+            }
         }
     }
 }

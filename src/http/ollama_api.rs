@@ -48,7 +48,7 @@ pub async fn embed(
 
 async fn run(hub: &Hub, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
     let started = Instant::now();
-    client_auth(hub, headers)?;
+    let client = client_auth(hub, headers)?;
     let req: EmbedRequest = serde_json::from_slice(body).map_err(|e| {
         ApiError::bad_request(format!(
             "invalid request body: {}",
@@ -81,6 +81,7 @@ async fn run(hub: &Hub, headers: &HeaderMap, body: &[u8]) -> Result<Response, Ap
     let done = client_api::embed(
         hub,
         EmbedCall {
+            client,
             role,
             field: "input",
             texts,

@@ -78,7 +78,7 @@ pub async fn embeddings(
     headers: HeaderMap,
     request: Result<Json<EmbeddingsRequest>, JsonRejection>,
 ) -> Result<impl IntoResponse, ApiError> {
-    client_auth(&hub, &headers)?;
+    let client = client_auth(&hub, &headers)?;
     let req = json_body(request)?;
     let role = client_api::resolve_role(&hub, &req.model, Op::Embed)?;
     let texts = client_api::texts_of(req.input, "input")?;
@@ -105,6 +105,7 @@ pub async fn embeddings(
     let done = client_api::embed(
         &hub,
         EmbedCall {
+            client,
             role,
             field: "input",
             texts,

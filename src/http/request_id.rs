@@ -121,7 +121,7 @@ pub async fn observe(
         .extensions()
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
-    let span = tracing::info_span!("request", request_id = %id, method = %request.method(), route = %route);
+    let span = tracing::info_span!("request", request_id = %id, method = %request.method(), route = %route, project = tracing::field::Empty, sub_project = tracing::field::Empty);
     let mut response = crate::hub::REQUEST_ID
         .scope(id.clone(), next.run(request).instrument(span.clone()))
         .await;

@@ -19,7 +19,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::client_api::{self, EmbedCall, Embedded, client_auth};
+use super::client_api::{self, Client, EmbedCall, Embedded, client_auth};
 use super::error::{ApiError, ErrorShape, Shaped};
 use crate::hub::Hub;
 use crate::roles::{Op, Role};
@@ -129,7 +129,7 @@ fn provenance_headers(done: &Embedded) -> HeaderMap {
     headers
 }
 
-async fn run_embed(hub: &Hub, req: EmbedRequest) -> Result<Response, ApiError> {
+async fn run_embed(hub: &Hub, client: Client, req: EmbedRequest) -> Result<Response, ApiError> {
     let role = role_of(hub, req.model.as_deref(), Op::Embed, Role::Embedding)?;
     if req.normalize == Some(false) {
         return Err(ApiError::bad_request(
@@ -152,6 +152,7 @@ async fn run_embed(hub: &Hub, req: EmbedRequest) -> Result<Response, ApiError> {
     let done = client_api::embed(
         hub,
         EmbedCall {
+            client,
             role,
             field: "inputs",
             texts,
@@ -166,11 +167,12 @@ async fn run_embed(hub: &Hub, req: EmbedRequest) -> Result<Response, ApiError> {
     Ok((headers, Json(vectors)).into_response())
 }
 
-async fn run_rerank(hub: &Hub, req: RerankRequest) -> Result<Response, ApiError> {
+async fn run_rerank(hub: &Hub, client: Client, req: RerankRequest) -> Result<Response, ApiError> {
     let role = role_of(hub, req.model.as_deref(), Op::Rerank, Role::Reranker)?;
     check_truncation(req.truncate, req.truncation_direction.as_deref())?;
     let keep = req.return_text.then(|| req.texts.clone());
-    let done = client_api::rerank(hub, role, req.query, ("texts", req.texts), None).await?;
+    let done =
+        client_api::rerank(hub, &client, role, req.query, ("texts", req.texts), None).await?;
     let mut headers = done.timing.headers();
     if let Some(scorer) = &done.scorer
         && let Ok(v) = HeaderValue::from_str(&scorer.id)
@@ -192,7 +194,11 @@ async fn run_rerank(hub: &Hub, req: RerankRequest) -> Result<Response, ApiError>
     Ok((headers, Json(results)).into_response())
 }
 
-async fn run_similarity(hub: &Hub, req: SimilarityRequest) -> Result<Response, ApiError> {
+async fn run_similarity(
+    hub: &Hub,
+    client: Client,
+    req: SimilarityRequest,
+) -> Result<Response, ApiError> {
     let role = role_of(hub, req.model.as_deref(), Op::Embed, Role::Embedding)?;
     if req.inputs.sentences.is_empty() {
         return Err(ApiError::bad_request("inputs.sentences is empty"));
@@ -203,6 +209,7 @@ async fn run_similarity(hub: &Hub, req: SimilarityRequest) -> Result<Response, A
     let done = client_api::embed(
         hub,
         EmbedCall {
+            client,
             role,
             field: "inputs",
             texts,
@@ -239,11 +246,11 @@ fn cosine(a: &[f32], b: &[f32]) -> f32 {
 async fn answer<T, F>(hub: Hub, headers: HeaderMap, body: Bytes, run: F) -> Result<Response, Shaped>
 where
     T: serde::de::DeserializeOwned,
-    F: AsyncFnOnce(&Hub, T) -> Result<Response, ApiError>,
+    F: AsyncFnOnce(&Hub, Client, T) -> Result<Response, ApiError>,
 {
     let result = async {
-        client_auth(&hub, &headers)?;
-        run(&hub, parse::<T>(&body)?).await
+        let client = client_auth(&hub, &headers)?;
+        run(&hub, client, parse::<T>(&body)?).await
     };
     result.await.map_err(|e| e.shaped(SHAPE))
 }

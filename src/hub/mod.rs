@@ -12,6 +12,8 @@ pub mod budget;
 pub mod core;
 pub mod gate;
 pub mod policy;
+mod project_admin;
+pub mod projects;
 pub mod queue;
 pub mod registry;
 pub mod socket;
@@ -37,8 +39,11 @@ pub struct HubOptions {
     pub state_dir: PathBuf,
     pub fleet_token: Secret,
     pub admin_token: Secret,
-    /// When set, client endpoints require it as a bearer token.
+    /// When set, client endpoints require a bearer token: this one (project `default`) or a
+    /// project's key.
     pub client_token: Option<Secret>,
+    /// Every client request must present a project key (none: `default`).
+    pub require_project_key: bool,
     pub gate: gate::GateSettings,
 }
 
@@ -59,7 +64,10 @@ struct Inner {
     fleet_token: Secret,
     admin_token: Secret,
     client_token: Option<Secret>,
+    require_project_key: bool,
     started: Instant,
+    /// When the projects' day usage was last checkpointed (ms since the epoch).
+    usage_saved_ms: std::sync::atomic::AtomicU64,
 }
 
 /// Why a client request did not complete.
@@ -183,6 +191,7 @@ impl Hub {
             opts.gate,
             state.spaces.clone(),
         );
+        core.projects = projects::Projects::new(state.projects.clone(), &state.project_usage);
         if state.budget_override.is_some() {
             core.budget
                 .set_override(state.budget_override, Instant::now());
@@ -205,7 +214,9 @@ impl Hub {
                 fleet_token: opts.fleet_token,
                 admin_token: opts.admin_token,
                 client_token: opts.client_token,
+                require_project_key: opts.require_project_key,
                 started: Instant::now(),
+                usage_saved_ms: std::sync::atomic::AtomicU64::new(now_ms()),
             }),
         })
     }
@@ -239,11 +250,15 @@ impl Hub {
     /// ([`HubSettings::admission_wait`]) for the fleet to settle, then answers why not.
     pub async fn run(
         &self,
+        caller: projects::Caller,
         role: Role,
         shape: Shape,
         texts: Vec<String>,
     ) -> Result<Completed, HubError> {
-        self.accept(role, shape, texts, None).await?.outcome().await
+        self.accept(caller, role, shape, texts, None)
+            .await?
+            .outcome()
+            .await
     }
 
     /// As [`Hub::run`] for a chat that asked to stream: its chunks arrive on
@@ -251,12 +266,13 @@ impl Hub {
     /// it ended. Dropping it cancels the request (the upstream call is aborted).
     pub async fn run_streaming(
         &self,
+        caller: projects::Caller,
         role: Role,
         shape: Shape,
         texts: Vec<String>,
     ) -> Result<Streaming, HubError> {
         let (tx, chunks) = tokio::sync::mpsc::unbounded_channel();
-        let running = self.accept(role, shape, texts, Some(tx)).await?;
+        let running = self.accept(caller, role, shape, texts, Some(tx)).await?;
         Ok(Streaming {
             chunks,
             outcome: Box::pin(running.outcome()),
@@ -266,6 +282,7 @@ impl Hub {
     /// Admits and queues a request (waiting a little while the fleet settles).
     async fn accept(
         &self,
+        caller: projects::Caller,
         role: Role,
         shape: Shape,
         texts: Vec<String>,
@@ -283,8 +300,14 @@ impl Hub {
                 match core.admit(role, &shape) {
                     Ok(binding) => {
                         let timeout = core.settings.timings(role).request_timeout;
-                        let (id, reply) =
-                            core.enqueue(role, binding, shape, texts, current_request_id())?;
+                        let (id, reply) = core.enqueue(
+                            caller,
+                            role,
+                            binding,
+                            shape,
+                            texts,
+                            current_request_id(),
+                        )?;
                         if let Some(tx) = stream.take() {
                             core.stream_to(id, tx);
                         }
@@ -464,6 +487,7 @@ impl Hub {
                 if let Some(spaces) = spaces {
                     hub.save_spaces(spaces).await;
                 }
+                hub.checkpoint_usage_if_due().await;
                 // A provider whose bench or pause ended gets work without waiting for a pull.
                 hub.core().dispatch_all();
             }
@@ -484,6 +508,7 @@ mod tests {
             fleet_token: Secret::new("fleet-token-for-tests"),
             admin_token: Secret::new("admin-token-for-tests"),
             client_token: None,
+            require_project_key: false,
             gate: gate::GateSettings::default(),
         })
         .unwrap();

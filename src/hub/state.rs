@@ -1,5 +1,6 @@
 //! What the hub persists: only the safe config (models, pins, dims, policies, and that a key
-//! push happened, with its time, the config's revision and the key's generation id). Written atomically (temp file, fsync, rename, fsync of the
+//! push happened, with its time, the config's revision and the key's generation id), the
+//! vector spaces, and the projects (settings, key digests, the day's cloud use). Written atomically (temp file, fsync, rename, fsync of the
 //! directory) so a crash leaves the old state or the new, never a torn file.
 
 use std::io::Write;
@@ -45,6 +46,12 @@ pub struct HubState {
     /// Vector spaces with their fingerprints (the gate's reference probe vectors).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub spaces: std::collections::BTreeMap<String, crate::hub::gate::Space>,
+    /// Projects: settings and key digests (never a key).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub projects: std::collections::BTreeMap<String, crate::hub::projects::ProjectRecord>,
+    /// Each project's cloud use today (UTC), checkpointed: allowances survive a restart.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub project_usage: std::collections::BTreeMap<String, crate::hub::projects::usage::DayUsage>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -262,6 +262,7 @@ mod tests {
             output: WorkOutput::Embeddings(vec![vec![0.25, -0.5]]),
             latency_ms: 3.5,
             tokens: 9,
+            cost_usd: None,
         }));
         round_trip_agent(AgentFrame::Done(Done {
             lease: 8,
@@ -271,6 +272,7 @@ mod tests {
             }]),
             latency_ms: 3.5,
             tokens: 9,
+            cost_usd: Some(0.000_25),
         }));
         round_trip_agent(AgentFrame::Failed(Failed {
             lease: 7,
@@ -332,6 +334,7 @@ mod tests {
             }),
             deadline_ms: 1,
             call_timeout_ms: Some(60_000),
+            class: WorkClass::Interactive,
         }));
         round_trip_hub(HubFrame::Work(Work {
             lease: 2,
@@ -344,6 +347,7 @@ mod tests {
             }),
             deadline_ms: 1,
             call_timeout_ms: Some(60_000),
+            class: WorkClass::Batch,
         }));
         round_trip_hub(HubFrame::Probe(Probe {
             probe: "p".into(),
@@ -361,8 +365,13 @@ mod tests {
             input: WorkInput::Embed(EmbedInput::default()),
             deadline_ms: 0,
             call_timeout_ms: None,
+            class: WorkClass::Batch,
         }));
         assert!(work.contains("\"op\":\"embed\",\"input\":{"), "{work}");
+        assert!(
+            !work.contains("class"),
+            "batch is the default and is not sent: {work}"
+        );
     }
 
     #[test]

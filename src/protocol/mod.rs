@@ -254,6 +254,10 @@ pub struct Done {
     /// Tokens the model read (usage reports).
     #[serde(default)]
     pub tokens: u64,
+    /// What the call cost, in US dollars, where the upstream reports it (OpenRouter's
+    /// `usage.cost`); absent for local work and for answers without a cost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_usd: Option<f64>,
 }
 
 /// One chunk of a streamed chat completion (an OpenAI `chat.completion.chunk` object, as the
@@ -399,6 +403,38 @@ pub struct Work {
     /// fails as fatal, so a stuck upstream is never billed again by a retry.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub call_timeout_ms: Option<u64>,
+    /// The class of the frame's items: an agent's engine serves `interactive` work before
+    /// batch work it already holds. Absent means batch (what an older hub sends; an older
+    /// agent ignores the field and serves in arrival order, and the hub's bound on the batch
+    /// work it grants ahead still holds for it).
+    #[serde(default, skip_serializing_if = "WorkClass::is_batch")]
+    pub class: WorkClass,
+}
+
+/// Which class of work a frame carries. Interactive work (queries, reranks, chats, or
+/// anything a client marks `X-Priority: interactive`) goes before batch work: first in the
+/// hub's queues (with a guard so batch still gets a share) and in an agent's engine.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkClass {
+    Interactive,
+    #[default]
+    Batch,
+}
+
+impl WorkClass {
+    pub fn is_batch(&self) -> bool {
+        *self == WorkClass::Batch
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkClass::Interactive => "interactive",
+            WorkClass::Batch => "batch",
+        }
+    }
 }
 
 /// What to compute: `op` names the operation, `input` holds its arguments.

@@ -100,6 +100,7 @@ impl Provider for ServerProvider {
                     Ok(WorkResult {
                         output: WorkOutput::Embeddings(vectors),
                         tokens,
+                        cost_usd: None,
                     })
                 }
                 WorkInput::Chat(body) => {
@@ -108,6 +109,7 @@ impl Provider for ServerProvider {
                     Ok(WorkResult {
                         output: WorkOutput::Chat(response),
                         tokens,
+                        cost_usd: None,
                     })
                 }
                 WorkInput::Rerank(_) => Err(ProviderFailure::new(
@@ -139,6 +141,7 @@ impl Provider for ServerProvider {
             Ok(WorkResult {
                 output: WorkOutput::Chat(response),
                 tokens,
+                cost_usd: None,
             })
         })
     }

@@ -22,7 +22,7 @@ use crate::hub::gate;
 use crate::hub::policy::{self, Admission};
 use crate::hub::queue::{BatchLimits, Item, Shape};
 use crate::hub::registry::ProviderEntry;
-use crate::protocol::{self, Backend, HubFrame, Work};
+use crate::protocol::{self, Backend, HubFrame, Work, WorkClass};
 use crate::roles::{Policy, Role};
 
 /// What one provider was offered.
@@ -57,12 +57,7 @@ impl Core {
         }
         loop {
             let now = Instant::now();
-            let requests = &self.requests;
-            let Some(queue) = self.queues.get_mut(&role) else {
-                return;
-            };
-            queue.drop_dead_head(|r| requests.contains_key(&r));
-            if queue.is_empty() {
+            if self.queues.get(&role).is_none_or(|q| q.is_empty()) {
                 return;
             }
             let Some((agent, pid)) = self.best_pick(role, policy, now, &passed) else {
@@ -140,6 +135,20 @@ impl Core {
             }
             return Offer::Nothing;
         }
+        // Cloud permits: who may take one (per project, decided once per offer).
+        let is_cloud = self
+            .agents
+            .get(agent_id)
+            .and_then(|a| a.providers.get(pid))
+            .is_some_and(|p| p.info.backend == Backend::Cloud);
+        let mut cloud_ok: HashMap<Arc<str>, bool> = HashMap::new();
+        if is_cloud {
+            let share = self.cloud_share();
+            for project in share.waiting.keys() {
+                let ok = self.cloud_allows(project, &share);
+                cloud_ok.insert(project.clone(), ok);
+            }
+        }
         let Core {
             agents,
             queues,
@@ -169,10 +178,21 @@ impl Core {
                 .max(1),
             max_tokens: entry.info.max_batch_tokens.max(1),
         };
+        // A local provider keeps its last credit for interactive work while it has work in
+        // flight: batch work queued ahead on the agent is bounded to what it runs now, so a
+        // query waits at most for the engine batch under way (see docs/operations.md).
+        let keep_for_interactive =
+            entry.info.backend == Backend::Local && entry.credits <= 1 && entry.in_flight > 0;
         let mut local_serves: HashMap<String, bool> = HashMap::new();
         let mut batch_space: Option<String> = None;
         let mut last_space: Option<(*const super::SpaceRef, bool)> = None;
         let fits = |item: &Item| {
+            if keep_for_interactive && item.caller.class == WorkClass::Batch {
+                return false;
+            }
+            if is_cloud && !cloud_ok.get(&item.caller.project).copied().unwrap_or(true) {
+                return false;
+            }
             let Some(req) = requests.get(&item.request) else {
                 return false;
             };
@@ -249,7 +269,8 @@ impl Core {
             .as_ref()
             .and_then(|_| agent.held.key_generation.clone());
         let gate = self.lease_space(entry, &items);
-        let Some(shape) = items.first().map(|i| i.shape.clone()) else {
+        let Some((shape, caller)) = items.first().map(|i| (i.shape.clone(), i.caller.clone()))
+        else {
             return;
         };
         // A gated embedding frame of documents carries a canary (a query template changes the
@@ -299,6 +320,7 @@ impl Core {
             input: shape.work_input(texts),
             deadline_ms: crate::hub::now_ms().saturating_add(ms(timings.lease)),
             call_timeout_ms: Some(ms(timings.call_timeout)),
+            class: caller.class,
         });
         let (session, sent) = match self.agents.get(agent_id) {
             Some(a) => (a.session, a.send(protocol::encode(&frame))),
@@ -325,6 +347,14 @@ impl Core {
         }
         self.turn = self.turn.wrapping_add(1);
         self.counters.leases_granted += 1;
+        if permit.is_some() {
+            let usage = self
+                .projects
+                .usage
+                .entry(caller.project.clone())
+                .or_default();
+            usage.cloud_in_flight = usage.cloud_in_flight.saturating_add(1);
+        }
         if canary.is_some() {
             *self
                 .counters
@@ -350,6 +380,9 @@ impl Core {
                     histogram::SECONDS,
                     waited.as_secs_f64(),
                 );
+                if let Some(usage) = self.projects.usage.get_mut(&req.caller.project) {
+                    usage.queue_seconds.observe(waited.as_secs_f64());
+                }
             }
         }
         if let Some(scorer) = &scorer {
@@ -364,6 +397,7 @@ impl Core {
         self.leases.insert(
             lease_id,
             Lease {
+                project: caller.project.clone(),
                 agent: agent_id.to_string(),
                 session,
                 provider: pid.to_string(),

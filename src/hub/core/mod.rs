@@ -9,6 +9,7 @@
 //! * [`binding`]: what each request is bound to (one space, one scorer) and whether anything
 //!   can still serve it;
 //! * [`dispatch`]: forming work frames for providers with credits;
+//! * `project_rules`: the projects' limits, shares and allowances at admission and dispatch;
 //! * [`results`]: `done`, `chunk`, `failed`, expiry, requeueing and completion.
 //!
 //! Invariants: an accepted item is always in exactly one place (its queue, or one live
@@ -22,6 +23,7 @@ mod agents;
 pub mod binding;
 mod config_sync;
 mod dispatch;
+mod project_rules;
 mod results;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -35,6 +37,7 @@ pub use self::binding::{Binding, Unservable, UnservableCode};
 pub use self::config_sync::ConfigRevision;
 use super::budget::{Budget, BudgetSettings};
 use super::gate::{Candidate, Gate, GateSettings, Space};
+use super::projects::{AdmitRefusal, Caller, Projects};
 use super::queue::{Item, RequestId, RoleQueue, Shape};
 pub use super::registry::ScorerRef;
 use super::registry::{AgentEntry, ProviderEntry, ProviderRef, SocketCount};
@@ -166,6 +169,9 @@ pub enum RequestFailure {
     Unservable(Unservable),
     #[error("the hub is shutting down")]
     Stopped,
+    /// Its project passed a daily allowance and only the cloud could serve it.
+    #[error(transparent)]
+    Project(AdmitRefusal),
     /// A streamed chat lost its lease after chunks went out: the client has part of an
     /// answer, so it is not served again (a retry would bill and send a second answer).
     #[error("the stream was cut after {chunks} chunks: {why}; send the request again")]
@@ -220,6 +226,9 @@ pub enum SubmitError {
         bytes: usize,
         limit: usize,
     },
+    /// A rule of the request's project (its limit, its share of the room, its allowance).
+    #[error(transparent)]
+    Project(AdmitRefusal),
     #[error(
         "the request holds {bytes} bytes of input, more than the hub holds for all requests ({limit}, max_held_mb); split the request"
     )]
@@ -272,6 +281,8 @@ enum Slot {
 
 struct Pending {
     role: Role,
+    /// Whose request it is (its project's accounting and flow).
+    caller: Arc<Caller>,
     /// Input bytes this request holds (counted in [`Core::held_bytes`] until it ends).
     bytes: usize,
     binding: Binding,
@@ -316,6 +327,8 @@ impl Pending {
 }
 
 struct Lease {
+    /// The project whose items it carries (a work frame holds one project's items).
+    project: Arc<str>,
     agent: String,
     session: u64,
     provider: String,
@@ -401,6 +414,8 @@ pub struct Core {
     pub budget: Budget,
     /// The compatibility gate: verdicts of embedding providers.
     pub gate: Gate,
+    /// The projects, their settings and their live accounting.
+    pub projects: Projects,
     queues: BTreeMap<Role, RoleQueue>,
     requests: HashMap<RequestId, Pending>,
     /// Input bytes of every accepted request not yet answered.
@@ -444,6 +459,7 @@ impl Core {
             counters: Counters::default(),
             budget: Budget::new(BudgetSettings::default(), rand::random(), Instant::now()),
             gate: Gate::new(gate, spaces),
+            projects: Projects::default(),
             queues,
             requests: HashMap::new(),
             held_bytes: 0,
@@ -463,16 +479,29 @@ impl Core {
 
     // ---- clients ------------------------------------------------------------------------
 
-    /// Accepts a request of `texts` (one item each) for `role`, bound to what may serve it
-    /// (an embedding request: the role's current space), or says why not.
+    /// Accepts a request of `default` (batch class) of `texts` (one item each) for `role`,
+    /// bound to what may serve it (an embedding request: the role's current space), or says
+    /// why not.
     pub fn submit(
         &mut self,
         role: Role,
         shape: Shape,
         texts: Vec<String>,
     ) -> Result<Accepted, SubmitError> {
+        let caller = Caller::default_project(crate::protocol::WorkClass::Batch);
+        self.submit_as(caller, role, shape, texts)
+    }
+
+    /// As [`Core::submit`], for `caller`.
+    pub fn submit_as(
+        &mut self,
+        caller: Caller,
+        role: Role,
+        shape: Shape,
+        texts: Vec<String>,
+    ) -> Result<Accepted, SubmitError> {
         let binding = self.admit(role, &shape)?;
-        self.enqueue(role, binding, shape, texts, None)
+        self.enqueue(caller, role, binding, shape, texts, None)
     }
 
     /// What a request of `role` would be bound to, if something can serve it now.
@@ -508,6 +537,7 @@ impl Core {
     /// Queues an admitted request (see [`Core::admit`]).
     pub fn enqueue(
         &mut self,
+        caller: Caller,
         role: Role,
         binding: Binding,
         shape: Shape,
@@ -516,6 +546,18 @@ impl Core {
     ) -> Result<Accepted, SubmitError> {
         let n = texts.len();
         let bytes = self.check_limits(&shape, &texts)?;
+        let caller = Arc::new(caller);
+        if let Err(refusal) = self.check_project(&caller, role, &binding, n, bytes) {
+            *self
+                .projects
+                .usage
+                .entry(caller.project.clone())
+                .or_default()
+                .refused
+                .entry(refusal.code())
+                .or_default() += 1;
+            return Err(SubmitError::Project(refusal));
+        }
         let queue = &self.queues[&role];
         if n > queue.capacity() {
             return Err(SubmitError::TooLarge {
@@ -543,6 +585,15 @@ impl Core {
             });
         }
         self.held_bytes += bytes;
+        let usage = self
+            .projects
+            .usage
+            .entry(caller.project.clone())
+            .or_default();
+        usage.held_items = usage.held_items.saturating_add(n as u64);
+        usage.held_bytes = usage.held_bytes.saturating_add(bytes);
+        usage.requests += 1;
+        usage.texts = usage.texts.saturating_add(n as u64);
         let id = self.next_request;
         self.next_request += 1;
         let (reply, rx) = oneshot::channel();
@@ -550,6 +601,7 @@ impl Core {
             id,
             Pending {
                 role,
+                caller: caller.clone(),
                 bytes,
                 binding,
                 slots: std::iter::repeat_with(|| Slot::Waiting).take(n).collect(),
@@ -569,6 +621,7 @@ impl Core {
             index: u32::try_from(index).unwrap_or(u32::MAX),
             text,
             shape: shape.clone(),
+            caller: caller.clone(),
             attempts: 0,
             solo: false,
             failed_locally: false,
@@ -645,6 +698,10 @@ impl Core {
     fn take_request(&mut self, id: RequestId) -> Option<Pending> {
         let pending = self.requests.remove(&id)?;
         self.held_bytes = self.held_bytes.saturating_sub(pending.bytes);
+        if let Some(usage) = self.projects.usage.get_mut(&pending.caller.project) {
+            usage.held_items = usage.held_items.saturating_sub(pending.slots.len() as u64);
+            usage.held_bytes = usage.held_bytes.saturating_sub(pending.bytes);
+        }
         Some(pending)
     }
 

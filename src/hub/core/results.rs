@@ -146,7 +146,17 @@ impl Core {
             }
             None => done.tokens,
         };
+        // The project pays for its own items; a canary's share is the gate's line.
+        let (project, cloud) = (lease.project.clone(), lease.permit.is_some());
         self.deliver(lease, outputs, tokens);
+        if cloud {
+            let cost = done
+                .cost_usd
+                .map(|c| c * tokens as f64 / done.tokens.max(1) as f64);
+            self.record_cloud_use(&project, tokens, cost);
+        } else if let Some(usage) = self.projects.usage.get_mut(&project) {
+            usage.local_tokens = usage.local_tokens.saturating_add(tokens);
+        }
         Ok(())
     }
 
@@ -154,6 +164,9 @@ impl Core {
     pub(super) fn release_permit(&mut self, lease: &Lease, outcome: budget::Outcome) {
         if let Some(route) = &lease.permit {
             self.budget.release(route, outcome, Instant::now());
+            if let Some(usage) = self.projects.usage.get_mut(&lease.project) {
+                usage.cloud_in_flight = usage.cloud_in_flight.saturating_sub(1);
+            }
             // A freed permit goes to the other roles first: one role's backlog (and its
             // agents' instant re-pulls) must not starve another role of the shared budget.
             for role in Role::ALL {

@@ -113,6 +113,7 @@ fn a_rerank_request_is_scored_by_the_scorer_of_its_first_lease_only() {
             output: scores(&first, 0.7),
             latency_ms: f64::NAN,
             tokens: u64::MAX,
+            cost_usd: None,
         },
     )
     .unwrap();
@@ -126,6 +127,7 @@ fn a_rerank_request_is_scored_by_the_scorer_of_its_first_lease_only() {
             output: scores(&second, 0.6),
             latency_ms: 1.0,
             tokens: u64::MAX,
+            cost_usd: None,
         },
     )
     .unwrap();
@@ -443,6 +445,7 @@ fn requests_past_the_inputs_characters_frame_or_held_bytes_are_refused_at_admiss
             output: WorkOutput::Chat(serde_json::json!({"choices": []})),
             latency_ms: 1.0,
             tokens: 1,
+            cost_usd: None,
         },
     )
     .unwrap();
@@ -502,6 +505,7 @@ fn a_canary_rides_in_each_embedding_frame_and_never_in_the_answer_or_its_usage()
             output: WorkOutput::Embeddings(out),
             latency_ms: 1.0,
             tokens: 400,
+            cost_usd: None,
         },
     )
     .unwrap();
@@ -537,6 +541,7 @@ fn a_drifted_canary_suspends_its_provider_at_once_and_its_lease_serves_nothing()
             output: WorkOutput::Embeddings(out),
             latency_ms: 1.0,
             tokens: 30,
+            cost_usd: None,
         },
     )
     .unwrap();
@@ -578,6 +583,7 @@ fn a_lease_that_carried_a_canary_and_came_back_one_short_is_refused() {
                 output: WorkOutput::Embeddings(vec![vec![1.0, 0.0]; 2]),
                 latency_ms: 1.0,
                 tokens: 10,
+                cost_usd: None,
             },
         )
         .unwrap_err();
@@ -703,6 +709,7 @@ fn a_stale_agent_serves_nothing_is_sent_the_config_and_its_old_key_stops_nothing
             output: scores(&work, 0.7),
             latency_ms: 1.0,
             tokens: 1,
+            cost_usd: None,
         },
     )
     .unwrap();
@@ -773,6 +780,7 @@ fn a_request_of_a_retired_generation_never_completes_with_the_new_one() {
             output: WorkOutput::Embeddings(vec![vec![1.0, 0.0]; 3]),
             latency_ms: 1.0,
             tokens: 3,
+            cost_usd: None,
         },
     )
     .unwrap();
@@ -800,6 +808,7 @@ fn a_request_of_a_retired_generation_never_completes_with_the_new_one() {
             output: WorkOutput::Embeddings(vec![vec![0.0, 1.0]; n]),
             latency_ms: 1.0,
             tokens: 3,
+            cost_usd: None,
         },
     )
     .unwrap();

@@ -1,0 +1,214 @@
+//! The projects' rules where the core applies them: at admission (a project's
+//! `max_queued_items`, its share of the role queue's room and of the bytes the hub holds, its
+//! daily cloud allowance for work only the cloud can serve), at dispatch (who may take a
+//! cloud permit: `max_cloud_in_flight`, the allowance, the weighted share of the budget's
+//! permits while others wait) and when a cloud call ends (its tokens and cost, per project).
+//! The rules themselves live in [`crate::hub::projects`]; this file feeds them the core's
+//! numbers.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{Binding, Core, RequestFailure};
+use crate::hub::policy;
+use crate::hub::projects::{AdmitRefusal, Caller, CloudShare, usage::room_for};
+use crate::hub::queue::RequestId;
+use crate::protocol::Backend;
+use crate::roles::{Policy, Role};
+
+impl Core {
+    /// Whether `caller`'s project may queue `n` more items of `bytes` for `role` now.
+    pub(super) fn check_project(
+        &mut self,
+        caller: &Caller,
+        role: Role,
+        binding: &Binding,
+        n: usize,
+        bytes: usize,
+    ) -> Result<(), AdmitRefusal> {
+        let project = &caller.project;
+        let limits = self
+            .projects
+            .get(project)
+            .map(|r| r.settings.limits.clone())
+            .unwrap_or_default();
+        let retry_after_s = self.retry_after_s(role);
+        let usage = self.projects.usage.entry(project.clone()).or_default();
+        if let Some(limit) = limits.max_queued_items
+            && usage.held_items.saturating_add(n as u64) > limit
+        {
+            return Err(AdmitRefusal::QueuedItems {
+                project: project.to_string(),
+                held: usage.held_items,
+                items: n,
+                limit,
+                retry_after_s,
+            });
+        }
+        let mine_bytes = usage.held_bytes;
+        // The role queue's room, shared out (past the room: the queue's own 429).
+        let queue = &self.queues[&role];
+        let waiting = queue.waiting_by_project();
+        let (total, capacity) = (queue.len(), queue.capacity());
+        if total.saturating_add(n) <= capacity {
+            let mine = waiting.get(project).copied().unwrap_or(0);
+            let holders = self.weight_of(waiting.keys(), project);
+            if !room_for(capacity, total, mine, n, caller.weight, holders) {
+                return Err(AdmitRefusal::Share {
+                    project: project.to_string(),
+                    what: "role queue's items",
+                    held: mine,
+                    limit: capacity,
+                    retry_after_s,
+                });
+            }
+        }
+        // The bytes every accepted request holds, shared out the same way.
+        let limit = self.settings.limits.max_held_bytes;
+        if self.held_bytes.saturating_add(bytes) <= limit {
+            let holding: Vec<&Arc<str>> = self
+                .projects
+                .usage
+                .iter()
+                .filter(|(_, u)| u.held_bytes > 0)
+                .map(|(p, _)| p)
+                .collect();
+            let holders = self.weight_of(holding.into_iter(), project);
+            if !room_for(
+                limit,
+                self.held_bytes,
+                mine_bytes,
+                bytes,
+                caller.weight,
+                holders,
+            ) {
+                return Err(AdmitRefusal::Share {
+                    project: project.to_string(),
+                    what: "bytes of accepted input (max_held_mb)",
+                    held: mine_bytes,
+                    limit,
+                    retry_after_s,
+                });
+            }
+        }
+        let now_ms = crate::hub::now_ms();
+        let usage = self.projects.usage.entry(project.clone()).or_default();
+        if let Some(hit) = usage.quota_hit(&limits, now_ms)
+            && self.cloud_only(role, binding, Instant::now())
+        {
+            return Err(AdmitRefusal::Quota {
+                project: project.to_string(),
+                limit: hit.limit,
+                used: hit.used,
+                allowed: hit.allowed,
+                retry_after_s: hit.reset_s,
+            });
+        }
+        Ok(())
+    }
+
+    /// The weights of `projects` and of `me` (once), added.
+    fn weight_of<'a>(&self, projects: impl Iterator<Item = &'a Arc<str>>, me: &str) -> u32 {
+        let mut seen_me = false;
+        let mut sum = 0u32;
+        for p in projects {
+            seen_me |= &**p == me;
+            sum = sum.saturating_add(self.projects.weight(p));
+        }
+        if !seen_me {
+            sum = sum.saturating_add(self.projects.weight(me));
+        }
+        sum
+    }
+
+    /// Whether only the cloud could serve items of `binding` for `role` (the policy allows
+    /// nothing else, or no local provider of the binding is connected).
+    pub(super) fn cloud_only(&self, role: Role, binding: &Binding, _now: Instant) -> bool {
+        let policy = self.cloud.policy(role);
+        if policy == Policy::Local {
+            return false;
+        }
+        !self.providers().any(|p| {
+            p.role() == role
+                && p.info.backend == Backend::Local
+                && policy::allows(policy, Backend::Local)
+                && p.refused.is_none()
+                && binding.admits(p, &self.gate)
+        })
+    }
+
+    /// Who may take a cloud permit now: the projects with work waiting in a role the cloud
+    /// may serve, and the budget's permits.
+    pub(super) fn cloud_share(&self) -> CloudShare {
+        let mut waiting: BTreeMap<Arc<str>, u32> = BTreeMap::new();
+        for (role, queue) in &self.queues {
+            if !policy::allows(self.cloud.policy(*role), Backend::Cloud) {
+                continue;
+            }
+            for project in queue.waiting_by_project().into_keys() {
+                let weight = self.projects.weight(&project);
+                waiting.insert(project, weight);
+            }
+        }
+        CloudShare {
+            waiting,
+            permits: self.budget.limit(),
+        }
+    }
+
+    /// Whether `project` may take one more cloud permit: under its `max_cloud_in_flight`,
+    /// within its daily allowance, and within its weighted share while others wait.
+    pub(super) fn cloud_allows(&mut self, project: &Arc<str>, share: &CloudShare) -> bool {
+        let (limits, weight) = match self.projects.get(project) {
+            Some(r) => (r.settings.limits.clone(), r.settings.weight),
+            None => (Default::default(), 1),
+        };
+        let usage = self.projects.usage.entry(project.clone()).or_default();
+        if limits
+            .max_cloud_in_flight
+            .is_some_and(|max| usage.cloud_in_flight >= max)
+        {
+            return false;
+        }
+        if usage.quota_hit(&limits, crate::hub::now_ms()).is_some() {
+            return false;
+        }
+        share.allows(project, weight, usage.cloud_in_flight)
+    }
+
+    /// A cloud call of `project` ended having read `tokens` at `cost_usd`: its accounting,
+    /// and, once it is past a daily allowance, its waiting work that only the cloud could
+    /// serve fails with the allowance's reset.
+    pub(super) fn record_cloud_use(&mut self, project: &Arc<str>, tokens: u64, cost: Option<f64>) {
+        let now_ms = crate::hub::now_ms();
+        let limits = self
+            .projects
+            .get(project)
+            .map(|r| r.settings.limits.clone())
+            .unwrap_or_default();
+        let usage = self.projects.usage.entry(project.clone()).or_default();
+        usage.record_cloud(tokens, cost, now_ms);
+        let Some(hit) = usage.quota_hit(&limits, now_ms) else {
+            return;
+        };
+        let now = Instant::now();
+        let stranded: Vec<RequestId> = self
+            .requests
+            .iter()
+            .filter(|(_, p)| p.caller.project == *project && p.streamed.is_none())
+            .filter(|(_, p)| self.cloud_only(p.role, &p.binding, now))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stranded {
+            let refusal = AdmitRefusal::Quota {
+                project: project.to_string(),
+                limit: hit.limit,
+                used: hit.used.clone(),
+                allowed: hit.allowed.clone(),
+                retry_after_s: hit.reset_s,
+            };
+            self.fail_request(id, RequestFailure::Project(refusal));
+        }
+    }
+}

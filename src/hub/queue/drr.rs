@@ -1,0 +1,161 @@
+//! Deficit round robin (Shreedhar & Varghese, 1995) over flows that hold work, counting
+//! tokens: each backlogged flow earns `quantum × weight` tokens per round and spends them on
+//! the batches it is given, so over time every backlogged flow gets its weighted share of the
+//! tokens dispatched, whatever its batches' sizes.
+//!
+//! Batches are sized by the puller, not by the deficit (cutting a frame to a flow's deficit
+//! would cost the engine its batch), so a deficit may go negative: the flow then sits out the
+//! rounds it borrowed. A flow whose waiting work the offered provider cannot take (bound to
+//! another space or scorer, cloud work under `backup`, past its project's cloud share) is
+//! skipped and keeps its deficit; a flow that empties leaves the ring and forgets it (idle
+//! flows bank nothing). Work-conserving: a flow alone gets everything.
+//!
+//! The scheduler is generic over what a flow holds, so the same code shares a class among
+//! projects and a project among its sub-projects.
+
+use std::collections::{BTreeMap, VecDeque};
+
+/// What a flow holds: items waiting, and a way to hand out a batch of them.
+pub(super) trait Backlog: Default {
+    /// Items waiting in this flow.
+    fn len(&self) -> usize;
+    /// A batch for the offer, and its tokens, or `None` when nothing here fits it.
+    fn take(&mut self, offer: &mut super::Offer<'_>) -> Option<(Vec<super::Item>, usize)>;
+    /// Drops items `gone` says are dead; how many left.
+    fn sweep(&mut self, gone: &mut dyn FnMut(&super::Item) -> bool) -> usize;
+}
+
+struct Flow<F> {
+    weight: u32,
+    deficit: i64,
+    inner: F,
+}
+
+/// Flows keyed by `K`, served in weighted deficit round robin.
+pub(super) struct Drr<K, F> {
+    flows: BTreeMap<K, Flow<F>>,
+    /// Backlogged flows in round order; the front one has the turn.
+    ring: VecDeque<K>,
+    /// Tokens a flow of weight 1 earns per round.
+    quantum: i64,
+}
+
+impl<K: Ord + Clone, F: Backlog> Drr<K, F> {
+    pub fn new(quantum_tokens: u32) -> Self {
+        Self {
+            flows: BTreeMap::new(),
+            ring: VecDeque::new(),
+            quantum: i64::from(quantum_tokens.max(1)),
+        }
+    }
+
+    /// Items waiting in every flow.
+    pub fn len(&self) -> usize {
+        self.flows.values().map(|f| f.inner.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ring.is_empty()
+    }
+
+    /// The flows holding work, with their waiting items.
+    pub fn backlog(&self) -> impl Iterator<Item = (&K, &F)> {
+        self.flows.iter().map(|(k, f)| (k, &f.inner))
+    }
+
+    /// Adds work to flow `key` (created at the back of the ring, with no deficit, when it
+    /// held none); `weight` is its weight from now on.
+    pub fn push(&mut self, key: &K, weight: u32, add: impl FnOnce(&mut F)) {
+        let flow = self.flows.entry(key.clone()).or_insert_with(|| Flow {
+            weight,
+            deficit: 0,
+            inner: F::default(),
+        });
+        flow.weight = weight.max(1);
+        let was_empty = flow.inner.len() == 0;
+        add(&mut flow.inner);
+        if was_empty && flow.inner.len() > 0 && !self.ring.contains(key) {
+            self.ring.push_back(key.clone());
+        }
+    }
+
+    /// The next batch for `offer`: the flow with the turn is served while its deficit lasts;
+    /// a flow whose deficit is spent earns its quantum and passes the turn; a flow with
+    /// nothing that fits is passed over with its deficit kept.
+    pub fn take(&mut self, offer: &mut super::Offer<'_>) -> Option<(Vec<super::Item>, usize)> {
+        let mut passed_over = 0;
+        while passed_over < self.ring.len() {
+            let key = self.ring.front()?.clone();
+            let Some(flow) = self.flows.get_mut(&key) else {
+                self.ring.pop_front();
+                continue;
+            };
+            if flow.deficit <= 0 {
+                // A new round for this flow (it may take several to repay a large batch).
+                flow.deficit = flow
+                    .deficit
+                    .saturating_add(self.quantum.saturating_mul(i64::from(flow.weight)));
+                self.ring.rotate_left(1);
+                continue;
+            }
+            match flow.inner.take(offer) {
+                Some((items, tokens)) => {
+                    flow.deficit = flow
+                        .deficit
+                        .saturating_sub(i64::try_from(tokens).unwrap_or(i64::MAX));
+                    if flow.inner.len() == 0 {
+                        self.forget(&key);
+                    }
+                    return Some((items, tokens));
+                }
+                None => {
+                    passed_over += 1;
+                    self.ring.rotate_left(1);
+                }
+            }
+        }
+        None
+    }
+
+    /// Drops dead items from every flow; flows left empty leave the ring. How many left.
+    pub fn sweep(&mut self, gone: &mut dyn FnMut(&super::Item) -> bool) -> usize {
+        let mut dropped = 0;
+        let mut emptied = Vec::new();
+        for (key, flow) in &mut self.flows {
+            dropped += flow.inner.sweep(gone);
+            if flow.inner.len() == 0 {
+                emptied.push(key.clone());
+            }
+        }
+        for key in emptied {
+            self.forget(&key);
+        }
+        dropped
+    }
+
+    fn forget(&mut self, key: &K) {
+        self.flows.remove(key);
+        self.ring.retain(|k| k != key);
+    }
+}
+
+impl<K: Ord + Clone, F: Backlog> Default for Drr<K, F> {
+    fn default() -> Self {
+        Self::new(super::QUANTUM_TOKENS)
+    }
+}
+
+/// A flow of flows: a project shares its turn among its sub-projects the same way.
+impl<K: Ord + Clone, F: Backlog> Backlog for Drr<K, F> {
+    fn len(&self) -> usize {
+        Drr::len(self)
+    }
+
+    fn take(&mut self, offer: &mut super::Offer<'_>) -> Option<(Vec<super::Item>, usize)> {
+        Drr::take(self, offer)
+    }
+
+    fn sweep(&mut self, gone: &mut dyn FnMut(&super::Item) -> bool) -> usize {
+        Drr::sweep(self, gone)
+    }
+}

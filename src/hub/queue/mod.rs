@@ -1,0 +1,596 @@
+//! One role's shared queue: the items of accepted client requests, waiting for a provider's
+//! pull, shared fairly between projects.
+//!
+//! Two classes ([`WorkClass`]): interactive work goes first, with a guard that gives waiting
+//! batch work [`BATCH_SHARE`] of the tokens dispatched. Inside a class, each project is a flow
+//! served by deficit round robin weighted by its weight and counting tokens ([`drr`]); inside
+//! a project, its sub-projects (named with `X-FantomMCP-Project`) share its turn the same way;
+//! each sub-project's items wait in arrival order ([`items`]). Items leave sized to the
+//! puller; items that come back (an expired lease, a lost agent, a transient failure) go back
+//! to the **front** of their own flow, in their order.
+//!
+//! An item is one text to embed or one document to score. Items of a request share its
+//! [`Shape`] (options, the rerank query) and its [`Caller`]; one work frame carries items of
+//! one shape and one flow only (so a cloud call's cost and permit belong to one project).
+
+mod drr;
+mod items;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use self::drr::Drr;
+use self::items::ItemQueue;
+pub use crate::hub::projects::Caller;
+use crate::protocol::{EmbedInput, RerankInput, WorkClass, WorkInput};
+/// A client request's id (hub-local).
+pub type RequestId = u64;
+
+/// What every item of a request shares.
+#[derive(Debug, PartialEq)]
+pub enum Shape {
+    Embed {
+        dimensions: Option<usize>,
+        is_query: bool,
+        instruction: Option<String>,
+    },
+    Rerank {
+        query: String,
+        instruction: Option<String>,
+    },
+    /// One chat completion (the client's body; one item, whose text is empty).
+    Chat { body: serde_json::Value },
+}
+
+impl Shape {
+    /// The work input for `texts` of this shape.
+    pub fn work_input(&self, texts: Vec<String>) -> WorkInput {
+        match self {
+            Shape::Embed {
+                dimensions,
+                is_query,
+                instruction,
+            } => WorkInput::Embed(EmbedInput {
+                texts,
+                dimensions: *dimensions,
+                is_query: *is_query,
+                instruction: instruction.clone(),
+                truncate: false,
+            }),
+            Shape::Rerank { query, instruction } => WorkInput::Rerank(RerankInput {
+                query: query.clone(),
+                documents: texts,
+                instruction: instruction.clone(),
+            }),
+            Shape::Chat { body } => WorkInput::Chat(body.clone()),
+        }
+    }
+
+    /// Bytes a work frame of this shape carries besides its items, as JSON (an upper bound
+    /// of the instruction, the rerank query, the chat body).
+    pub fn shared_json_bytes(&self) -> usize {
+        let text = |t: &str| t.len().saturating_mul(6).saturating_add(2);
+        match self {
+            Shape::Embed { instruction, .. } => instruction.as_deref().map_or(0, text),
+            Shape::Rerank { query, instruction } => {
+                text(query).saturating_add(instruction.as_deref().map_or(0, text))
+            }
+            Shape::Chat { body } => body.to_string().len(),
+        }
+    }
+
+    /// Tokens a work frame pays once for all its items (the rerank query).
+    pub(super) fn shared_tokens(&self) -> usize {
+        match self {
+            Shape::Embed { .. } => 0,
+            Shape::Rerank { query, .. } => estimate_tokens(query),
+            Shape::Chat { body } => body.to_string().len() / 3 + 2,
+        }
+    }
+}
+
+/// One unit of work.
+#[derive(Debug)]
+pub struct Item {
+    pub request: RequestId,
+    /// Position in the request's input.
+    pub index: u32,
+    pub text: String,
+    pub shape: Arc<Shape>,
+    /// Whose it is, and its class: its flow in the queue.
+    pub caller: Arc<Caller>,
+    /// Leases this item has been on without a result.
+    pub attempts: u32,
+    /// Goes in a work frame of its own (it was in a batch that failed fatally: only the
+    /// item at fault should fail its request).
+    pub solo: bool,
+    /// Failed on a local provider: under `backup`, the cloud may take it.
+    pub failed_locally: bool,
+}
+
+/// A cheap upper estimate of a text's tokens (sub-word tokenizers average 3–4 bytes per token
+/// on code and prose; counting 3 keeps a batch under the puller's budget).
+pub fn estimate_tokens(text: &str) -> usize {
+    text.len() / 3 + 2
+}
+
+/// Limits of one work frame (the puller's size hints).
+#[derive(Clone, Copy, Debug)]
+pub struct BatchLimits {
+    pub max_items: usize,
+    pub max_tokens: usize,
+}
+
+/// One provider's offer to take work: its limits, which requests are still alive, and which
+/// items it may take (asked in queue order; it may remember what it accepted, e.g. the first
+/// item's space).
+pub struct Offer<'a> {
+    pub limits: BatchLimits,
+    pub alive: &'a dyn Fn(RequestId) -> bool,
+    pub fits: &'a mut dyn FnMut(&Item) -> bool,
+}
+
+/// Tokens a flow of weight 1 earns per round: about one small frame, so flows interleave
+/// finely while a round stays cheap.
+pub const QUANTUM_TOKENS: u32 = 512;
+
+/// The share of dispatched tokens waiting batch work is guaranteed while interactive work
+/// waits too (it gets more whenever interactive work leaves room).
+pub const BATCH_SHARE: f64 = 0.10;
+
+/// A project's flow: its sub-projects (`None`: the project's own requests), each in order.
+type ProjectFlow = Drr<Option<Arc<str>>, ItemQueue>;
+/// A class: its projects.
+type ClassQueue = Drr<Arc<str>, ProjectFlow>;
+
+/// A role's queue: two classes of projects' flows, with a capacity in items.
+pub struct RoleQueue {
+    interactive: ClassQueue,
+    batch: ClassQueue,
+    /// Tokens each class was given since both last had work waiting (the batch guard).
+    given: [u64; 2],
+    capacity: usize,
+}
+
+impl std::fmt::Debug for RoleQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RoleQueue")
+            .field("len", &self.len())
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
+impl RoleQueue {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            interactive: ClassQueue::default(),
+            batch: ClassQueue::default(),
+            given: [0; 2],
+            capacity,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.interactive.len() + self.batch.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.interactive.is_empty() && self.batch.is_empty()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Whether `n` more items fit (a requeue always fits: those items were accepted).
+    pub fn has_room(&self, n: usize) -> bool {
+        self.len() + n <= self.capacity
+    }
+
+    fn class_mut(&mut self, class: WorkClass) -> &mut ClassQueue {
+        match class {
+            WorkClass::Interactive => &mut self.interactive,
+            WorkClass::Batch => &mut self.batch,
+        }
+    }
+
+    fn put(&mut self, item: Item, front: bool) {
+        let caller = item.caller.clone();
+        self.class_mut(caller.class)
+            .push(&caller.project, caller.weight, |project| {
+                project.push(&caller.sub_project, 1, |flow| {
+                    if front {
+                        flow.push_front(item);
+                    } else {
+                        flow.push_back(item);
+                    }
+                });
+            });
+    }
+
+    pub fn push_back(&mut self, items: impl IntoIterator<Item = Item>) {
+        for item in items {
+            self.put(item, false);
+        }
+    }
+
+    /// Puts items back at the head of their flows, keeping their order.
+    pub fn requeue_front(&mut self, items: Vec<Item>) {
+        for item in items.into_iter().rev() {
+            self.put(item, true);
+        }
+    }
+
+    /// Drops every waiting item of a request (it was cancelled).
+    pub fn remove_request(&mut self, id: RequestId) {
+        self.sweep(&mut |i: &Item| i.request == id);
+    }
+
+    /// Drops every waiting item whose request is gone (one pass).
+    pub fn retain_live(&mut self, alive: impl Fn(RequestId) -> bool) {
+        self.sweep(&mut |i: &Item| !alive(i.request));
+    }
+
+    fn sweep(&mut self, gone: &mut dyn FnMut(&Item) -> bool) {
+        self.interactive.sweep(gone);
+        self.batch.sweep(gone);
+    }
+
+    /// Items waiting per project (both classes).
+    pub fn waiting_by_project(&self) -> BTreeMap<Arc<str>, usize> {
+        let mut out: BTreeMap<Arc<str>, usize> = BTreeMap::new();
+        for class in [&self.interactive, &self.batch] {
+            for (project, flow) in class.backlog() {
+                *out.entry(project.clone()).or_default() += flow.len();
+            }
+        }
+        out
+    }
+
+    /// Takes a batch for one puller, from one flow: interactive work first unless waiting
+    /// batch work is owed its guaranteed share; inside a class, the projects' flows in
+    /// weighted deficit round robin (see [`drr`]); inside a flow, the first live item that
+    /// `fits` (looking at most [`SCAN_LIMIT`] items from its head) and the items of its shape
+    /// right behind it that fit too, within the limits (the first item always goes, however
+    /// long). A solo item and a chat go alone; items that failed locally go only with each
+    /// other. Items of gone requests are dropped on the way.
+    pub fn take_batch(
+        &mut self,
+        limits: BatchLimits,
+        alive: impl Fn(RequestId) -> bool,
+        mut fits: impl FnMut(&Item) -> bool,
+    ) -> Vec<Item> {
+        let both_waiting = !self.interactive.is_empty() && !self.batch.is_empty();
+        if !both_waiting {
+            self.given = [0; 2];
+        }
+        let [interactive, batch] = self.given;
+        let total = (interactive + batch) as f64;
+        let batch_owed = both_waiting && (batch as f64) < BATCH_SHARE * total;
+        let order = if batch_owed {
+            [WorkClass::Batch, WorkClass::Interactive]
+        } else {
+            [WorkClass::Interactive, WorkClass::Batch]
+        };
+        let mut offer = Offer {
+            limits,
+            alive: &alive,
+            fits: &mut fits,
+        };
+        for class in order {
+            if let Some((items, tokens)) = self.class_mut(class).take(&mut offer) {
+                if both_waiting {
+                    let slot = usize::from(class == WorkClass::Batch);
+                    self.given[slot] = self.given[slot].saturating_add(tokens as u64);
+                }
+                return items;
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// How far past a flow's head a puller's first item is looked for (items bound to another
+/// space or scorer wait there for their own providers).
+pub const SCAN_LIMIT: usize = 4096;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn items(request: RequestId, shape: &Arc<Shape>, n: u32) -> Vec<Item> {
+        of(
+            &Arc::new(Caller::default_project(WorkClass::Batch)),
+            request,
+            shape,
+            n,
+        )
+    }
+
+    fn of(caller: &Arc<Caller>, request: RequestId, shape: &Arc<Shape>, n: u32) -> Vec<Item> {
+        (0..n)
+            .map(|index| Item {
+                request,
+                index,
+                text: format!("text {index}"),
+                shape: shape.clone(),
+                caller: caller.clone(),
+                attempts: 0,
+                solo: false,
+                failed_locally: false,
+            })
+            .collect()
+    }
+
+    fn embed_shape(dimensions: Option<usize>) -> Arc<Shape> {
+        Arc::new(Shape::Embed {
+            dimensions,
+            is_query: false,
+            instruction: None,
+        })
+    }
+
+    const WIDE: BatchLimits = BatchLimits {
+        max_items: 64,
+        max_tokens: 1 << 20,
+    };
+
+    #[test]
+    fn batches_follow_the_head_shape_and_the_puller_limits() {
+        let (a, b) = (embed_shape(None), embed_shape(Some(64)));
+        let mut q = RoleQueue::new(100);
+        q.push_back(items(1, &a, 5));
+        q.push_back(items(2, &embed_shape(None), 2)); // equal shape, other request: merges
+        q.push_back(items(3, &b, 3));
+        let limits = BatchLimits {
+            max_items: 4,
+            max_tokens: 1 << 20,
+        };
+        let first = q.take_batch(limits, |_| true, |_| true);
+        assert_eq!(
+            first.iter().map(|i| i.index).collect::<Vec<_>>(),
+            [0, 1, 2, 3]
+        );
+        let second = q.take_batch(WIDE, |_| true, |_| true);
+        assert_eq!(
+            second
+                .iter()
+                .map(|i| (i.request, i.index))
+                .collect::<Vec<_>>(),
+            [(1, 4), (2, 0), (2, 1)]
+        );
+        assert_eq!(q.take_batch(WIDE, |_| true, |_| true).len(), 3);
+        assert!(q.take_batch(WIDE, |_| true, |_| true).is_empty());
+    }
+
+    #[test]
+    fn requeued_items_go_back_to_the_front_in_order_and_dead_requests_are_skipped() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(10);
+        q.push_back(items(1, &s, 6));
+        let taken = q.take_batch(
+            BatchLimits {
+                max_items: 3,
+                max_tokens: 1 << 20,
+            },
+            |_| true,
+            |_| true,
+        );
+        q.requeue_front(taken);
+        let order: Vec<u32> = q
+            .take_batch(WIDE, |_| true, |_| true)
+            .iter()
+            .map(|i| i.index)
+            .collect();
+        assert_eq!(order, [0, 1, 2, 3, 4, 5]);
+
+        q.push_back(items(7, &s, 2));
+        q.push_back(items(8, &s, 2));
+        let alive = q.take_batch(WIDE, |r| r != 7, |_| true);
+        assert!(alive.iter().all(|i| i.request == 8) && alive.len() == 2);
+        assert!(!q.has_room(11) && q.has_room(10));
+    }
+
+    #[test]
+    fn solo_items_go_alone_and_local_failures_go_together() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(10);
+        let mut batch = items(1, &s, 6);
+        batch[1].solo = true;
+        batch[3].failed_locally = true;
+        batch[4].failed_locally = true;
+        q.push_back(batch);
+        let mut sizes = Vec::new();
+        while !q.is_empty() {
+            let b = q.take_batch(WIDE, |_| true, |_| true);
+            let head_retry = b[0].failed_locally;
+            assert!(b.iter().all(|i| i.failed_locally == head_retry));
+            sizes.push(b.iter().map(|i| i.index).collect::<Vec<_>>());
+        }
+        assert_eq!(sizes, [vec![0], vec![1], vec![2], vec![3, 4], vec![5]]);
+    }
+
+    #[test]
+    fn a_puller_takes_the_first_items_that_fit_it_and_chats_go_alone() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(20);
+        q.push_back(items(1, &s, 3)); // bound elsewhere: not for this puller
+        q.push_back(items(2, &s, 3));
+        q.push_back(items(3, &s, 2));
+        let mine = |i: &Item| i.request != 1;
+        let b = q.take_batch(WIDE, |_| true, mine);
+        assert_eq!(
+            b.iter().map(|i| (i.request, i.index)).collect::<Vec<_>>(),
+            [(2, 0), (2, 1), (2, 2), (3, 0), (3, 1)],
+            "request 1 waits at the head for its own providers"
+        );
+        assert_eq!(q.len(), 3);
+        // The run behind the first item stops at an item that does not fit.
+        q.push_back(items(4, &s, 2));
+        let b = q.take_batch(WIDE, |_| true, |i| i.request == 1);
+        assert_eq!(b.len(), 3);
+        let chat = Arc::new(Shape::Chat {
+            body: serde_json::json!({"messages": [{"role": "user", "content": "hi"}]}),
+        });
+        let mut q = RoleQueue::new(10);
+        q.push_back(items(5, &chat, 1));
+        q.push_back(items(6, &chat, 1));
+        assert_eq!(q.take_batch(WIDE, |_| true, |_| true).len(), 1);
+        assert_eq!(q.take_batch(WIDE, |_| true, |_| true).len(), 1);
+    }
+
+    #[test]
+    fn the_token_budget_bounds_a_batch_but_one_long_item_still_goes() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(10);
+        let mut long = items(1, &s, 3);
+        long[0].text = "x".repeat(3000);
+        q.push_back(long);
+        let limits = BatchLimits {
+            max_items: 64,
+            max_tokens: 100,
+        };
+        assert_eq!(q.take_batch(limits, |_| true, |_| true).len(), 1);
+        assert_eq!(q.take_batch(limits, |_| true, |_| true).len(), 2);
+    }
+
+    fn caller(project: &str, sub: Option<&str>, class: WorkClass, weight: u32) -> Arc<Caller> {
+        Arc::new(Caller {
+            project: Arc::from(project),
+            sub_project: sub.map(Arc::from),
+            class,
+            weight,
+        })
+    }
+
+    const FRAME: BatchLimits = BatchLimits {
+        max_items: 8,
+        max_tokens: 1 << 20,
+    };
+
+    /// Items taken per project over `frames` frames.
+    fn served(q: &mut RoleQueue, frames: usize) -> BTreeMap<String, usize> {
+        let mut out = BTreeMap::new();
+        for _ in 0..frames {
+            let b = q.take_batch(FRAME, |_| true, |_| true);
+            let first = b.first().expect("work waits");
+            assert!(
+                b.iter().all(|i| i.caller == first.caller),
+                "a frame holds one flow"
+            );
+            *out.entry(first.caller.project.to_string()).or_default() += b.len();
+        }
+        out
+    }
+
+    #[test]
+    fn projects_share_by_weight_and_a_lone_project_gets_everything() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(100_000);
+        for (r, (name, weight)) in [("a", 1), ("b", 2), ("c", 4)].into_iter().enumerate() {
+            q.push_back(of(
+                &caller(name, None, WorkClass::Batch, weight),
+                r as u64 + 1,
+                &s,
+                40_000,
+            ));
+        }
+        let got = served(&mut q, 7_000);
+        let total: usize = got.values().sum();
+        for (name, weight) in [("a", 1.0), ("b", 2.0), ("c", 4.0)] {
+            let share = got[name] as f64 / total as f64;
+            assert!(
+                (share - weight / 7.0).abs() < 0.05 * weight / 7.0,
+                "{name}: {share} of {total} ({got:?})"
+            );
+        }
+        let mut alone = RoleQueue::new(1000);
+        alone.push_back(of(&caller("a", None, WorkClass::Batch, 1), 1, &s, 100));
+        assert_eq!(served(&mut alone, 13)["a"], 100, "work-conserving");
+        assert!(alone.is_empty());
+    }
+
+    #[test]
+    fn a_project_that_cannot_be_served_keeps_its_turn() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(1000);
+        q.push_back(of(&caller("a", None, WorkClass::Batch, 1), 1, &s, 64));
+        q.push_back(of(&caller("b", None, WorkClass::Batch, 1), 2, &s, 64));
+        q.push_back(of(&caller("a", None, WorkClass::Batch, 1), 3, &s, 1000));
+        q.push_back(of(&caller("b", None, WorkClass::Batch, 1), 4, &s, 1000));
+        // A puller that only takes b's items: a is skipped, b is served.
+        for _ in 0..40 {
+            let b = q.take_batch(FRAME, |_| true, |i| &*i.caller.project == "b");
+            assert!(!b.is_empty() && b.iter().all(|i| &*i.caller.project == "b"));
+        }
+        // a kept its turn (not charged, not forgotten): open pullers share evenly again,
+        // and a is not owed the frames it could not take.
+        let got = served(&mut q, 130);
+        let a = got["a"] as f64 / (got["a"] + got["b"]) as f64;
+        assert!((0.45..0.60).contains(&a), "{got:?}");
+    }
+
+    #[test]
+    fn interactive_work_goes_first_and_batch_still_gets_its_share() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(100_000);
+        q.push_back(of(&caller("a", None, WorkClass::Batch, 1), 1, &s, 10_000));
+        q.push_back(of(&caller("b", None, WorkClass::Interactive, 1), 2, &s, 1));
+        let first = q.take_batch(FRAME, |_| true, |_| true);
+        assert_eq!(
+            first[0].caller.class,
+            WorkClass::Interactive,
+            "the query waits behind no batch frame"
+        );
+        // A project marking everything interactive still leaves batch its share.
+        q.push_back(of(
+            &caller("c", None, WorkClass::Interactive, 1),
+            3,
+            &s,
+            10_000,
+        ));
+        let mut tokens = [0usize; 2];
+        for _ in 0..500 {
+            let b = q.take_batch(FRAME, |_| true, |_| true);
+            let cost: usize = b.iter().map(|i| estimate_tokens(&i.text)).sum();
+            tokens[usize::from(b[0].caller.class == WorkClass::Batch)] += cost;
+        }
+        let batch = tokens[1] as f64 / (tokens[0] + tokens[1]) as f64;
+        assert!((0.09..0.12).contains(&batch), "batch share {batch}");
+    }
+
+    #[test]
+    fn sub_projects_share_their_projects_turn() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(100_000);
+        q.push_back(of(&caller("a", None, WorkClass::Batch, 1), 1, &s, 10_000));
+        q.push_back(of(
+            &caller("m", Some("repo-1"), WorkClass::Batch, 1),
+            2,
+            &s,
+            10_000,
+        ));
+        q.push_back(of(
+            &caller("m", Some("repo-2"), WorkClass::Batch, 1),
+            3,
+            &s,
+            10_000,
+        ));
+        let mut per_request = [0usize; 4];
+        for _ in 0..1_000 {
+            let b = q.take_batch(FRAME, |_| true, |_| true);
+            per_request[b[0].request as usize] += b.len();
+        }
+        let [_, a, r1, r2] = per_request;
+        assert!(
+            (a as f64 / (r1 + r2) as f64 - 1.0).abs() < 0.06,
+            "{per_request:?}"
+        );
+        assert!(
+            (r1 as f64 / r2 as f64 - 1.0).abs() < 0.06,
+            "{per_request:?}"
+        );
+        assert_eq!(q.waiting_by_project()["m"], 20_000 - r1 - r2);
+    }
+}
