@@ -572,7 +572,7 @@ fn start_work(
         let call = if streaming {
             stream_chunks(provider.as_ref(), work.input, lease, frames)
         } else {
-            provider.run(work.input)
+            provider.run_class(work.input, work.class)
         };
         let result = match call_timeout {
             None => call.await,

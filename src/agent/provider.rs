@@ -8,7 +8,8 @@ use std::pin::Pin;
 
 use crate::inference::{EmbedOptions, Engine, InferenceError, RerankOptions};
 use crate::protocol::{
-    Backend, FailureClass, LimitKind, ProviderInfo, Refusal, Score, WorkInput, WorkOutput,
+    Backend, FailureClass, LimitKind, ProviderInfo, Refusal, Score, WorkClass, WorkInput,
+    WorkOutput,
 };
 use crate::roles::Role;
 
@@ -55,6 +56,16 @@ pub trait Provider: Send + Sync + 'static {
     fn pipeline_depth(&self) -> u32;
     /// Does one work item.
     fn run(&self, input: WorkInput) -> BoxFuture<Result<WorkResult, ProviderFailure>>;
+    /// Does one work item of `class`: a provider with a queue of its own (a local engine)
+    /// serves interactive work before batch work it already holds; others run it as is.
+    fn run_class(
+        &self,
+        input: WorkInput,
+        class: WorkClass,
+    ) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
+        let _ = class;
+        self.run(input)
+    }
     /// Does one chat that asked to stream: each chunk goes to `chunks` as it arrives, and the
     /// result is the whole completion. A provider that cannot stream answers whole (no
     /// chunks: the hub cuts them from the completion).
@@ -141,7 +152,16 @@ impl Provider for LocalProvider {
     }
 
     fn run(&self, input: WorkInput) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
+        self.run_class(input, WorkClass::Batch)
+    }
+
+    fn run_class(
+        &self,
+        input: WorkInput,
+        class: WorkClass,
+    ) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
         let engine = self.engine.clone();
+        let urgent = class == WorkClass::Interactive;
         Box::pin(async move {
             match input {
                 WorkInput::Embed(e) => {
@@ -150,6 +170,7 @@ impl Provider for LocalProvider {
                         task: e.instruction,
                         dimensions: e.dimensions,
                         truncate: e.truncate,
+                        urgent,
                     };
                     let out = engine
                         .embed_counted(e.texts, opts)
@@ -164,6 +185,7 @@ impl Provider for LocalProvider {
                 WorkInput::Rerank(r) => {
                     let opts = RerankOptions {
                         instruction: r.instruction,
+                        urgent,
                     };
                     let out = engine
                         .rerank_counted(r.query, r.documents, opts)

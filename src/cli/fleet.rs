@@ -218,7 +218,7 @@ pub struct ServeCommand {
     openrouter_url: Option<String>,
 }
 
-fn default_state_dir() -> PathBuf {
+pub(super) fn default_state_dir() -> PathBuf {
     if let Ok(dir) = std::env::var("STATE_DIRECTORY") {
         return PathBuf::from(dir);
     }

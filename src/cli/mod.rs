@@ -9,6 +9,7 @@ mod kernel_check;
 mod models;
 mod oneshot;
 mod progress;
+mod projects;
 mod reload;
 mod stream;
 
@@ -63,6 +64,9 @@ enum Command {
     Serve(Box<fleet::ServeCommand>),
     /// Compare two embedding routes on the gate's probe texts (exit 0 pass, 1 refused, 2 error).
     Gate(gate::GateCommand),
+    /// The hub's projects: keys, weights and limits (through its admin API).
+    #[command(subcommand)]
+    Projects(projects::ProjectsCommand),
     /// Run our CUDA kernels on a device against their CPU bodies (exit 1 on a mismatch).
     KernelCheck(kernel_check::KernelCheckArgs),
 }
@@ -212,6 +216,7 @@ pub fn main() -> ExitCode {
             Command::Hub(cmd) => fleet::hub(cmd).await,
             Command::Agent(cmd) => fleet::agent(cmd).await,
             Command::Serve(cmd) => fleet::serve(*cmd).await,
+            Command::Projects(cmd) => projects::run(cmd).await,
         };
         done.map(|()| ExitCode::SUCCESS)
     });

@@ -93,6 +93,7 @@ pub async fn embed(args: EmbedArgs) -> anyhow::Result<()> {
         task: args.task,
         dimensions: args.dimensions,
         truncate: false,
+        urgent: false,
     };
     let mut out = stream::stdout();
     let progress = Progress::start(texts.len(), "texts", meter(&engine));
@@ -116,6 +117,7 @@ pub async fn rerank(args: RerankArgs) -> anyhow::Result<()> {
     let query = args.query;
     let opts = RerankOptions {
         instruction: args.instruction,
+        urgent: false,
     };
     let mut out = stream::stdout();
     let progress = Progress::start(documents.len(), "documents", meter(&engine));

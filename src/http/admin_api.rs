@@ -28,7 +28,7 @@ fn parse_push(body: &[u8]) -> Result<OpenRouterPush, String> {
     serde_json::from_value(push).map_err(|e| redact(&e.to_string()))
 }
 
-fn admin(hub: &Hub, headers: &HeaderMap) -> Result<(), ApiError> {
+pub(super) fn admin(hub: &Hub, headers: &HeaderMap) -> Result<(), ApiError> {
     auth::require(headers, hub.admin_token(), "admin")
 }
 

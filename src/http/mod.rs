@@ -1,6 +1,7 @@
 //! The HTTP front doors of the hub: the client APIs in the shapes of the clients people use
 //! ([`openai_api`], [`cohere_api`], [`tei_api`], [`ollama_api`], chat in [`chat_api`], what
-//! they share in [`client_api`]), the admin API ([`admin_api`]), health, readiness and metrics
+//! they share in [`client_api`]), the admin API ([`admin_api`], projects in [`projects_api`]),
+//! health, readiness and metrics
 //! ([`ops`]), the request ids and route latencies around them all ([`request_id`]), and the
 //! agents' WebSocket endpoint; the agent's own small health/metrics server is in
 //! [`crate::agent::http`]. Each family's routes answer errors in its own shape
@@ -15,6 +16,7 @@ pub mod error;
 pub mod ollama_api;
 pub mod openai_api;
 pub mod ops;
+pub mod projects_api;
 pub mod request_id;
 pub mod tei_api;
 
@@ -78,6 +80,15 @@ pub fn hub_router(hub: Hub) -> Router {
         .route("/admin/status", get(admin_api::status))
         .route("/admin/budget", post(admin_api::post_budget))
         .route("/admin/gate/verify", post(admin_api::post_gate_verify))
+        .route(
+            "/admin/projects",
+            get(projects_api::list).post(projects_api::create),
+        )
+        .route(
+            "/admin/projects/{name}",
+            axum::routing::patch(projects_api::update).delete(projects_api::remove),
+        )
+        .route("/admin/projects/{name}/rotate", post(projects_api::rotate))
         .route("/health", get(ops::health))
         .route("/ready", get(ops::ready))
         .route("/metrics", get(metrics))

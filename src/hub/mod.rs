@@ -12,7 +12,7 @@ pub mod budget;
 pub mod core;
 pub mod gate;
 pub mod policy;
-mod project_admin;
+pub mod project_admin;
 pub mod projects;
 pub mod queue;
 pub mod registry;

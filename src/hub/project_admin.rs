@@ -326,6 +326,108 @@ impl Hub {
     }
 }
 
+impl Hub {
+    /// The per-project series of `/metrics`: a `project` label on each, for the configured
+    /// projects and `default` only (so the label's values are bounded by the operator).
+    pub(super) fn render_project_metrics(&self, out: &mut String) {
+        use std::fmt::Write;
+        let core = self.core();
+        let label = |p: &str| format!("project=\"{}\"", super::status::label(p));
+        let rows: Vec<(String, &projects::ProjectUsage)> = core
+            .projects
+            .records()
+            .filter_map(|(name, _)| Some((label(name), core.projects.usage.get(name)?)))
+            .collect();
+        let mut family =
+            |name: &str,
+             kind: &str,
+             help: &str,
+             value: &dyn Fn(&projects::ProjectUsage) -> Vec<(String, f64)>| {
+                let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+                for (labels, usage) in &rows {
+                    for (extra, v) in value(usage) {
+                        let _ = writeln!(out, "{name}{{{labels}{extra}}} {v}");
+                    }
+                }
+            };
+        family(
+            "fantom_hub_project_requests_total",
+            "counter",
+            "Client requests accepted, per project.",
+            &|u| vec![(String::new(), u.requests as f64)],
+        );
+        family(
+            "fantom_hub_project_texts_total",
+            "counter",
+            "Texts and documents accepted, per project.",
+            &|u| vec![(String::new(), u.texts as f64)],
+        );
+        family(
+            "fantom_hub_project_tokens_total",
+            "counter",
+            "Tokens read for a project's items, by backend (canaries and gate probes are not a project's).",
+            &|u| {
+                vec![
+                    (",backend=\"local\"".into(), u.local_tokens as f64),
+                    (",backend=\"cloud\"".into(), u.cloud_tokens as f64),
+                ]
+            },
+        );
+        family(
+            "fantom_hub_project_cloud_calls_total",
+            "counter",
+            "Cloud calls made for a project.",
+            &|u| vec![(String::new(), u.cloud_calls as f64)],
+        );
+        family(
+            "fantom_hub_project_cloud_cost_usd_total",
+            "counter",
+            "Cost the upstream reported for a project's cloud calls (US dollars).",
+            &|u| vec![(String::new(), u.cloud_usd)],
+        );
+        family(
+            "fantom_hub_project_cloud_calls_without_cost_total",
+            "counter",
+            "A project's cloud calls whose answer reported no cost (tokens counted).",
+            &|u| vec![(String::new(), u.calls_without_cost as f64)],
+        );
+        family(
+            "fantom_hub_project_items_queued",
+            "gauge",
+            "Items a project has accepted and not yet answered.",
+            &|u| vec![(String::new(), u.held_items as f64)],
+        );
+        family(
+            "fantom_hub_project_cloud_in_flight",
+            "gauge",
+            "Cloud calls a project holds now.",
+            &|u| vec![(String::new(), f64::from(u.cloud_in_flight))],
+        );
+        family(
+            "fantom_hub_project_refused_total",
+            "counter",
+            "Requests refused by a project rule, by code.",
+            &|u| {
+                ["project_limit", "project_share", "project_quota"]
+                    .into_iter()
+                    .map(|code| {
+                        (
+                            format!(",code=\"{code}\""),
+                            u.refused.get(code).copied().unwrap_or(0) as f64,
+                        )
+                    })
+                    .collect()
+            },
+        );
+        crate::histogram::render_family(
+            out,
+            "fantom_hub_project_queue_seconds",
+            "Seconds from a request's acceptance to its first lease, per project.",
+            rows.iter().map(|(l, u)| (l.clone(), &u.queue_seconds)),
+        );
+    }
+}
+
 /// `limits` with `changes` laid over it (`null` clears a field; an unknown field is refused).
 fn merge_limits(
     limits: &ProjectLimits,

@@ -32,6 +32,8 @@ pub struct StatusView {
     pub budget: BudgetView,
     /// The compatibility gate: spaces, verdicts with their evidence (DESIGN §6).
     pub gate: super::gate::GateView,
+    /// Each project: settings and accounting (never a key).
+    pub projects: Vec<super::project_admin::ProjectView>,
 }
 
 #[derive(Debug, Serialize)]
@@ -140,6 +142,7 @@ pub struct TimingsView {
 impl Hub {
     pub fn status(&self) -> StatusView {
         let state = self.state();
+        let projects = self.projects_view();
         let mut core = self.core();
         let now = Instant::now();
         core.budget.tick(now);
@@ -202,6 +205,7 @@ impl Hub {
             })
             .collect();
         StatusView {
+            projects,
             uptime_s: self.uptime().as_secs(),
             agents,
             sockets: core.sockets().clone(),
@@ -598,6 +602,8 @@ impl Hub {
             "Tokens per completed request.",
             by_role(&c.request_tokens),
         );
+        drop(core);
+        self.render_project_metrics(&mut out);
         out
     }
 }

@@ -6,7 +6,8 @@
 //! eventually) and fills it with the entries whose lengths are **nearest** to that one, until
 //! the next would break `max_batch_tokens` (padded) or `max_batch_rows`. This is TEI's budget
 //! FIFO plus the length sorting that Infinity and sentence-transformers use, without their
-//! unbounded reordering.
+//! unbounded reordering. Urgent entries (interactive work: queries, reranks) start a batch
+//! before older batch entries, so a query waits at most for the batches already formed.
 //!
 //! The queue is plain data (no threads, no tensors) so its policy is unit-tested directly.
 
@@ -37,6 +38,9 @@ pub struct BatchQueue<T> {
     by_len: BTreeMap<(usize, u64), T>,
     /// Keys in arrival order; keys already taken are skipped lazily.
     by_age: VecDeque<(usize, u64)>,
+    /// Keys of urgent entries (interactive work) in arrival order: the oldest of them starts
+    /// the next batch before any older batch entry.
+    urgent: VecDeque<(usize, u64)>,
     next_seq: u64,
 }
 
@@ -45,6 +49,7 @@ impl<T> Default for BatchQueue<T> {
         Self {
             by_len: BTreeMap::new(),
             by_age: VecDeque::new(),
+            urgent: VecDeque::new(),
             next_seq: 0,
         }
     }
@@ -56,6 +61,14 @@ impl<T> BatchQueue<T> {
         self.next_seq += 1;
         self.by_len.insert(key, item);
         self.by_age.push_back(key);
+    }
+
+    /// Queues an urgent entry (a query, a rerank): it starts the next batch, ahead of batch
+    /// work that arrived before it (its batch mates are still its nearest lengths).
+    pub fn push_urgent(&mut self, len: usize, item: T) {
+        let key = (len, self.next_seq);
+        self.push(len, item);
+        self.urgent.push_back(key);
     }
 
     pub fn len(&self) -> usize {
@@ -74,12 +87,22 @@ impl<T> BatchQueue<T> {
     /// Takes the next batch: the oldest entry plus its nearest neighbours by length that fit.
     /// Returns (length, entry) pairs; empty only when the queue is empty.
     pub fn next_batch(&mut self, budget: BatchBudget) -> Vec<(usize, T)> {
-        let oldest = loop {
-            match self.by_age.pop_front() {
-                None => return Vec::new(),
-                Some(key) if self.by_len.contains_key(&key) => break key,
+        let urgent = loop {
+            match self.urgent.pop_front() {
+                None => break None,
+                Some(key) if self.by_len.contains_key(&key) => break Some(key),
                 Some(_) => continue,
             }
+        };
+        let oldest = match urgent {
+            Some(key) => key,
+            None => loop {
+                match self.by_age.pop_front() {
+                    None => return Vec::new(),
+                    Some(key) if self.by_len.contains_key(&key) => break key,
+                    Some(_) => continue,
+                }
+            },
         };
         let base_len = oldest.0;
         let mut keys = vec![oldest];
@@ -168,6 +191,26 @@ mod tests {
         assert_eq!(b.iter().map(|(l, _)| *l).collect::<Vec<_>>(), [200]);
         assert!(q.next_batch(budget(1000, 3)).is_empty());
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn an_urgent_entry_starts_the_next_batch_ahead_of_older_work() {
+        let mut q = BatchQueue::default();
+        for i in 0..10 {
+            q.push(50, i);
+        }
+        q.push_urgent(12, 100);
+        let b = q.next_batch(budget(200, 4));
+        assert_eq!(b[0].1, 100, "the query leads the next batch");
+        // Its batch mates are its nearest lengths; then the old order resumes.
+        assert!(b.iter().all(|(l, _)| *l == 12 || *l == 50));
+        let next = q.next_batch(budget(200, 4));
+        assert!(next.iter().all(|(_, i)| *i < 10));
+        let mut left = 0;
+        while !q.is_empty() {
+            left += q.next_batch(budget(200, 4)).len();
+        }
+        assert_eq!(b.len() + next.len() + left, 11, "everything is served once");
     }
 
     #[test]

@@ -111,6 +111,9 @@ pub struct EmbedOptions {
     /// Cut inputs past the model's limit even where the engine refuses them (the gate's probe
     /// texts, which every provider of a space reads the way a truncating one does).
     pub truncate: bool,
+    /// Interactive work (a query): it starts the next batch ahead of batch work queued before
+    /// it.
+    pub urgent: bool,
 }
 
 /// Options of one rerank request.
@@ -118,6 +121,8 @@ pub struct EmbedOptions {
 pub struct RerankOptions {
     /// The instruction of instruction-aware rerankers (Qwen3); the model's default when `None`.
     pub instruction: Option<String>,
+    /// Interactive work: ahead of batch work queued before it.
+    pub urgent: bool,
 }
 
 /// How a reranker's inputs are built from (query, document).
@@ -197,6 +202,8 @@ type Reply = oneshot::Sender<Result<RowOutput, InferenceError>>;
 
 struct Entry {
     input: TokenizedInput,
+    /// Interactive work: it starts the next batch.
+    urgent: bool,
     /// The shared prefix this input continues (its `input` is then only the tail).
     prefix: Option<Arc<Vec<u32>>>,
     reply: Reply,
@@ -437,7 +444,7 @@ impl Engine {
         })
         .await?;
         let tokens = inputs.iter().map(TokenizedInput::len).sum();
-        let value = self.vectors(inputs, opts.dimensions).await?;
+        let value = self.vectors(inputs, opts.dimensions, opts.urgent).await?;
         Ok(Counted { value, tokens })
     }
 
@@ -461,7 +468,7 @@ impl Engine {
                 return Err(InferenceError::TooLong { index, max });
             }
         }
-        self.vectors(inputs, opts.dimensions).await
+        self.vectors(inputs, opts.dimensions, opts.urgent).await
     }
 
     /// Matryoshka truncation must keep at least one dimension and at most all of them.
@@ -481,9 +488,10 @@ impl Engine {
         &self,
         inputs: Vec<TokenizedInput>,
         dimensions: Option<usize>,
+        urgent: bool,
     ) -> Result<Vec<Vec<f32>>, InferenceError> {
         let normalize = self.inner.spec.normalize;
-        self.submit(inputs)
+        self.submit(inputs, urgent)
             .await?
             .into_iter()
             .map(|row| match row {
@@ -550,7 +558,7 @@ impl Engine {
         let tokens = inputs.iter().map(TokenizedInput::len).sum::<usize>()
             + prefix.as_ref().map_or(0, |p| p.len());
         let value = self
-            .submit_shared(inputs, prefix)
+            .submit_shared(inputs, prefix, opts.urgent)
             .await?
             .into_iter()
             .map(|row| match row {
@@ -574,8 +582,12 @@ impl Engine {
     }
 
     /// Queues tokenized inputs and waits for every row.
-    async fn submit(&self, inputs: Vec<TokenizedInput>) -> Result<Vec<RowOutput>, InferenceError> {
-        self.submit_shared(inputs, None).await
+    async fn submit(
+        &self,
+        inputs: Vec<TokenizedInput>,
+        urgent: bool,
+    ) -> Result<Vec<RowOutput>, InferenceError> {
+        self.submit_shared(inputs, None, urgent).await
     }
 
     /// Queues inputs that all continue `prefix` (their ids are the tails), or whole inputs.
@@ -583,6 +595,7 @@ impl Engine {
         &self,
         inputs: Vec<TokenizedInput>,
         prefix: Option<Arc<Vec<u32>>>,
+        urgent: bool,
     ) -> Result<Vec<RowOutput>, InferenceError> {
         let mut receivers = Vec::with_capacity(inputs.len());
         for input in inputs {
@@ -591,6 +604,7 @@ impl Engine {
                 .queue
                 .send(Entry {
                     input,
+                    urgent,
                     prefix: prefix.clone(),
                     reply,
                 })
@@ -749,12 +763,12 @@ fn batcher_loop(
     loop {
         if queue.is_empty() {
             match rx.recv() {
-                Ok(e) => queue.push(e.input.len(), e),
+                Ok(e) => push(&mut queue, e),
                 Err(_) => return, // every handle dropped and nothing left to do
             }
         }
         while let Ok(e) = rx.try_recv() {
-            queue.push(e.input.len(), e);
+            push(&mut queue, e);
         }
         queue.retain(|e| !e.reply.is_closed());
         let entries: Vec<Entry> = queue
@@ -783,6 +797,14 @@ fn batcher_loop(
                 }
             }
         }
+    }
+}
+
+fn push(queue: &mut BatchQueue<Entry>, e: Entry) {
+    if e.urgent {
+        queue.push_urgent(e.input.len(), e);
+    } else {
+        queue.push(e.input.len(), e);
     }
 }
 
