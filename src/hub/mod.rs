@@ -297,6 +297,8 @@ impl Hub {
         loop {
             let attempt = {
                 let mut core = self.core();
+                core.check_allowance(&caller, role)
+                    .map_err(SubmitError::Project)?;
                 match core.admit(role, &shape) {
                     Ok(binding) => {
                         let timeout = core.settings.timings(role).request_timeout;

@@ -20,6 +20,7 @@ mod liveness;
 mod local_servers;
 mod masters;
 mod model_servers;
+mod projects;
 mod reconnect;
 mod relay;
 mod relay_commands;

@@ -46,6 +46,9 @@ use tokio::task::JoinHandle;
 pub type Embedder = Arc<dyn Fn(&[String]) -> Vec<Vec<f32>> + Send + Sync>;
 
 /// One provider endpoint of one model.
+/// What a chat token costs here (OpenRouter's `usage.cost`); embeddings report no cost.
+pub const CHAT_USD_PER_TOKEN: f64 = 0.000_002;
+
 #[derive(Clone)]
 pub struct Endpoint {
     pub model: String,
@@ -924,7 +927,9 @@ fn chat_answer(s: &UpstreamState, adm: &Admitted, id: u64) -> Result<(Response, 
         .map(|m| tokens(&content_text(&m["content"])))
         .sum();
     let c = tokens(&content);
-    let usage = json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+    // OpenRouter reports each call's cost in credits (US dollars) with its usage.
+    let usage = json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                       "cost": (p + c) as f64 * CHAT_USD_PER_TOKEN});
     let gen_id = format!("gen-{id}");
     let created = now_ms() / 1000;
     let (model, slug) = (&adm.model, &adm.endpoint.slug);

@@ -108,6 +108,37 @@ impl Core {
         Ok(())
     }
 
+    /// Refuses at once a request of a role only the cloud may serve (policy `cloud`) from a
+    /// project past a daily allowance: nothing connected or to come could serve it today.
+    pub fn check_allowance(&mut self, caller: &Caller, role: Role) -> Result<(), AdmitRefusal> {
+        if self.cloud.policy(role) != Policy::Cloud {
+            return Ok(());
+        }
+        let limits = self
+            .projects
+            .get(&caller.project)
+            .map(|r| r.settings.limits.clone())
+            .unwrap_or_default();
+        let usage = self
+            .projects
+            .usage
+            .entry(caller.project.clone())
+            .or_default();
+        match usage.quota_hit(&limits, crate::hub::now_ms()) {
+            None => Ok(()),
+            Some(hit) => {
+                *usage.refused.entry("project_quota").or_default() += 1;
+                Err(AdmitRefusal::Quota {
+                    project: caller.project.to_string(),
+                    limit: hit.limit,
+                    used: hit.used,
+                    allowed: hit.allowed,
+                    retry_after_s: hit.reset_s,
+                })
+            }
+        }
+    }
+
     /// The weights of `projects` and of `me` (once), added.
     fn weight_of<'a>(&self, projects: impl Iterator<Item = &'a Arc<str>>, me: &str) -> u32 {
         let mut seen_me = false;
