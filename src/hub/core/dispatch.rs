@@ -149,6 +149,7 @@ impl Core {
                 cloud_ok.insert(project.clone(), ok);
             }
         }
+        let reserve = self.settings.interactive_reserve;
         let Core {
             agents,
             queues,
@@ -181,8 +182,10 @@ impl Core {
         // A local provider keeps its last credit for interactive work while it has work in
         // flight: batch work queued ahead on the agent is bounded to what it runs now, so a
         // query waits at most for the engine batch under way (see docs/operations.md).
-        let keep_for_interactive =
-            entry.info.backend == Backend::Local && entry.credits <= 1 && entry.in_flight > 0;
+        let keep_for_interactive = reserve
+            && entry.info.backend == Backend::Local
+            && entry.credits <= 1
+            && entry.in_flight > 0;
         let mut local_serves: HashMap<String, bool> = HashMap::new();
         let mut batch_space: Option<String> = None;
         let mut last_space: Option<(*const super::SpaceRef, bool)> = None;

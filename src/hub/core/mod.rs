@@ -74,6 +74,10 @@ pub struct HubSettings {
     /// Roles `/ready` waits for (when empty: every role a connected provider or a cloud route
     /// offers).
     pub ready_roles: BTreeSet<Role>,
+    /// A local provider with work in flight keeps its last credit for interactive work, so
+    /// batch work queued ahead on its agent is bounded to the frames it runs (on by default;
+    /// the fairness benchmark turns it off for the queue of before).
+    pub interactive_reserve: bool,
 }
 
 impl Default for HubSettings {
@@ -92,6 +96,7 @@ impl Default for HubSettings {
             admission_wait: Duration::from_secs(10),
             vanish_grace: Duration::from_secs(15),
             ready_roles: BTreeSet::new(),
+            interactive_reserve: true,
         }
     }
 }

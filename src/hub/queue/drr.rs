@@ -83,18 +83,25 @@ impl<K: Ord + Clone, F: Backlog> Drr<K, F> {
     /// a flow whose deficit is spent earns its quantum and passes the turn; a flow with
     /// nothing that fits is passed over with its deficit kept.
     pub fn take(&mut self, offer: &mut super::Offer<'_>) -> Option<(Vec<super::Item>, usize)> {
+        // Rounds only pass when something is served: an offer nothing fits (a provider that
+        // keeps its last credit for interactive work, a cloud provider past a project's share)
+        // leaves every deficit and the ring as they were.
+        let ring_before = self.ring.clone();
+        let mut credited: Vec<(K, i64)> = Vec::new();
         let mut passed_over = 0;
         while passed_over < self.ring.len() {
-            let key = self.ring.front()?.clone();
+            let Some(key) = self.ring.front().cloned() else {
+                break;
+            };
             let Some(flow) = self.flows.get_mut(&key) else {
                 self.ring.pop_front();
                 continue;
             };
             if flow.deficit <= 0 {
                 // A new round for this flow (it may take several to repay a large batch).
-                flow.deficit = flow
-                    .deficit
-                    .saturating_add(self.quantum.saturating_mul(i64::from(flow.weight)));
+                let quantum = self.quantum.saturating_mul(i64::from(flow.weight));
+                flow.deficit = flow.deficit.saturating_add(quantum);
+                credited.push((key, quantum));
                 self.ring.rotate_left(1);
                 continue;
             }
@@ -114,6 +121,12 @@ impl<K: Ord + Clone, F: Backlog> Drr<K, F> {
                 }
             }
         }
+        for (key, quantum) in credited {
+            if let Some(flow) = self.flows.get_mut(&key) {
+                flow.deficit = flow.deficit.saturating_sub(quantum);
+            }
+        }
+        self.ring = ring_before;
         None
     }
 

@@ -593,4 +593,31 @@ mod tests {
         );
         assert_eq!(q.waiting_by_project()["m"], 20_000 - r1 - r2);
     }
+
+    #[test]
+    fn an_offer_nothing_fits_changes_no_turn() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(100_000);
+        let mut long = of(&caller("long", None, WorkClass::Batch, 1), 1, &s, 2_000);
+        for item in &mut long {
+            item.text = "x".repeat(300); // 102 tokens each
+        }
+        q.push_back(long);
+        q.push_back(of(
+            &caller("short", None, WorkClass::Batch, 1),
+            2,
+            &s,
+            20_000,
+        ));
+        let mut tokens: BTreeMap<String, usize> = BTreeMap::new();
+        for _ in 0..600 {
+            // Every other offer takes nothing (a provider keeping its last credit).
+            assert!(q.take_batch(FRAME, |_| true, |_| false).is_empty());
+            let b = q.take_batch(FRAME, |_| true, |_| true);
+            let cost: usize = b.iter().map(|i| estimate_tokens(&i.text)).sum();
+            *tokens.entry(b[0].caller.project.to_string()).or_default() += cost;
+        }
+        let ratio = tokens["long"] as f64 / tokens["short"] as f64;
+        assert!((0.95..1.05).contains(&ratio), "fair in tokens: {tokens:?}");
+    }
 }
