@@ -125,26 +125,8 @@ async fn the_official_clients_work_unchanged_against_serve() {
     let dir = tempfile::tempdir().unwrap();
     let minilm = minilm_dir().display().to_string();
     let cross = assemble_cross_encoder(dir.path()).display().to_string();
-    let state = dir.path().join("state");
-    let args: Vec<String> = [
-        "serve",
-        "--model",
-        "all-minilm-l6-v2",
-        "--model-dir",
-        &minilm,
-        "--reranker-model-dir",
-        &cross,
-        "--listen",
-        "127.0.0.1:0",
-        "--state-dir",
-        &state.display().to_string(),
-        "--agent-id",
-        "solo",
-    ]
-    .map(String::from)
-    .to_vec();
     let log = dir.path().join("serve.log");
-    let hub = HubProc::around(Proc::start(&args, &[], &log, "hub"), state);
+    let hub = start_serve(dir.path(), &["--reranker-model-dir", &cross]);
 
     // Ready once every role it loads can serve (the gate founded the embedding spaces).
     let ready = eventually("serve is ready", || async {

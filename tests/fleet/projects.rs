@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use crate::cloud::{push_body, upstream};
-use crate::local_support::minilm_dir;
 use crate::support::*;
 
 /// The floods of these tests share two cores: one at a time.
@@ -20,28 +19,24 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 
 /// `serve` with the MiniLM embedder (`extra` flags added), its agent connected.
 async fn serve(dir: &std::path::Path, extra: &[&str]) -> HubProc {
-    let state = dir.join("state");
-    let mut args: Vec<String> = [
-        "serve",
-        "--model",
-        "all-minilm-l6-v2",
-        "--model-dir",
-        &minilm_dir().display().to_string(),
-        "--listen",
-        "127.0.0.1:0",
-        "--state-dir",
-        &state.display().to_string(),
-        "--agent-id",
-        "solo",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let proc = Proc::start(&args, &[], &dir.join("serve.log"), "hub");
-    let hub = HubProc::around(proc, state);
+    let hub = start_serve(dir, extra);
     hub.wait_for_agent("solo").await;
     hub
+}
+
+/// One embedding request of `texts` with `key`.
+async fn post_embed(
+    http: &reqwest::Client,
+    url: &str,
+    key: &str,
+    texts: Vec<String>,
+) -> reqwest::Response {
+    http.post(url)
+        .bearer_auth(key)
+        .json(&json!({"model": "embedding", "input": texts}))
+        .send()
+        .await
+        .unwrap()
 }
 
 /// Creates a project; its key.
@@ -103,17 +98,12 @@ async fn flood(http: reqwest::Client, url: String, key: String, texts: Arc<Vec<S
         .map(|chunk| {
             let (http, url, key, chunk) = (http.clone(), url.clone(), key.clone(), chunk.to_vec());
             tokio::spawn(async move {
-                let r = http
-                    .post(&url)
-                    .bearer_auth(&key)
-                    .json(&json!({"model": "embedding", "input": chunk}))
-                    .send()
-                    .await
-                    .unwrap();
+                let n = chunk.len();
+                let r = post_embed(&http, &url, &key, chunk).await;
                 assert_eq!(r.status(), 200);
                 let body: Value = r.json().await.unwrap();
                 let data = body["data"].as_array().unwrap();
-                assert_eq!(data.len(), chunk.len(), "every text served");
+                assert_eq!(data.len(), n, "every text served");
                 for (i, d) in data.iter().enumerate() {
                     assert_eq!(d["index"], i, "each once, in order");
                 }
@@ -213,13 +203,7 @@ async fn a_projects_flood_does_not_stall_anothers_queries_and_stops_at_its_limit
     for chunk in texts.chunks(250).take(4) {
         let (http, url, key, chunk) = (http.clone(), url.clone(), indexer.clone(), chunk.to_vec());
         floods.push(tokio::spawn(async move {
-            let r = http
-                .post(&url)
-                .bearer_auth(&key)
-                .json(&json!({"model": "embedding", "input": chunk}))
-                .send()
-                .await
-                .unwrap();
+            let r = post_embed(&http, &url, &key, chunk).await;
             let retry = r.headers().get("retry-after").cloned();
             (r.status().as_u16(), retry, r.json::<Value>().await.unwrap())
         }));

@@ -30,27 +30,7 @@ async fn serve_answers_embeddings_and_rerank_like_the_local_tools() {
         .join("qwen3/tiny-qwen3-reranker")
         .display()
         .to_string();
-    let state = dir.path().join("state");
-    let args: Vec<String> = [
-        "serve",
-        "--model",
-        "all-minilm-l6-v2",
-        "--model-dir",
-        &minilm,
-        "--reranker-model-dir",
-        &reranker,
-        "--listen",
-        "127.0.0.1:0",
-        "--state-dir",
-        &state.display().to_string(),
-        "--agent-id",
-        "solo",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let proc = Proc::start(&args, &[], &dir.path().join("serve.log"), "hub");
-    let hub = HubProc::around(proc, state);
+    let hub = start_serve(dir.path(), &["--reranker-model-dir", &reranker]);
     hub.wait_for_agent("solo").await;
 
     let texts = many_texts(40);

@@ -319,6 +319,32 @@ impl HubProc {
     }
 }
 
+/// `serve` with the MiniLM embedder on a loopback port (agent `solo`, state in `dir/state`,
+/// its log in `dir/serve.log`), with `extra` flags.
+pub fn start_serve(dir: &Path, extra: &[&str]) -> HubProc {
+    let state = dir.join("state");
+    let minilm = crate::local_support::minilm_dir().display().to_string();
+    let state_arg = state.display().to_string();
+    let mut args: Vec<String> = [
+        "serve",
+        "--model",
+        "all-minilm-l6-v2",
+        "--model-dir",
+        &minilm,
+        "--listen",
+        "127.0.0.1:0",
+        "--state-dir",
+        &state_arg,
+        "--agent-id",
+        "solo",
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let proc = Proc::start(&args, &[], &dir.join("serve.log"), "hub");
+    HubProc::around(proc, state)
+}
+
 /// Polls `probe` until it yields `Some` (bounded by [`PATIENCE`]).
 pub async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
 where
