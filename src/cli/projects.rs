@@ -107,6 +107,18 @@ pub enum ProjectsCommand {
     },
 }
 
+/// A project name as one URL path segment (names may hold `/` and `:`).
+fn segment(name: &str) -> String {
+    name.bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            other => format!("%{other:02X}"),
+        })
+        .collect()
+}
+
 pub async fn run(cmd: ProjectsCommand) -> anyhow::Result<()> {
     let (access, method, path, body) = match cmd {
         ProjectsCommand::Add {
@@ -139,19 +151,22 @@ pub async fn run(cmd: ProjectsCommand) -> anyhow::Result<()> {
             (
                 access,
                 "PATCH",
-                format!("/admin/projects/{name}"),
+                format!("/admin/projects/{}", segment(&name)),
                 Some(body),
             )
         }
         ProjectsCommand::Rotate { name, access } => (
             access,
             "POST",
-            format!("/admin/projects/{name}/rotate"),
+            format!("/admin/projects/{}/rotate", segment(&name)),
             None,
         ),
-        ProjectsCommand::Remove { name, access } => {
-            (access, "DELETE", format!("/admin/projects/{name}"), None)
-        }
+        ProjectsCommand::Remove { name, access } => (
+            access,
+            "DELETE",
+            format!("/admin/projects/{}", segment(&name)),
+            None,
+        ),
     };
     let token = admin_token(&access)?;
     let answer = call(&access.hub, &token, method, &path, body).await?;

@@ -22,7 +22,9 @@ const USAGE_CHECKPOINT_MS: u64 = 5_000;
 /// Why a client request has no project.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Unidentified {
-    #[error("the bearer token is not a key of this hub (a project key, or the client token)")]
+    #[error(
+        "the bearer token is not a key of this hub: send a project's key (`fantom-sidecar projects add <name>` makes one), the client token, or no Authorization header for the project 'default' (an unknown key is never taken as 'default')"
+    )]
     UnknownKey,
     #[error(
         "this hub requires a project key: send 'Authorization: Bearer <project key>' (an operator makes one with `fantom-sidecar projects add <name>`)"
@@ -209,6 +211,7 @@ impl Hub {
         name: String,
         patch: ProjectPatch,
     ) -> Result<(), ProjectError> {
+        projects::check_name(&name, "project name")?;
         self.change_projects(move |all| {
             let record = all
                 .get_mut(&name)
@@ -232,6 +235,7 @@ impl Hub {
 
     /// A new key for a project; the old one stops working at once.
     pub async fn rotate_project(&self, name: String) -> Result<Secret, ProjectError> {
+        projects::check_name(&name, "project name")?;
         if name == DEFAULT_PROJECT {
             return Err(ProjectError::Default("given a key"));
         }
@@ -251,6 +255,7 @@ impl Hub {
     /// Removes a project: its key stops working at once; work it already has accepted is
     /// still served.
     pub async fn remove_project(&self, name: String) -> Result<(), ProjectError> {
+        projects::check_name(&name, "project name")?;
         if name == DEFAULT_PROJECT {
             return Err(ProjectError::Default("removed"));
         }

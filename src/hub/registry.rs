@@ -120,6 +120,8 @@ pub struct ProviderEntry {
     /// Work frames the provider still asked for.
     pub credits: u32,
     pub in_flight: u32,
+    /// Of those, leases of batch work (a local provider keeps a credit for interactive work).
+    pub batch_in_flight: u32,
     pub served_items: u64,
     pub failures: u64,
     pub consecutive_failures: u32,
@@ -177,6 +179,7 @@ impl ProviderEntry {
             stale: None,
             credits: 0,
             in_flight: 0,
+            batch_in_flight: 0,
             served_items: 0,
             failures: 0,
             consecutive_failures: 0,
@@ -189,6 +192,32 @@ impl ProviderEntry {
 
     pub fn role(&self) -> Role {
         self.info.role
+    }
+
+    /// A lease of `class` went out to this provider.
+    pub fn lease_granted(&mut self, class: crate::protocol::WorkClass) {
+        self.in_flight = self.in_flight.saturating_add(1);
+        if class.is_batch() {
+            self.batch_in_flight = self.batch_in_flight.saturating_add(1);
+        }
+    }
+
+    /// A lease of `class` on this provider ended (a result, a failure, taken back).
+    pub fn lease_ended(&mut self, class: crate::protocol::WorkClass) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        if class.is_batch() {
+            self.batch_in_flight = self.batch_in_flight.saturating_sub(1);
+        }
+    }
+
+    /// Whether a local provider must keep its free credit for interactive work: it offered
+    /// two or more frames in all and all but one already carry batch work. A provider of one
+    /// frame takes any work.
+    pub fn keeps_credit_for_interactive(&self) -> bool {
+        let depth = self.credits.saturating_add(self.in_flight);
+        self.info.backend == crate::protocol::Backend::Local
+            && depth >= 2
+            && self.batch_in_flight >= depth - 1
     }
 
     /// Not benched (failures) and not paused (rate limits) at `now`.

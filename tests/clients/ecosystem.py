@@ -98,17 +98,30 @@ def main():
     rr = refs["rerank"]
     timeout = args.timeout
 
-    oa = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=timeout)
-    co = cohere.ClientV2(base_url=base, api_key="unused", timeout=timeout, max_retries=0)
+    # The SDKs that must send a key send a project's key (an unknown key is 401).
+    key = os.environ["FANTOM_API_KEY"]
+    oa = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=timeout)
+    co = cohere.ClientV2(base_url=base, api_key=key, timeout=timeout, max_retries=0)
     hf = InferenceClient(model=base, timeout=timeout)
     hf_embed = InferenceClient(model=base + "/embed", timeout=timeout)
     ol = ollama.Client(host=base, timeout=timeout)
 
     def lc(**kw):
-        return OpenAIEmbeddings(model="embedding", base_url=base + "/v1", api_key="unused",
+        return OpenAIEmbeddings(model="embedding", base_url=base + "/v1", api_key=key,
                                 max_retries=0, timeout=timeout, **kw)
 
     # --- openai
+    @check
+    def openai_unknown_key_is_refused():
+        stranger = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+                                 timeout=timeout)
+        try:
+            stranger.embeddings.create(model="embedding", input=texts[:1])
+        except openai.AuthenticationError as e:
+            assert "unused" not in str(e), "the key was echoed"
+            return
+        raise AssertionError("an unknown key was served")
+
     @check
     def openai_embed_base64():
         r = oa.embeddings.create(model="embedding", input=texts)

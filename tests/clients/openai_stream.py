@@ -11,7 +11,10 @@ import sys
 import openai
 
 base_url, text = sys.argv[1], sys.argv[2]
-client = openai.OpenAI(base_url=base_url, api_key="no-client-token-configured", max_retries=0)
+import os
+
+# A project's key (an unknown key is 401, never the project 'default').
+client = openai.OpenAI(base_url=base_url, api_key=os.environ["FANTOM_API_KEY"], max_retries=0)
 
 
 def say(obj):

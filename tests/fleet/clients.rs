@@ -44,12 +44,22 @@ fn clients_python() -> PathBuf {
         .clone()
 }
 
+/// A new project's key (what an SDK that must send a key sends).
+async fn project_key(hub: &HubProc, name: &str) -> String {
+    let (code, made) = hub
+        .post_admin("/admin/projects", &json!({"name": name}))
+        .await;
+    assert_eq!(code, 201, "{made}");
+    made["key"].as_str().unwrap().to_string()
+}
+
 /// The SDK's script on a thread: its JSON lines arrive on the receiver as it prints them.
-fn stream_with_sdk(base_url: &str, text: &str) -> std::sync::mpsc::Receiver<Value> {
+fn stream_with_sdk(base_url: &str, key: &str, text: &str) -> std::sync::mpsc::Receiver<Value> {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_stream.py");
     let mut child = Command::new(clients_python())
         .arg(script)
         .args([base_url, text])
+        .env("FANTOM_API_KEY", key)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .spawn()
@@ -77,10 +87,11 @@ async fn the_openai_sdk_streams_a_chat_and_raises_when_the_stream_is_cut() {
     let dir = tempfile::tempdir().unwrap();
     let (up, hub, mut agent) = chat_fleet(dir.path(), "sdk").await;
     let base = hub.url("/v1");
+    let key = project_key(&hub, "sdk-stream").await;
 
     // Chunk by chunk: the SDK has the first piece while the upstream holds the rest.
     up.state.set_stream_hold(true);
-    let rx = stream_with_sdk(&base, "one two three");
+    let rx = stream_with_sdk(&base, &key, "one two three");
     assert_eq!(next(&rx)["piece"], "echo:");
     up.state.set_stream_hold(false);
     let mut pieces = vec!["echo:".to_string()];
@@ -95,7 +106,7 @@ async fn the_openai_sdk_streams_a_chat_and_raises_when_the_stream_is_cut() {
 
     // Cut: the agent dies after the first piece; the SDK raises with the hub's code.
     up.state.set_stream_hold(true);
-    let rx = stream_with_sdk(&base, "cut short");
+    let rx = stream_with_sdk(&base, &key, "cut short");
     assert_eq!(next(&rx)["piece"], "echo:");
     agent.kill();
     let end = next(&rx);
@@ -181,8 +192,10 @@ async fn the_official_clients_work_unchanged_against_serve() {
     // Every client, through its public API only.
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/ecosystem.py");
     let base = hub.url("");
+    let key = project_key(&hub, "sdk-clients").await;
     let out = tokio::task::spawn_blocking(move || {
         Command::new(python)
+            .env("FANTOM_API_KEY", key)
             .arg(script)
             .args(["--base-url", &base, "--refs"])
             .arg(&refs_file)

@@ -154,13 +154,14 @@ async fn transient_failures_requeue_and_fatal_ones_fail_the_request() {
     agent
         .send(json!({"type":"pull","provider":"embedding","credits":2}))
         .await;
+    // Two credits, one batch frame at a time: the other credit is kept for interactive work.
     let solo_c = agent.recv_kind("work").await;
-    let solo_d = agent.recv_kind("work").await;
     assert_eq!(solo_c["input"]["texts"], json!(["c"]), "solo, in order");
-    assert_eq!(solo_d["input"]["texts"], json!(["d"]));
     agent
         .send(json!({"type":"done","lease":solo_c["lease"],"output":vectors_for(&solo_c, 0.5),"latency_ms":1.0}))
         .await;
+    let solo_d = agent.recv_kind("work").await;
+    assert_eq!(solo_d["input"]["texts"], json!(["d"]));
     // Fatal on one item: the client is told why, with the provider's message.
     agent
         .send(json!({"type":"failed","lease":solo_d["lease"],"class":"fatal","message":"input 1 is longer than the model's 512 tokens"}))

@@ -182,10 +182,7 @@ impl Core {
         // A local provider keeps its last credit for interactive work while it has work in
         // flight: batch work queued ahead on the agent is bounded to what it runs now, so a
         // query waits at most for the engine batch under way (see docs/operations.md).
-        let keep_for_interactive = reserve
-            && entry.info.backend == Backend::Local
-            && entry.credits <= 1
-            && entry.in_flight > 0;
+        let keep_for_interactive = reserve && entry.keeps_credit_for_interactive();
         let mut local_serves: HashMap<String, bool> = HashMap::new();
         let mut batch_space: Option<String> = None;
         let mut last_space: Option<(*const super::SpaceRef, bool)> = None;
@@ -346,7 +343,7 @@ impl Core {
         }
         if let Some(p) = provider {
             p.credits = p.credits.saturating_sub(1);
-            p.in_flight = p.in_flight.saturating_add(1);
+            p.lease_granted(caller.class);
         }
         self.turn = self.turn.wrapping_add(1);
         self.counters.leases_granted += 1;
@@ -401,6 +398,7 @@ impl Core {
             lease_id,
             Lease {
                 project: caller.project.clone(),
+                class: caller.class,
                 agent: agent_id.to_string(),
                 session,
                 provider: pid.to_string(),

@@ -334,6 +334,8 @@ impl Pending {
 struct Lease {
     /// The project whose items it carries (a work frame holds one project's items).
     project: Arc<str>,
+    /// The class of its items.
+    class: crate::protocol::WorkClass,
     agent: String,
     session: u64,
     provider: String,

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use super::{Binding, Core, RequestFailure};
 use crate::hub::policy;
-use crate::hub::projects::{AdmitRefusal, Caller, CloudShare, usage::room_for};
+use crate::hub::projects::{AdmitRefusal, Caller, CloudShare, ProjectLimits, usage::room_for};
 use crate::hub::queue::RequestId;
 use crate::protocol::Backend;
 use crate::roles::{Policy, Role};
@@ -47,6 +47,10 @@ impl Core {
             });
         }
         let mine_bytes = usage.held_bytes;
+        // With no project but `default`, there is nobody to keep room for.
+        if self.projects.records().count() <= 1 {
+            return self.check_quota(caller, role, binding, &limits);
+        }
         // The role queue's room, shared out (past the room: the queue's own 429).
         let queue = &self.queues[&role];
         let waiting = queue.waiting_by_project();
@@ -92,9 +96,21 @@ impl Core {
                 });
             }
         }
+        self.check_quota(caller, role, binding, &limits)
+    }
+
+    /// A project past a daily allowance may queue no work only the cloud could serve.
+    fn check_quota(
+        &mut self,
+        caller: &Caller,
+        role: Role,
+        binding: &Binding,
+        limits: &ProjectLimits,
+    ) -> Result<(), AdmitRefusal> {
+        let project = &caller.project;
         let now_ms = crate::hub::now_ms();
         let usage = self.projects.usage.entry(project.clone()).or_default();
-        if let Some(hit) = usage.quota_hit(&limits, now_ms)
+        if let Some(hit) = usage.quota_hit(limits, now_ms)
             && self.cloud_only(role, binding, Instant::now())
         {
             return Err(AdmitRefusal::Quota {

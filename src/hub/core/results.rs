@@ -110,7 +110,7 @@ impl Core {
                 "results of a provider that no longer passes the gate are dropped; the items go back"
             );
             if let Some(p) = self.provider_mut(&lease) {
-                p.in_flight = p.in_flight.saturating_sub(1);
+                p.lease_ended(lease.class);
             }
             let role = lease.role;
             self.requeue(
@@ -124,7 +124,7 @@ impl Core {
         }
         // The provider may have left the set while this lease ran; its results still count.
         if let Some(p) = self.provider_mut(&lease) {
-            p.in_flight = p.in_flight.saturating_sub(1);
+            p.lease_ended(lease.class);
             p.consecutive_failures = 0;
             p.served_items = p.served_items.saturating_add(lease.items.len() as u64);
             if let Some(ms) = latency_ms {
@@ -150,9 +150,11 @@ impl Core {
         let (project, cloud) = (lease.project.clone(), lease.permit.is_some());
         self.deliver(lease, outputs, tokens);
         if cloud {
-            let cost = done
-                .cost_usd
-                .map(|c| c * tokens as f64 / done.tokens.max(1) as f64);
+            // Without token counts the whole cost is the project's (no canary share known).
+            let cost = done.cost_usd.map(|c| match done.tokens {
+                0 => c,
+                all => c * tokens as f64 / all as f64,
+            });
             self.record_cloud_use(&project, tokens, cost);
         } else if let Some(usage) = self.projects.usage.get_mut(&project) {
             usage.local_tokens = usage.local_tokens.saturating_add(tokens);
@@ -472,7 +474,7 @@ impl Core {
         let Some(p) = self.provider_mut(lease) else {
             return false;
         };
-        p.in_flight = p.in_flight.saturating_sub(1);
+        p.lease_ended(lease.class);
         // Throttling is not the provider's fault, and a fatal input would fail anywhere.
         if matches!(class, FailureClass::RateLimited | FailureClass::Fatal) {
             return false;
@@ -521,7 +523,7 @@ impl Core {
     fn cancelled(&mut self, lease: &Lease) {
         self.counters.leases_cancelled += 1;
         if let Some(p) = self.provider_mut(lease) {
-            p.in_flight = p.in_flight.saturating_sub(1);
+            p.lease_ended(lease.class);
         }
         self.release_permit(lease, budget::Outcome::Other);
     }

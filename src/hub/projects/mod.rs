@@ -302,8 +302,12 @@ impl Projects {
             next.insert(name, record.clone());
         }
         self.records = next;
+        // A removed project's accounting stays while work it accepted is still held (its
+        // requests end against it; a project made again under the name continues it).
         let records = &self.records;
-        self.usage.retain(|name, _| records.contains_key(name));
+        self.usage.retain(|name, u| {
+            records.contains_key(name) || u.held_items > 0 || u.cloud_in_flight > 0
+        });
     }
 
     /// The day's cloud usage of every project (checkpointed with the hub's state).

@@ -215,9 +215,11 @@ impl ProjectUsage {
 pub const SOLO_ROOM: f64 = 0.75;
 
 /// Whether `mine + n` of a shared room of `capacity`, of which `total` is held, is within
-/// what a project of `weight` may hold: anything up to [`SOLO_ROOM`] of the room; beyond
-/// that, only while other projects hold some and its holding stays within its weighted
-/// share of the holders (`holders_weight` counts every project holding some, it included).
+/// what a project of `weight` may hold: anything up to [`SOLO_ROOM`] of the room (or any
+/// request that fits an empty room); beyond that, only while other projects hold some and its
+/// holding stays within its weighted share of the holders (`holders_weight` counts every
+/// project holding some, it included). A hub with no project but `default` shares nothing
+/// (the caller skips the rule).
 pub fn room_for(
     capacity: usize,
     total: usize,
@@ -230,7 +232,9 @@ pub fn room_for(
     if after > capacity {
         return false;
     }
-    if after as f64 <= SOLO_ROOM * capacity as f64 {
+    // Within the solo room, or into an empty hub (a request larger than the solo room is
+    // refused only while others hold some: a retry can then succeed).
+    if after as f64 <= SOLO_ROOM * capacity as f64 || total == 0 {
         return true;
     }
     let others_hold = mine < total;
@@ -273,6 +277,10 @@ mod tests {
         // Alone, a project fills three quarters of the room.
         assert!(room_for(100, 0, 0, 75, 1, 1));
         assert!(!room_for(100, 75, 75, 1, 1, 1));
+        assert!(
+            room_for(100, 0, 0, 90, 1, 1),
+            "one large request into an empty room"
+        );
         // Another project under its share gets the rest.
         assert!(room_for(100, 75, 0, 20, 1, 2));
         assert!(!room_for(100, 95, 20, 40, 1, 2), "past the room");

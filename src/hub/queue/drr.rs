@@ -103,6 +103,8 @@ impl<K: Ord + Clone, F: Backlog> Drr<K, F> {
                 flow.deficit = flow.deficit.saturating_add(quantum);
                 credited.push((key, quantum));
                 self.ring.rotate_left(1);
+                // A flow with a new round is tried before the offer is given up.
+                passed_over = 0;
                 continue;
             }
             match flow.inner.take(offer) {
@@ -114,6 +116,11 @@ impl<K: Ord + Clone, F: Backlog> Drr<K, F> {
                         self.forget(&key);
                     }
                     return Some((items, tokens));
+                }
+                None if flow.inner.len() == 0 => {
+                    // Only dead items were left: the flow is gone.
+                    self.flows.remove(&key);
+                    self.ring.pop_front();
                 }
                 None => {
                     passed_over += 1;
@@ -127,6 +134,8 @@ impl<K: Ord + Clone, F: Backlog> Drr<K, F> {
             }
         }
         self.ring = ring_before;
+        let flows = &self.flows;
+        self.ring.retain(|k| flows.contains_key(k));
         None
     }
 
