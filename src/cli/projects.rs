@@ -49,6 +49,18 @@ pub struct SettingsArgs {
 }
 
 impl SettingsArgs {
+    /// The settings given, as the admin API takes them (absent ones left out).
+    fn body(&self) -> Value {
+        let mut body = json!({"limits": self.limits()});
+        if let Some(w) = self.weight {
+            body["weight"] = w.into();
+        }
+        if let Some(s) = self.sub_projects {
+            body["sub_projects"] = s.into();
+        }
+        body
+    }
+
     fn limits(&self) -> serde_json::Map<String, Value> {
         let mut limits = serde_json::Map::new();
         let mut put = |k: &str, v: Option<Value>| {
@@ -126,13 +138,8 @@ pub async fn run(cmd: ProjectsCommand) -> anyhow::Result<()> {
             settings,
             access,
         } => {
-            let mut body = json!({"name": name, "limits": settings.limits()});
-            if let Some(w) = settings.weight {
-                body["weight"] = w.into();
-            }
-            if let Some(s) = settings.sub_projects {
-                body["sub_projects"] = s.into();
-            }
+            let mut body = settings.body();
+            body["name"] = name.into();
             (access, "POST", "/admin/projects".to_string(), Some(body))
         }
         ProjectsCommand::List { access } => (access, "GET", "/admin/projects".into(), None),
@@ -141,13 +148,7 @@ pub async fn run(cmd: ProjectsCommand) -> anyhow::Result<()> {
             settings,
             access,
         } => {
-            let mut body = json!({"limits": settings.limits()});
-            if let Some(w) = settings.weight {
-                body["weight"] = w.into();
-            }
-            if let Some(s) = settings.sub_projects {
-                body["sub_projects"] = s.into();
-            }
+            let body = settings.body();
             (
                 access,
                 "PATCH",

@@ -317,8 +317,8 @@ impl Hub {
         self.save_usage(days).await;
     }
 
-    /// Writes the projects' day usage now (shutdown, tests).
-    pub async fn save_usage(&self, days: BTreeMap<String, projects::usage::DayUsage>) {
+    /// Writes the projects' day usage now.
+    async fn save_usage(&self, days: BTreeMap<String, projects::usage::DayUsage>) {
         let _writing = self.inner.state_writes.lock().await;
         let mut next = self.state();
         next.project_usage = days;

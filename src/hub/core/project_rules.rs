@@ -8,7 +8,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
 
 use super::{Binding, Core, RequestFailure};
 use crate::hub::policy;
@@ -33,7 +32,6 @@ impl Core {
             .get(project)
             .map(|r| r.settings.limits.clone())
             .unwrap_or_default();
-        let retry_after_s = self.retry_after_s(role);
         let usage = self.projects.usage.entry(project.clone()).or_default();
         if let Some(limit) = limits.max_queued_items
             && usage.held_items.saturating_add(n as u64) > limit
@@ -43,7 +41,7 @@ impl Core {
                 held: usage.held_items,
                 items: n,
                 limit,
-                retry_after_s,
+                retry_after_s: self.retry_after_s(role),
             });
         }
         let mine_bytes = usage.held_bytes;
@@ -64,7 +62,7 @@ impl Core {
                     what: "role queue's items",
                     held: mine,
                     limit: capacity,
-                    retry_after_s,
+                    retry_after_s: self.retry_after_s(role),
                 });
             }
         }
@@ -92,7 +90,7 @@ impl Core {
                     what: "bytes of accepted input (max_held_mb)",
                     held: mine_bytes,
                     limit,
-                    retry_after_s,
+                    retry_after_s: self.retry_after_s(role),
                 });
             }
         }
@@ -111,7 +109,7 @@ impl Core {
         let now_ms = crate::hub::now_ms();
         let usage = self.projects.usage.entry(project.clone()).or_default();
         if let Some(hit) = usage.quota_hit(limits, now_ms)
-            && self.cloud_only(role, binding, Instant::now())
+            && self.cloud_only(role, binding)
         {
             return Err(AdmitRefusal::Quota {
                 project: project.to_string(),
@@ -171,7 +169,7 @@ impl Core {
 
     /// Whether only the cloud could serve items of `binding` for `role` (the policy allows
     /// nothing else, or no local provider of the binding is connected).
-    pub(super) fn cloud_only(&self, role: Role, binding: &Binding, _now: Instant) -> bool {
+    pub(super) fn cloud_only(&self, role: Role, binding: &Binding) -> bool {
         let policy = self.cloud.policy(role);
         if policy == Policy::Local {
             return false;
@@ -239,12 +237,11 @@ impl Core {
         let Some(hit) = usage.quota_hit(&limits, now_ms) else {
             return;
         };
-        let now = Instant::now();
         let stranded: Vec<RequestId> = self
             .requests
             .iter()
             .filter(|(_, p)| p.caller.project == *project && p.streamed.is_none())
-            .filter(|(_, p)| self.cloud_only(p.role, &p.binding, now))
+            .filter(|(_, p)| self.cloud_only(p.role, &p.binding))
             .map(|(id, _)| *id)
             .collect();
         for id in stranded {
