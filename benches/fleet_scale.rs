@@ -187,7 +187,7 @@ impl Fleet {
             let (stop, rx) = tokio::sync::watch::channel(false);
             self.stops.push(stop);
             tokio::spawn(agent.run(rx));
-            if self.stops.len() % 100 == 0 {
+            if self.stops.len().is_multiple_of(100) {
                 wait_for_fleet(client, hub.addr, self.stops.len()).await;
             }
         }

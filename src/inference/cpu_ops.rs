@@ -445,7 +445,7 @@ impl CustomOp3 for PackedAttention {
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let d = self.head_dim;
-        if self.kv_heads == 0 || self.q_heads % self.kv_heads != 0 {
+        if self.kv_heads == 0 || !self.q_heads.is_multiple_of(self.kv_heads) {
             bail!(
                 "packed attention: {} query heads over {} kv heads",
                 self.q_heads,

@@ -317,7 +317,7 @@ mod tests {
         let err = on_cpu(Some(1 << 20), 1 << 20, AttentionMode::Padded, free).unwrap_err();
         assert!(err.contains("set max_batch_tokens to at most"), "{err}");
         let at_most: usize = err.rsplit(' ').next().unwrap().parse().unwrap();
-        assert!(at_most % 512 == 0 && at_most >= 512, "{at_most}");
+        assert!(at_most.is_multiple_of(512) && at_most >= 512, "{at_most}");
         let ok = on_cpu(Some(at_most), 1 << 20, AttentionMode::Padded, free);
         assert_eq!(ok, Ok((at_most, BudgetSource::Configured)));
         // Unconfigured on the CPU: the default, or what fits when the default does not.

@@ -62,9 +62,11 @@ impl Notifier {
         self.notify(&format!("STOPPING=1\nSTATUS={}", one_line(status)));
     }
 
-    /// `RELOADING=1`; a `READY=1` says the reload is over.
+    /// `RELOADING=1` with `MONOTONIC_USEC` (which `Type=notify-reload` units require: systemd
+    /// matches the message to the reload it asked for by that time); a `READY=1` says the
+    /// reload is over.
     pub fn reloading(&self) {
-        self.notify("RELOADING=1");
+        self.notify(&format!("RELOADING=1\nMONOTONIC_USEC={}", monotonic_usec()));
     }
 
     /// Sends `line()` as `STATUS=` every `every` when it changed, until `stop` turns true; then
@@ -152,6 +154,22 @@ fn send(path: &str, state: &str) -> io::Result<()> {
     }
     socket.send_to(state.as_bytes(), path)?;
     Ok(())
+}
+
+/// `CLOCK_MONOTONIC` in microseconds, the clock systemd's `MONOTONIC_USEC` is read on.
+pub fn monotonic_usec() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec through a pointer to a live local.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    if rc != 0 {
+        return 0;
+    }
+    let secs = u64::try_from(now.tv_sec).unwrap_or(0);
+    let micros = u64::try_from(now.tv_nsec / 1_000).unwrap_or(0);
+    secs.saturating_mul(1_000_000).saturating_add(micros)
 }
 
 #[cfg(test)]

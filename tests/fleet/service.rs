@@ -51,9 +51,21 @@ impl NotifySocket {
     /// Sends SIGHUP to `proc` and returns the reload's outcome: the `READY=1` message that
     /// follows its `RELOADING=1` (with the `reloaded: …` or `reload failed …` line).
     async fn reload(&mut self, proc: &Proc) -> String {
+        let before = fantom_sidecar::service::notify::monotonic_usec();
         proc.signal("HUP");
-        self.until("RELOADING=1", |m| m.starts_with("RELOADING=1"))
+        let reloading = self
+            .until("RELOADING=1", |m| m.starts_with("RELOADING=1"))
             .await;
+        // Type=notify-reload needs MONOTONIC_USEC: the time the reload began, on the clock
+        // this process reads too.
+        let usec: u64 = reloading
+            .lines()
+            .find_map(|l| l.strip_prefix("MONOTONIC_USEC="))
+            .unwrap_or_else(|| panic!("no MONOTONIC_USEC in {reloading:?}"))
+            .parse()
+            .unwrap();
+        let after = fantom_sidecar::service::notify::monotonic_usec();
+        assert!((before..=after).contains(&usec), "{before} {usec} {after}");
         self.until("the reload's outcome", |m| m.starts_with("READY=1"))
             .await
     }

@@ -333,7 +333,7 @@ impl BertEncoder {
         {
             candle_core::bail!("unsupported BERT position_embedding_type `{kind}`");
         }
-        if cfg.hidden_size % cfg.num_attention_heads != 0 {
+        if !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads) {
             candle_core::bail!("hidden_size is not a multiple of num_attention_heads");
         }
         let h = cfg.hidden_size;

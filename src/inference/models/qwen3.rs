@@ -114,11 +114,14 @@ impl Qwen3Config {
         if self.use_sliding_window {
             candle_core::bail!("Qwen3 with a sliding window is not supported");
         }
-        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0
+        if self.num_key_value_heads == 0
+            || !self
+                .num_attention_heads
+                .is_multiple_of(self.num_key_value_heads)
         {
             candle_core::bail!("num_attention_heads must be a multiple of num_key_value_heads");
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             candle_core::bail!("head_dim must be even for RoPE");
         }
         Ok(())
