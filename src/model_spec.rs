@@ -112,7 +112,9 @@ impl fmt::Display for Pooling {
 }
 
 /// How a reranker's raw logit becomes a probability, when the model defines one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default, utoipa::ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum ScoreActivation {
     /// The model defines no probability; only the raw logit is reported.

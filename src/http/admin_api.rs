@@ -2,6 +2,7 @@
 //! is write-only: accepted here, sent to the agents, never stored or returned) and
 //! `GET /admin/status`.
 
+use super::openapi::{AdminErrors, AnyObject};
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -32,6 +33,9 @@ pub(super) fn admin(hub: &Hub, headers: &HeaderMap) -> Result<(), ApiError> {
     auth::require(headers, hub.admin_token(), "admin")
 }
 
+/// The cloud config in force (never the key), and Fantom's defaults for unmapped roles.
+#[utoipa::path(get, path = "/admin/config", tag = "admin",
+    responses((status = 200, body = AnyObject), AdminErrors), security(("admin_token" = [])))]
 pub async fn get_config(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -68,6 +72,10 @@ pub async fn get_config(
     })))
 }
 
+/// A config push, partial and merged (Fantom's `{"openrouter": {...}}` or the bare object; the
+/// key is write-only). docs/operations.md lists its fields.
+#[utoipa::path(post, path = "/admin/config", tag = "admin", request_body = AnyObject,
+    responses((status = 200, body = AnyObject), AdminErrors), security(("admin_token" = [])))]
 pub async fn post_config(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -93,6 +101,8 @@ pub async fn post_config(
 
 /// `POST /admin/budget`: `{"permits": 1..=256}` overrides the cloud budget's ceiling at
 /// once; `{"permits": null}` returns it to what the account allows. Persisted.
+#[utoipa::path(post, path = "/admin/budget", tag = "admin", request_body = BudgetRequest,
+    responses((status = 200, body = AnyObject), AdminErrors), security(("admin_token" = [])))]
 pub async fn post_budget(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -104,7 +114,7 @@ pub async fn post_budget(
     })?;
     let permits = match value.get("permits") {
         Some(Value::Null) => None,
-        Some(v) => match v.as_u64() {
+        Some(v) => match v.as_number().and_then(super::whole_number::of) {
             Some(n @ 1..=256) => Some(n as u32),
             _ => {
                 return Err(ApiError::bad_request(
@@ -133,6 +143,8 @@ pub async fn post_budget(
 /// `POST /admin/gate/verify`: forgets verdicts (`{"provider": "agent/id"}` for one provider,
 /// `{}` for all) so they are probed and judged again now; `{"retire_space": id}` also forgets
 /// that space's fingerprint, which the role's reference then makes again.
+#[utoipa::path(post, path = "/admin/gate/verify", tag = "admin", request_body = GateVerifyRequest,
+    responses((status = 200, body = AnyObject), AdminErrors), security(("admin_token" = [])))]
 pub async fn post_gate_verify(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -181,12 +193,34 @@ pub async fn post_gate_verify(
     Ok(Json(json!({ "cleared": cleared, "retired": retire })))
 }
 
+/// Everything the hub knows: agents, providers, queues, the budget, the gate, projects.
+#[utoipa::path(get, path = "/admin/status", tag = "admin",
+    responses((status = 200, body = AnyObject), AdminErrors), security(("admin_token" = [])))]
 pub async fn status(
     State(hub): State<Hub>,
     headers: HeaderMap,
 ) -> Result<Json<StatusView>, ApiError> {
     admin(&hub, &headers)?;
     Ok(Json(hub.status()))
+}
+
+/// `POST /admin/budget`'s body.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)] // a schema only: the body is read as JSON
+pub struct BudgetRequest {
+    /// The ceiling on cloud calls in flight, 1..=256; null returns it to what the account allows.
+    #[schema(minimum = 1, maximum = 256)]
+    permits: Option<u32>,
+}
+
+/// `POST /admin/gate/verify`'s body (`{}` forgets every verdict).
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct GateVerifyRequest {
+    /// One provider (`agent/provider`) to judge again.
+    provider: Option<String>,
+    /// A space id to retire.
+    retire_space: Option<String>,
 }
 
 #[cfg(test)]

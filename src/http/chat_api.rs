@@ -30,6 +30,39 @@ use crate::roles::Op;
 /// Messages one chat may carry.
 const MAX_MESSAGES: usize = 4096;
 
+/// OpenAI's chat request; fields other than these are passed to the upstream as they are
+/// (`provider` and `models` are removed: routing is the hub's).
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)] // a schema only: the body is read as JSON
+#[schema(example = json!({"model": "code-assistant", "messages": [{"role": "user", "content": "Say hello"}]}))]
+pub struct ChatRequest {
+    /// A chat role: `code-assistant` or `rlm-sandbox`.
+    model: String,
+    /// OpenAI's messages (at most 4096).
+    #[schema(value_type = Vec<Object>)]
+    messages: Vec<Value>,
+    /// Answer as server-sent events.
+    stream: Option<bool>,
+}
+
+/// One server-sent event of a streamed chat: `data` is a chunk's JSON (the last with the
+/// provenance), then `[DONE]`; an `error` event ends a stream that was cut.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)] // a schema only
+pub struct ChatEvent {
+    data: String,
+    /// `error` for the event that ends a cut stream.
+    event: Option<String>,
+}
+
+/// Runs a chat role; `stream: true` answers as server-sent events in OpenAI's chunk format,
+/// ending with `data: [DONE]` (or an `error` event when the stream was cut).
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatRequest,
+    responses(
+        (status = 200, description = "A chat completion, or its chunks as server-sent events",
+            content((Object = "application/json"), (ChatEvent = "text/event-stream"))),
+        super::openapi::ClientErrors),
+    security((), ("client_key" = [])))]
 pub async fn completions(
     State(hub): State<Hub>,
     headers: HeaderMap,

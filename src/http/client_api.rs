@@ -25,7 +25,7 @@ use crate::hub::registry::ProviderRef;
 use crate::protocol::WorkClass;
 use crate::roles::{Op, Role};
 
-#[derive(Serialize)]
+#[derive(Serialize, utoipa::ToSchema)]
 pub struct Usage {
     pub prompt_tokens: u64,
     pub total_tokens: u64,
@@ -114,9 +114,9 @@ pub(super) fn json_body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, Ap
 
 /// The role a request names, checked against the operation of its endpoint.
 pub(super) fn role_for(name: &str, op: Op) -> Result<Role, ApiError> {
-    let role: Role = name.parse().map_err(|e: crate::roles::UnknownRole| {
-        ApiError::bad_request(crate::secret::redact(&e.to_string()))
-    })?;
+    let role: Role = name
+        .parse()
+        .map_err(|e: crate::roles::UnknownRole| model_not_found(&e.to_string()))?;
     check_op(role, op)?;
     Ok(role)
 }
@@ -151,14 +151,24 @@ pub(super) fn role_named(hub: &Hub, name: &str, op: Op) -> Result<Option<Role>, 
         .map(|c| c.role))
 }
 
-/// As [`role_named`], with a 400 naming the roles when `name` is neither a role nor a model.
+/// As [`role_named`], with a 404 `model_not_found` naming the roles when `name` is neither a
+/// role nor a model (OpenAI's answer for a model it does not serve).
 pub(super) fn resolve_role(hub: &Hub, name: &str, op: Op) -> Result<Role, ApiError> {
     role_named(hub, name, op)?.ok_or_else(|| {
         let unknown = crate::roles::UnknownRole(name.to_string());
-        ApiError::bad_request(crate::secret::redact(&format!(
+        model_not_found(&format!(
             "{unknown}, or the model id one serves (GET /v1/models lists them)"
-        )))
+        ))
     })
+}
+
+/// 404 `model_not_found`, the message redacted (a key pasted into `model` is never echoed).
+fn model_not_found(message: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "model_not_found",
+        crate::secret::redact(message),
+    )
 }
 
 /// The inputs of a request: a string or an array of strings. Token ids (an array of
@@ -380,14 +390,15 @@ pub(super) async fn rerank(
     })
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(example = json!({"query": "how are tokens counted?", "documents": ["tokens are counted per input", "the weather is fine"], "top_n": 2, "return_documents": true}))]
 pub struct RerankRequest {
     /// A role; `reranker` when absent.
     #[serde(default)]
     pub model: Option<String>,
     pub query: String,
     pub documents: Vec<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::whole_number::optional")]
     pub top_n: Option<usize>,
     #[serde(default)]
     pub return_documents: bool,
@@ -395,7 +406,7 @@ pub struct RerankRequest {
     pub instruction: Option<String>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, utoipa::ToSchema)]
 pub struct RerankResponse {
     pub model: String,
     /// The one scorer every score came from (a request is never scored on two scales).
@@ -405,7 +416,7 @@ pub struct RerankResponse {
     pub usage: Usage,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, utoipa::ToSchema)]
 pub struct RerankResult {
     pub index: usize,
     /// The scorer's probability where it defines one (cross-encoders with a sigmoid, Qwen3,
@@ -416,12 +427,15 @@ pub struct RerankResult {
     pub provenance: ProviderRef,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, utoipa::ToSchema)]
 pub struct RerankDocument {
     pub text: String,
 }
 
 /// `POST /v1/rerank`: our own shape (Cohere's v1 with provenance).
+#[utoipa::path(post, path = "/v1/rerank", tag = "fantom", request_body = RerankRequest,
+    responses((status = 200, body = RerankResponse), super::openapi::ClientErrors),
+    security((), ("client_key" = [])))]
 pub async fn rerank_v1(
     State(hub): State<Hub>,
     headers: HeaderMap,

@@ -15,33 +15,69 @@ use serde_json::{Map, Value, json};
 use super::client_api::{self, EmbedCall, client_auth, json_body};
 use super::error::{ApiError, ErrorShape, Shaped};
 use super::openai_api::base64_of;
+use super::openapi::CohereErrors;
 use super::request_id;
 use crate::hub::Hub;
 use crate::roles::Op;
+use utoipa::ToSchema;
 
 const SHAPE: ErrorShape = ErrorShape::Cohere;
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
+#[schema(as = CohereEmbedRequest)]
+#[schema(example = json!({"model": "embedding", "texts": ["fn main() {}"], "input_type": "search_document", "embedding_types": ["float"]}))]
 pub struct EmbedRequest {
+    /// A role (`embedding`, `code-embedding`) or the model id one serves.
     pub model: String,
+    /// `search_query` applies the model's query template; `search_document` (default),
+    /// `classification` and `clustering` do not.
     #[serde(default)]
+    #[schema(schema_with = input_types)]
     pub input_type: Option<String>,
     #[serde(default)]
+    #[schema(value_type = Option<super::openapi::TextInput>)]
     pub texts: Option<Value>,
+    /// Refused: only texts are embedded here.
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     pub images: Option<Value>,
+    /// Refused: only texts are embedded here.
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     pub inputs: Option<Value>,
+    /// `float` (default) and/or `base64`.
     #[serde(default)]
+    #[schema(schema_with = embedding_types)]
     pub embedding_types: Option<Vec<String>>,
     /// `END` (Cohere's default and ours: a long input loses its end); others are refused.
     #[serde(default)]
+    #[schema(schema_with = truncations)]
     pub truncate: Option<String>,
-    #[serde(default)]
+    /// Refused: inputs are cut at the model's own limit.
+    #[serde(default, deserialize_with = "super::whole_number::optional")]
     pub max_tokens: Option<u64>,
     /// Matryoshka width (the first `output_dimension` entries, re-normalised).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::whole_number::optional")]
     pub output_dimension: Option<usize>,
+}
+
+fn input_types() -> utoipa::openapi::Object {
+    super::openapi::one_of(&[
+        "search_query",
+        "search_document",
+        "classification",
+        "clustering",
+    ])
+}
+
+fn embedding_types() -> utoipa::openapi::schema::Array {
+    utoipa::openapi::schema::ArrayBuilder::new()
+        .items(super::openapi::one_of(&["float", "base64"]))
+        .build()
+}
+
+fn truncations() -> utoipa::openapi::Object {
+    super::openapi::one_of(&["END"])
 }
 
 fn cohere_meta(tokens_field: &str, tokens: u64) -> Value {
@@ -60,6 +96,10 @@ fn check_truncate(truncate: Option<&str>) -> Result<(), ApiError> {
     }
 }
 
+/// Embeds texts (Cohere's v2 shape), with provenance in `x_fantom`.
+#[utoipa::path(post, path = "/v2/embed", tag = "cohere", request_body = EmbedRequest,
+    responses((status = 200, body = CohereEmbedResponse), CohereErrors),
+    security((), ("client_key" = [])))]
 pub async fn embed(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -156,22 +196,30 @@ async fn run_embed(
     Ok((done.timing.headers(), Json(body)))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
+#[schema(as = CohereRerankRequest)]
+#[schema(example = json!({"model": "reranker", "query": "how are tokens counted?", "documents": ["tokens are counted per input", "the weather is fine"], "top_n": 1}))]
 pub struct RerankRequest {
     #[serde(default)]
     pub model: Option<String>,
     pub query: String,
+    /// Strings (v2), or `{"text": ...}` objects (v1 clients).
+    #[schema(value_type = Vec<CohereDocument>)]
     pub documents: Vec<Value>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::whole_number::optional")]
     pub top_n: Option<usize>,
     /// Not in the v2 SDK; accepted (v1 clients send it).
     #[serde(default)]
     pub return_documents: bool,
     /// Accepted and not applied: documents are cut at the scorer's own limit.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::whole_number::optional")]
     pub max_tokens_per_doc: Option<u64>,
 }
 
+/// Ranks documents against a query (Cohere's v2 shape), with provenance in `x_fantom`.
+#[utoipa::path(post, path = "/v2/rerank", tag = "cohere", request_body = RerankRequest,
+    responses((status = 200, body = CohereRerankResponse), CohereErrors),
+    security((), ("client_key" = [])))]
 pub async fn rerank(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -242,4 +290,82 @@ async fn run_rerank(
         "x_fantom": {"role": role, "scorer": done.scorer.as_deref(), "provenance": provenance, "tokens": done.tokens},
     });
     Ok((done.timing.headers(), Json(body)))
+}
+
+/// A document to rank: a string, or an object with `text`.
+#[derive(ToSchema)]
+#[allow(dead_code)] // schemas only: the bodies are built as JSON in the handlers
+#[serde(untagged)]
+pub enum CohereDocument {
+    Text(String),
+    Object { text: String },
+}
+
+/// Cohere's `embeddings_by_type` answer.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct CohereEmbedResponse {
+    /// The request id.
+    id: String,
+    /// `embeddings_by_type`.
+    response_type: String,
+    /// One list per type asked for.
+    embeddings: CohereEmbeddings,
+    texts: Vec<String>,
+    meta: CohereMeta,
+    /// The role, the space and each vector's provider.
+    x_fantom: CohereEmbedProvenance,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct CohereEmbeddings {
+    float: Option<Vec<Vec<f32>>>,
+    /// Base64 of each vector's little-endian f32 bytes.
+    base64: Option<Vec<String>>,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct CohereMeta {
+    #[schema(value_type = Object)]
+    api_version: Value,
+    /// `input_tokens` (embed) or `search_units` (rerank).
+    #[schema(value_type = Object)]
+    billed_units: Value,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct CohereEmbedProvenance {
+    role: crate::roles::Role,
+    space: Option<crate::hub::core::SpaceRef>,
+    provenance: Vec<crate::hub::registry::ProviderRef>,
+}
+
+/// Cohere's rerank answer.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct CohereRerankResponse {
+    id: String,
+    results: Vec<CohereRerankResult>,
+    meta: CohereMeta,
+    x_fantom: CohereRerankProvenance,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct CohereRerankResult {
+    index: usize,
+    relevance_score: f32,
+    document: Option<super::client_api::RerankDocument>,
+}
+
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct CohereRerankProvenance {
+    role: crate::roles::Role,
+    scorer: Option<crate::hub::registry::ScorerRef>,
+    provenance: Vec<crate::hub::registry::ProviderRef>,
+    tokens: u64,
 }

@@ -115,6 +115,24 @@ impl IntoResponse for Shaped {
     }
 }
 
+/// What a panicking handler answers: a 500 in OpenAI's shape (the panic is logged; the
+/// connection and the process stay up).
+pub fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    let what = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    tracing::error!(panic = %crate::secret::redact(&what), "a request handler panicked");
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal_error",
+        "the server failed while answering this request (its log says where); the request may \
+         be sent again",
+    )
+    .into_response()
+}
+
 impl From<HubError> for Shaped {
     fn from(e: HubError) -> Self {
         Shaped(e.into(), ErrorShape::OpenAi)
@@ -187,5 +205,48 @@ impl ApiError {
         // Nothing is coming that could serve it: a retry would only wait to hear it again.
         err.final_answer = status.is_server_error() && u.retry_after_s.is_none();
         err
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::Router;
+    use axum::routing::get;
+
+    /// A handler that panics answers 500 in OpenAI's shape, and the connection and the server
+    /// stay up for the next request.
+    #[tokio::test]
+    async fn a_panicking_handler_answers_500_and_the_server_goes_on() {
+        async fn boom() -> &'static str {
+            panic!("a bug with sk-or-v1-0123456789abcdef0123456789abcdef in its message")
+        }
+        let app = Router::new()
+            .route("/boom", get(boom))
+            .route("/ok", get(|| async { "fine" }))
+            .layer(tower_http::catch_panic::CatchPanicLayer::custom(
+                super::panic_response,
+            ));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
+        let client = reqwest::Client::new();
+        for _ in 0..2 {
+            let r = client
+                .get(format!("http://{addr}/boom"))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 500);
+            let body: serde_json::Value = r.json().await.unwrap();
+            assert_eq!(body["error"]["code"], "internal_error");
+            assert!(!body.to_string().contains("sk-or"), "{body}");
+        }
+        let ok = client
+            .get(format!("http://{addr}/ok"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(ok.text().await.unwrap(), "fine");
+        server.abort();
     }
 }

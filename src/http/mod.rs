@@ -3,7 +3,8 @@
 //! they share in [`client_api`]), the admin API ([`admin_api`], projects in [`projects_api`]),
 //! health, readiness and metrics
 //! ([`ops`]), the request ids and route latencies around them all ([`request_id`]), and the
-//! agents' WebSocket endpoint; the agent's own small health/metrics server is in
+//! agents' WebSocket endpoint; the API document and its browser ([`openapi`]: `/openapi.json`,
+//! `/docs`, built from the same list as the router). The agent's own small health/metrics server is in
 //! [`crate::agent::http`]. Each family's routes answer errors in its own shape
 //! ([`error::ErrorShape`]); everything else in OpenAI's.
 
@@ -15,20 +16,26 @@ pub mod cohere_api;
 pub mod error;
 pub mod ollama_api;
 pub mod openai_api;
+pub mod openapi;
 pub mod ops;
 pub mod projects_api;
 pub mod request_id;
 pub mod tei_api;
+pub mod whole_number;
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use axum::Router;
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::{DefaultBodyLimit, State, WebSocketUpgrade};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
+use utoipa::OpenApi as _;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::hub::Hub;
 use crate::hub::socket::serve_agent;
@@ -44,73 +51,90 @@ pub struct TlsFiles {
     pub key: PathBuf,
 }
 
-/// Every route of the hub.
+/// Every route of the hub: the documented routes ([`api_router`]), the agents' WebSocket,
+/// `/openapi.json` and `/docs`; a panicking handler answers 500 (the connection stays up), and
+/// answers are gzip-compressed for a client that asks (`Accept-Encoding: gzip`; never a stream).
 pub fn hub_router(hub: Hub) -> Router {
     let routes = std::sync::Arc::new(request_id::RouteMetrics::default());
-    let metrics = {
-        let routes = routes.clone();
-        move |State(hub): State<Hub>| async move { ops::metrics_text(&hub, &routes) }
-    };
-    Router::new()
+    let (router, doc) = api_router().split_for_parts();
+    let docs = utoipa_swagger_ui::SwaggerUi::new("/docs")
+        .url("/openapi.json", doc)
+        // Swagger UI would send the document to validator.swagger.io: nothing leaves the page.
+        .config(utoipa_swagger_ui::Config::default().validator_url("none"));
+    router
         .route("/v1/agent", get(agent_socket))
-        // OpenAI (also without the /v1 prefix, for a base_url that lacks it)
-        .route("/v1/embeddings", post(openai_api::embeddings))
-        .route("/embeddings", post(openai_api::embeddings))
-        .route("/v1/models", get(openai_api::models))
-        .route("/v1/models/{id}", get(openai_api::model))
-        .route("/v1/chat/completions", post(chat_api::completions))
-        // ours (Cohere v1's shape with provenance)
-        .route("/v1/rerank", post(client_api::rerank_v1))
-        // Cohere v2
-        .route("/v2/embed", post(cohere_api::embed))
-        .route("/v2/rerank", post(cohere_api::rerank))
-        // text-embeddings-inference
-        .route("/", post(tei_api::root).get(ops::health))
-        .route("/ping", get(ops::health))
-        .route("/embed", post(tei_api::embed))
-        .route("/rerank", post(tei_api::rerank))
-        .route("/similarity", post(tei_api::similarity))
-        .route("/info", get(tei_api::info))
-        // Ollama
-        .route("/api/embed", post(ollama_api::embed))
-        .route(
-            "/admin/config",
-            get(admin_api::get_config).post(admin_api::post_config),
-        )
-        .route("/admin/status", get(admin_api::status))
-        .route("/admin/budget", post(admin_api::post_budget))
-        .route("/admin/gate/verify", post(admin_api::post_gate_verify))
-        .route(
-            "/admin/projects",
-            get(projects_api::list).post(projects_api::create),
-        )
-        .route(
-            "/admin/projects/{name}",
-            axum::routing::patch(projects_api::update).delete(projects_api::remove),
-        )
-        .route("/admin/projects/{name}/rotate", post(projects_api::rotate))
-        .route("/health", get(ops::health))
-        .route("/ready", get(ops::ready))
-        .route("/metrics", get(metrics))
+        .merge(docs)
         .fallback(ops::not_found)
+        .layer(tower_http::catch_panic::CatchPanicLayer::custom(
+            error::panic_response,
+        ))
+        .layer(axum::Extension(routes.clone()))
         .layer(axum::middleware::from_fn_with_state(
             (hub.clone(), routes),
             request_id::observe,
         ))
+        .layer(tower_http::compression::CompressionLayer::new().gzip(true))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(hub)
+}
+
+/// The documented routes with the document: each `routes!` mounts a handler on the path its
+/// `#[utoipa::path]` names and adds that operation to the document, so neither can go without
+/// the other.
+pub fn api_router() -> OpenApiRouter<Hub> {
+    OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
+        // OpenAI (also without the /v1 prefix, for a base_url that lacks it)
+        .routes(routes!(openai_api::embeddings))
+        .routes(routes!(openai_api::embeddings_unprefixed))
+        .routes(routes!(openai_api::models))
+        .routes(routes!(openai_api::model))
+        .routes(routes!(chat_api::completions))
+        // ours (Cohere v1's shape with provenance)
+        .routes(routes!(client_api::rerank_v1))
+        // Cohere v2
+        .routes(routes!(cohere_api::embed))
+        .routes(routes!(cohere_api::rerank))
+        // text-embeddings-inference
+        .routes(routes!(tei_api::root, ops::health_root))
+        .routes(routes!(ops::ping))
+        .routes(routes!(tei_api::embed))
+        .routes(routes!(tei_api::rerank))
+        .routes(routes!(tei_api::similarity))
+        .routes(routes!(tei_api::info))
+        // Ollama
+        .routes(routes!(ollama_api::embed))
+        // admin
+        .routes(routes!(admin_api::get_config, admin_api::post_config))
+        .routes(routes!(admin_api::status))
+        .routes(routes!(admin_api::post_budget))
+        .routes(routes!(admin_api::post_gate_verify))
+        .routes(routes!(projects_api::list, projects_api::create))
+        .routes(routes!(projects_api::update, projects_api::remove))
+        .routes(routes!(projects_api::rotate))
+        // operations
+        .routes(routes!(ops::health))
+        .routes(routes!(ops::ready))
+        .routes(routes!(ops::metrics))
 }
 
 /// The read buffer of one agent's socket on the hub.
 const AGENT_READ_BUFFER_BYTES: usize = 16 * 1024;
 
-/// `GET /v1/agent`: the fleet token is checked before the upgrade.
+/// `GET /v1/agent`: the fleet token is checked before the upgrade (a request without the token
+/// is a 401 whether it asks for an upgrade or not).
 async fn agent_socket(
     State(hub): State<Hub>,
     headers: HeaderMap,
-    ws: WebSocketUpgrade,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     auth::require(&headers, hub.fleet_token(), "fleet")?;
+    let ws = ws.map_err(|e| {
+        ApiError::bad_request(format!(
+            "this is the agents' WebSocket endpoint ({}); run `fantom-sidecar agent` against \
+             this hub",
+            e.body_text()
+        ))
+    })?;
     let max = hub.core().settings.max_frame_bytes;
     Ok(ws
         .max_message_size(max)

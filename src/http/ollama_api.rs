@@ -19,23 +19,49 @@ use super::error::{ApiError, ErrorShape, Shaped};
 use crate::hub::Hub;
 use crate::roles::Op;
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
+#[schema(as = OllamaEmbedRequest)]
+#[schema(example = json!({"model": "embedding", "input": ["fn main() {}"]}))]
 pub struct EmbedRequest {
+    /// A role or the model id one serves (`:latest` ignored).
     pub model: String,
+    /// A text or a list of texts; none (or "") preloads and answers no vectors.
     #[serde(default)]
+    #[schema(value_type = Option<super::openapi::TextInput>)]
     pub input: Option<Value>,
     /// Ollama's default (true) is what we do; false is refused.
     #[serde(default)]
     pub truncate: Option<bool>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "super::whole_number::optional")]
     pub dimensions: Option<usize>,
     /// Accepted and not applied (`num_ctx`, ...): the model's limits are the agent's.
     #[serde(default)]
+    #[schema(value_type = Option<Object>)]
     pub options: Option<Value>,
+    /// Accepted and not applied.
     #[serde(default)]
+    #[schema(value_type = Option<String>)]
     pub keep_alive: Option<Value>,
 }
 
+/// Ollama's embed answer, with provenance in `x_fantom`.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)] // a schema only: the answer is built as JSON below
+#[schema(as = OllamaEmbedResponse)]
+pub struct EmbedResponse {
+    model: String,
+    embeddings: Vec<Vec<f32>>,
+    /// Nanoseconds.
+    total_duration: Option<u64>,
+    load_duration: Option<u64>,
+    prompt_eval_count: Option<u64>,
+    x_fantom: Option<super::cohere_api::CohereEmbedProvenance>,
+}
+
+/// Embeds texts (Ollama's shape).
+#[utoipa::path(post, path = "/api/embed", tag = "ollama", request_body = EmbedRequest,
+    responses((status = 200, body = EmbedResponse), super::openapi::OllamaErrors),
+    security((), ("client_key" = [])))]
 pub async fn embed(
     State(hub): State<Hub>,
     headers: HeaderMap,

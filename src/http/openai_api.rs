@@ -11,28 +11,36 @@ use axum::response::IntoResponse;
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use utoipa::ToSchema;
 
 use super::client_api::{self, EmbedCall, Usage, client_auth, json_body};
 use super::error::ApiError;
+use super::openapi::{ClientErrors, TextInput};
 use crate::hub::Hub;
 use crate::hub::core::SpaceRef;
 use crate::hub::registry::ProviderRef;
 use crate::hub::status::RoleCatalog;
 use crate::roles::Op;
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
+#[schema(example = json!({"model": "embedding", "input": ["fn main() {}", "a question about parsing"]}))]
 pub struct EmbeddingsRequest {
     /// A role (`embedding`, `code-embedding`) or the model id one serves.
     pub model: String,
     /// A string or an array of strings (token ids are refused).
+    #[schema(value_type = TextInput)]
     pub input: Value,
-    #[serde(default)]
+    /// Matryoshka width: the first `dimensions` entries, re-normalised.
+    #[serde(default, deserialize_with = "super::whole_number::optional")]
+    #[schema(minimum = 1)]
     pub dimensions: Option<usize>,
     /// `float` (default) or `base64` (little-endian f32).
     #[serde(default)]
+    #[schema(schema_with = encoding_formats)]
     pub encoding_format: Option<String>,
     /// `query` applies the model's query template; `document` (default) does not.
     #[serde(default)]
+    #[schema(schema_with = input_types)]
     pub input_type: Option<String>,
     /// The instruction of instruction-aware models (with `input_type: query`).
     #[serde(default)]
@@ -41,7 +49,15 @@ pub struct EmbeddingsRequest {
     pub user: Option<String>,
 }
 
-#[derive(Serialize)]
+fn encoding_formats() -> utoipa::openapi::Object {
+    super::openapi::one_of(&["float", "base64"])
+}
+
+fn input_types() -> utoipa::openapi::Object {
+    super::openapi::one_of(&["query", "document"])
+}
+
+#[derive(Serialize, ToSchema)]
 pub struct EmbeddingsResponse {
     pub object: &'static str,
     pub data: Vec<EmbeddingData>,
@@ -49,7 +65,7 @@ pub struct EmbeddingsResponse {
     pub usage: Usage,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 pub struct EmbeddingData {
     pub object: &'static str,
     pub index: usize,
@@ -60,7 +76,8 @@ pub struct EmbeddingData {
     pub space: Option<SpaceRef>,
 }
 
-#[derive(Serialize)]
+/// The vector: numbers, or base64 of its little-endian f32 bytes.
+#[derive(Serialize, ToSchema)]
 #[serde(untagged)]
 pub enum EmbeddingValue {
     Float(Vec<f32>),
@@ -73,6 +90,10 @@ pub(super) fn base64_of(v: &[f32]) -> String {
     base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
+/// Embeds texts (OpenAI's shape); every vector names its provider and space.
+#[utoipa::path(post, path = "/v1/embeddings", tag = "openai", request_body = EmbeddingsRequest,
+    responses((status = 200, body = EmbeddingsResponse), ClientErrors),
+    security((), ("client_key" = [])))]
 pub async fn embeddings(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -142,14 +163,26 @@ pub async fn embeddings(
     ))
 }
 
-#[derive(Serialize)]
+/// `/v1/embeddings` for a `base_url` without `/v1`.
+#[utoipa::path(post, path = "/embeddings", tag = "openai", request_body = EmbeddingsRequest,
+    responses((status = 200, body = EmbeddingsResponse), ClientErrors),
+    security((), ("client_key" = [])))]
+pub async fn embeddings_unprefixed(
+    hub: State<Hub>,
+    headers: HeaderMap,
+    request: Result<Json<EmbeddingsRequest>, JsonRejection>,
+) -> Result<impl IntoResponse, ApiError> {
+    embeddings(hub, headers, request).await
+}
+
+#[derive(Serialize, ToSchema)]
 pub struct ModelList {
     pub object: &'static str,
     pub data: Vec<Model>,
 }
 
 /// OpenAI's Model, with our role's catalog entry as an extra field.
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 pub struct Model {
     pub id: String,
     pub object: &'static str,
@@ -174,6 +207,9 @@ fn started_s(hub: &Hub) -> u64 {
 }
 
 /// `GET /v1/models`: the roles the hub answers for, each with its model.
+#[utoipa::path(get, path = "/v1/models", tag = "openai",
+    responses((status = 200, body = ModelList), ClientErrors),
+    security((), ("client_key" = [])))]
 pub async fn models(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -192,6 +228,10 @@ pub async fn models(
 
 /// `GET /v1/models/{id}`: one role, by its name or its model id (404 for one the hub does not
 /// answer for).
+#[utoipa::path(get, path = "/v1/models/{id}", tag = "openai",
+    params(("id" = String, Path, description = "A role or the model id one serves")),
+    responses((status = 200, body = Model), ClientErrors),
+    security((), ("client_key" = [])))]
 pub async fn model(
     State(hub): State<Hub>,
     headers: HeaderMap,

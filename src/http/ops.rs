@@ -1,59 +1,139 @@
 //! `GET /health` (liveness: the process is up; also `GET /` and `GET /ping`, as TEI answers),
 //! `GET /ready` (readiness: every role that gates it can serve a new request now, else 503 with
-//! the reason per role; what a load balancer or a Kubernetes readiness probe asks) and `GET /metrics` (Prometheus text), open
-//! to anyone: they carry counts and reasons, never a secret.
+//! the reason per role; what a load balancer or a Kubernetes readiness probe asks) and
+//! `GET /metrics` (Prometheus text), open to anyone: they carry counts and reasons, never a
+//! secret.
 
-use axum::Json;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde_json::{Map, Value, json};
+use axum::{Extension, Json};
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use super::error::ApiError;
+use super::request_id::RouteMetrics;
 use crate::hub::Hub;
 
-pub async fn health(State(hub): State<Hub>) -> impl IntoResponse {
-    let agents = hub.core().agents().len();
-    Json(json!({"status": "ok", "agents": agents, "uptime_s": hub.uptime().as_secs()}))
+/// The process is up.
+#[derive(Serialize, ToSchema)]
+pub struct Health {
+    /// Always `ok`.
+    pub status: &'static str,
+    /// Agents connected now.
+    pub agents: usize,
+    pub uptime_s: u64,
+}
+
+fn health_of(hub: &Hub) -> Json<Health> {
+    Json(Health {
+        status: "ok",
+        agents: hub.core().agents().len(),
+        uptime_s: hub.uptime().as_secs(),
+    })
+}
+
+/// Liveness: the process is up.
+#[utoipa::path(get, path = "/health", tag = "operations",
+    responses((status = 200, description = "The process is up", body = Health)))]
+pub async fn health(State(hub): State<Hub>) -> Json<Health> {
+    health_of(&hub)
+}
+
+/// Liveness, as TEI answers `GET /`.
+#[utoipa::path(get, path = "/", tag = "operations",
+    responses((status = 200, description = "The process is up", body = Health)))]
+pub async fn health_root(State(hub): State<Hub>) -> Json<Health> {
+    health_of(&hub)
+}
+
+/// Liveness, as TEI answers `GET /ping`.
+#[utoipa::path(get, path = "/ping", tag = "operations",
+    responses((status = 200, description = "The process is up", body = Health)))]
+pub async fn ping(State(hub): State<Hub>) -> Json<Health> {
+    health_of(&hub)
+}
+
+/// Readiness: whether each role can serve a new request now.
+#[derive(Serialize, ToSchema)]
+pub struct Readiness {
+    /// `ready` or `not_ready`.
+    pub status: &'static str,
+    /// Every role readiness answers for.
+    pub roles: BTreeMap<String, RoleReadiness>,
+    /// Why there is no role yet.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<&'static str>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct RoleReadiness {
+    pub ready: bool,
+    /// Connected providers of the role.
+    pub providers: usize,
+    /// Whether this role's readiness gates the hub's.
+    pub gates: bool,
+    /// Why a new request of the role would not be served now.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub code: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
 }
 
 /// 200 when every role that gates readiness (the configured `ready_roles`; without them,
 /// every role a connected provider or a cloud route offers) has a provider that may serve it
 /// (for an embedding role: one that passed the gate for its space); 503 otherwise, and while
 /// no role gates at all. The other roles are reported, and do not gate.
-pub async fn ready(State(hub): State<Hub>) -> impl IntoResponse {
+#[utoipa::path(get, path = "/ready", tag = "operations", responses(
+    (status = 200, description = "Every role that gates readiness can serve", body = Readiness),
+    (status = 503, description = "A role that gates readiness cannot serve (or none gates yet)",
+        body = Readiness)))]
+pub async fn ready(State(hub): State<Hub>) -> (StatusCode, Json<Readiness>) {
     let catalog = hub.catalog();
-    let mut roles = Map::new();
+    let mut roles = BTreeMap::new();
     let mut all = catalog.iter().any(|e| e.gates_ready);
     for entry in catalog {
-        let mut view = json!({"ready": entry.unservable.is_none(), "providers": entry.providers,
-                              "gates": entry.gates_ready});
-        if let Some(u) = &entry.unservable {
+        let mut view = RoleReadiness {
+            ready: entry.unservable.is_none(),
+            providers: entry.providers,
+            gates: entry.gates_ready,
+            code: None,
+            message: None,
+        };
+        if let Some(u) = entry.unservable {
             all &= !entry.gates_ready;
-            view["code"] = Value::from(u.code);
-            view["message"] = Value::from(u.message.clone());
+            view.code = Some(u.code);
+            view.message = Some(u.message);
         }
         roles.insert(entry.role.to_string(), view);
     }
-    let mut body = json!({"status": if all { "ready" } else { "not_ready" }, "roles": roles});
-    if roles_empty(&body) {
-        body["message"] = Value::from(
-            "no role yet: no agent is connected, no cloud route is configured, and no ready_roles are set",
-        );
-    }
+    let message = roles.is_empty().then_some(
+        "no role yet: no agent is connected, no cloud route is configured, and no ready_roles are set",
+    );
     let status = if all {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
+    let body = Readiness {
+        status: if all { "ready" } else { "not_ready" },
+        roles,
+        message,
+    };
     (status, Json(body))
 }
 
-fn roles_empty(body: &Value) -> bool {
-    body["roles"].as_object().is_none_or(Map::is_empty)
-}
-
-pub fn metrics_text(hub: &Hub, routes: &super::request_id::RouteMetrics) -> Response {
+/// The hub's metrics and its routes' latencies, in Prometheus' text format.
+#[utoipa::path(get, path = "/metrics", tag = "operations", responses(
+    (status = 200, description = "Prometheus text exposition format 0.0.4", body = String,
+        content_type = "text/plain")))]
+pub async fn metrics(
+    State(hub): State<Hub>,
+    Extension(routes): Extension<Arc<RouteMetrics>>,
+) -> Response {
     let mut text = hub.metrics_text();
     routes.render(&mut text);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
@@ -65,6 +145,6 @@ pub async fn not_found() -> ApiError {
         "not_found",
         "no such endpoint; see /v1/embeddings, /v1/models, /v1/rerank, /v1/chat/completions, \
          /v2/embed, /v2/rerank, /embed, /rerank, /info, /api/embed, /admin/*, /health, /ready, \
-         /metrics",
+         /metrics; GET /openapi.json describes them all (GET /docs to browse)",
     )
 }

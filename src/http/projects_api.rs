@@ -14,21 +14,56 @@ use serde_json::json;
 
 use super::admin_api::admin;
 use super::error::ApiError;
+use super::openapi::{AdminErrors, AnyObject};
 use crate::hub::Hub;
 use crate::hub::project_admin::ProjectPatch;
 use crate::hub::projects::{ProjectError, ProjectLimits, ProjectSettings};
 use crate::secret::{Secret, redact};
+use utoipa::ToSchema;
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct NewProject {
+pub struct NewProject {
+    /// 1 to 64 of `a-z 0-9 - _`, starting with a letter or digit.
     name: String,
-    #[serde(default)]
+    /// Its share of the fleet against other projects (default 1).
+    #[serde(default, deserialize_with = "super::whole_number::optional")]
+    #[schema(minimum = 1)]
     weight: Option<u32>,
     #[serde(default)]
     limits: ProjectLimits,
+    /// Whether `X-FantomMCP-Project` names a sub-project (fair among themselves).
     #[serde(default)]
     sub_projects: bool,
+}
+
+/// The one answer that carries a project's key.
+#[derive(ToSchema)]
+#[allow(dead_code)] // schemas only: the answers are built as JSON
+pub struct ProjectKey {
+    name: String,
+    /// `fsp-` and 64 hex digits: shown once, the hub keeps only its digest.
+    key: String,
+    note: String,
+}
+
+/// A change of a project's settings: absent fields stay; a limit set to null is cleared.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct ProjectChange {
+    #[schema(minimum = 1)]
+    weight: Option<u32>,
+    #[schema(value_type = Option<Object>)]
+    limits: Option<ProjectLimits>,
+    sub_projects: Option<bool>,
+}
+
+/// A project removed.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct ProjectRemoved {
+    name: String,
+    removed: bool,
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
@@ -61,12 +96,17 @@ fn with_key(status: StatusCode, name: &str, key: &Secret) -> Response {
     });
     (status, Json(body)).into_response()
 }
-
+/// Every project with its settings and usage (never a key).
+#[utoipa::path(get, path = "/admin/projects", tag = "admin",
+    responses((status = 200, body = AnyObject), AdminErrors), security(("admin_token" = [])))]
 pub async fn list(State(hub): State<Hub>, headers: HeaderMap) -> Result<Response, ApiError> {
     admin(&hub, &headers)?;
     Ok(Json(json!({ "projects": hub.projects_view() })).into_response())
 }
 
+/// Creates a project; its key is in this answer only.
+#[utoipa::path(post, path = "/admin/projects", tag = "admin", request_body = NewProject,
+    responses((status = 201, body = ProjectKey), AdminErrors), security(("admin_token" = [])))]
 pub async fn create(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -88,6 +128,10 @@ pub async fn create(
     Ok(with_key(StatusCode::CREATED, &name, &key))
 }
 
+/// Changes a project's settings, live.
+#[utoipa::path(patch, path = "/admin/projects/{name}", tag = "admin", request_body = ProjectChange,
+    params(("name" = String, Path, description = "The project")),
+    responses((status = 200, body = AnyObject), AdminErrors), security(("admin_token" = [])))]
 pub async fn update(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -104,6 +148,10 @@ pub async fn update(
     Ok(Json(json!({ "project": view })).into_response())
 }
 
+/// A new key for a project; the old one stops at once.
+#[utoipa::path(post, path = "/admin/projects/{name}/rotate", tag = "admin",
+    params(("name" = String, Path, description = "The project")),
+    responses((status = 200, body = ProjectKey), AdminErrors), security(("admin_token" = [])))]
 pub async fn rotate(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -115,6 +163,10 @@ pub async fn rotate(
     Ok(with_key(StatusCode::OK, &name, &key))
 }
 
+/// Removes a project; its key stops at once.
+#[utoipa::path(delete, path = "/admin/projects/{name}", tag = "admin",
+    params(("name" = String, Path, description = "The project")),
+    responses((status = 200, body = ProjectRemoved), AdminErrors), security(("admin_token" = [])))]
 pub async fn remove(
     State(hub): State<Hub>,
     headers: HeaderMap,

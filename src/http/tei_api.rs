@@ -16,37 +16,54 @@ use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use utoipa::{IntoParams, ToSchema};
 
 use super::client_api::{self, Client, EmbedCall, Embedded, client_auth};
 use super::error::{ApiError, ErrorShape, Shaped};
+use super::openapi::{TeiErrors, TextInput};
 use crate::hub::Hub;
 use crate::roles::{Op, Role};
 
 const SHAPE: ErrorShape = ErrorShape::Tei;
 
 /// TEI's embed body (unknown fields, such as `parameters`, are ignored as TEI does).
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
+#[schema(as = TeiEmbedRequest)]
+#[schema(example = json!({"inputs": ["What is Deep Learning?"], "prompt_name": "query"}))]
 pub struct EmbedRequest {
+    /// Ours: a role or the model id one serves (default `embedding`).
     #[serde(default)]
     pub model: Option<String>,
+    /// A text or a list of texts (token ids are refused).
+    #[schema(value_type = TextInput)]
     pub inputs: Value,
+    /// Only `true` is served.
     #[serde(default)]
     pub normalize: Option<bool>,
+    /// Only `true` (the default) is served: a long input is cut at the model's limit.
     #[serde(default)]
     pub truncate: Option<bool>,
+    /// Only `right` (the default) is served.
     #[serde(default)]
+    #[schema(schema_with = truncation_directions)]
     pub truncation_direction: Option<String>,
     /// `query` applies the model's query template; `document`/`passage` or none do not.
     #[serde(default)]
+    #[schema(schema_with = prompt_names)]
     pub prompt_name: Option<String>,
-    #[serde(default)]
+    /// Matryoshka width: the first `dimensions` entries, re-normalised.
+    #[serde(default, deserialize_with = "super::whole_number::optional")]
+    #[schema(minimum = 1)]
     pub dimensions: Option<usize>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
+#[schema(as = TeiRerankRequest)]
+#[schema(example = json!({"query": "What is Deep Learning?", "texts": ["Deep Learning is ...", "Tea is a drink"], "return_text": true}))]
 pub struct RerankRequest {
+    /// Ours: a role or the model id one serves (default `reranker`).
     #[serde(default)]
     pub model: Option<String>,
     pub query: String,
@@ -58,20 +75,38 @@ pub struct RerankRequest {
     #[serde(default)]
     pub truncate: Option<bool>,
     #[serde(default)]
+    #[schema(schema_with = truncation_directions)]
     pub truncation_direction: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 pub struct SimilarityInputs {
     pub source_sentence: String,
     pub sentences: Vec<String>,
 }
 
-#[derive(Deserialize)]
+/// What `/similarity` takes of `/embed`'s options, applied the same way.
+#[derive(Deserialize, Default, ToSchema)]
+pub struct SimilarityParameters {
+    #[serde(default)]
+    pub truncate: Option<bool>,
+    #[serde(default)]
+    #[schema(schema_with = truncation_directions)]
+    pub truncation_direction: Option<String>,
+    #[serde(default)]
+    #[schema(schema_with = prompt_names)]
+    pub prompt_name: Option<String>,
+}
+
+#[derive(Deserialize, ToSchema)]
+#[schema(example = json!({"inputs": {"source_sentence": "What is Deep Learning?", "sentences": ["What is Machine Learning?"]}}))]
 pub struct SimilarityRequest {
+    /// Ours: a role or the model id one serves (default `embedding`).
     #[serde(default)]
     pub model: Option<String>,
     pub inputs: SimilarityInputs,
+    #[serde(default)]
+    pub parameters: Option<SimilarityParameters>,
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
@@ -108,6 +143,26 @@ fn check_truncation(truncate: Option<bool>, direction: Option<&str>) -> Result<(
     }
 }
 
+/// Whether `prompt_name` asks for the model's query template.
+fn wants_query_template(prompt_name: Option<&str>) -> Result<bool, ApiError> {
+    match prompt_name {
+        None | Some("document" | "passage") => Ok(false),
+        Some("query") => Ok(true),
+        Some(other) => Err(ApiError::bad_request(format!(
+            "prompt_name '{}' is not served; use query, document, or leave it out",
+            crate::secret::redact(other)
+        ))),
+    }
+}
+
+fn truncation_directions() -> utoipa::openapi::Object {
+    super::openapi::one_of(&["right", "Right"])
+}
+
+fn prompt_names() -> utoipa::openapi::Object {
+    super::openapi::one_of(&["query", "document", "passage"])
+}
+
 /// Where the answer came from, for a bare-array body.
 fn provenance_headers(done: &Embedded) -> HeaderMap {
     let mut headers = done.timing.headers();
@@ -138,16 +193,7 @@ async fn run_embed(hub: &Hub, client: Client, req: EmbedRequest) -> Result<Respo
         ));
     }
     check_truncation(req.truncate, req.truncation_direction.as_deref())?;
-    let is_query = match req.prompt_name.as_deref() {
-        None | Some("document" | "passage") => false,
-        Some("query") => true,
-        Some(other) => {
-            return Err(ApiError::bad_request(format!(
-                "prompt_name '{}' is not served; use query, document, or leave it out",
-                crate::secret::redact(other)
-            )));
-        }
-    };
+    let is_query = wants_query_template(req.prompt_name.as_deref())?;
     let texts = client_api::texts_of(req.inputs, "inputs")?;
     let done = client_api::embed(
         hub,
@@ -200,6 +246,12 @@ async fn run_similarity(
     req: SimilarityRequest,
 ) -> Result<Response, ApiError> {
     let role = role_of(hub, req.model.as_deref(), Op::Embed, Role::Embedding)?;
+    let parameters = req.parameters.unwrap_or_default();
+    check_truncation(
+        parameters.truncate,
+        parameters.truncation_direction.as_deref(),
+    )?;
+    let is_query = wants_query_template(parameters.prompt_name.as_deref())?;
     if req.inputs.sentences.is_empty() {
         return Err(ApiError::bad_request("inputs.sentences is empty"));
     }
@@ -214,7 +266,7 @@ async fn run_similarity(
             field: "inputs",
             texts,
             dimensions: None,
-            is_query: false,
+            is_query,
             instruction: None,
         },
     )
@@ -255,6 +307,13 @@ where
     result.await.map_err(|e| e.shaped(SHAPE))
 }
 
+/// Embeds texts; the vectors' space and providers are in `x-fantom-space` and
+/// `x-fantom-providers`.
+#[utoipa::path(post, path = "/embed", tag = "tei", request_body = EmbedRequest,
+    responses((status = 200, body = Vec<Vec<f32>>, headers(
+        ("x-fantom-space" = String, description = "The vectors' space"),
+        ("x-fantom-providers" = String, description = "Who served them"))), TeiErrors),
+    security((), ("client_key" = [])))]
 pub async fn embed(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -263,6 +322,10 @@ pub async fn embed(
     answer(hub, headers, body, run_embed).await
 }
 
+/// Ranks texts against a query, best first; the scorer is in `x-fantom-scorer`.
+#[utoipa::path(post, path = "/rerank", tag = "tei", request_body = RerankRequest,
+    responses((status = 200, body = Vec<TeiRank>), TeiErrors),
+    security((), ("client_key" = [])))]
 pub async fn rerank(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -271,6 +334,10 @@ pub async fn rerank(
     answer(hub, headers, body, run_rerank).await
 }
 
+/// The cosine of `source_sentence` with each sentence (all embedded in one space).
+#[utoipa::path(post, path = "/similarity", tag = "tei", request_body = SimilarityRequest,
+    responses((status = 200, body = Vec<f32>), TeiErrors),
+    security((), ("client_key" = [])))]
 pub async fn similarity(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -280,6 +347,9 @@ pub async fn similarity(
 }
 
 /// `POST /`: dispatched on the body (see the module comment).
+#[utoipa::path(post, path = "/", tag = "tei", request_body = TeiRootRequest,
+    responses((status = 200, body = TeiRootAnswer), TeiErrors),
+    security((), ("client_key" = [])))]
 pub async fn root(
     State(hub): State<Hub>,
     headers: HeaderMap,
@@ -320,19 +390,78 @@ fn served_roles(hub: &Hub) -> String {
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 pub struct InfoQuery {
+    /// A role or the model id one serves (default `embedding`).
     #[serde(default)]
     pub model: Option<String>,
 }
 
+/// TEI's `Info`, every field its schema requires, for one role. The hub does not tokenize (its
+/// agents do): `tokenization_workers` counts the role's providers. A number not known for a
+/// cloud or fronted provider is 0 (`x_fantom` has the role's entry as it is known).
+#[derive(Serialize, ToSchema)]
+pub struct TeiInfo {
+    pub model_id: String,
+    pub model_sha: Option<String>,
+    pub model_dtype: String,
+    pub served_model_name: String,
+    #[schema(value_type = Object)]
+    pub model_type: Value,
+    /// The role queue's capacity in items: past it, 429.
+    pub max_concurrent_requests: usize,
+    pub max_input_length: usize,
+    pub max_batch_tokens: usize,
+    pub max_batch_requests: Option<usize>,
+    pub max_client_batch_size: usize,
+    /// Always true: a long input is cut at the model's limit.
+    pub auto_truncate: bool,
+    pub tokenization_workers: usize,
+    pub version: &'static str,
+    pub x_fantom: crate::hub::status::RoleCatalog,
+}
+
+/// One ranked text.
+#[derive(ToSchema)]
+#[allow(dead_code)] // schemas only: the answers are built as JSON in the handlers
+pub struct TeiRank {
+    pub index: usize,
+    /// A probability, or the raw logit with `raw_scores`.
+    pub score: f32,
+    /// With `return_text`.
+    pub text: Option<String>,
+}
+
+/// What `POST /` takes: an embed, similarity or rerank body.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(untagged)]
+pub enum TeiRootRequest {
+    Embed(EmbedRequest),
+    Similarity(SimilarityRequest),
+    Rerank(RerankRequest),
+}
+
+/// What `POST /` answers: vectors, similarities or ranks, as the body asked.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(untagged)]
+pub enum TeiRootAnswer {
+    Vectors(Vec<Vec<f32>>),
+    Similarities(Vec<f32>),
+    Ranks(Vec<TeiRank>),
+}
+
 /// `GET /info`: TEI's fields for one role (`?model=`, default `embedding`).
+#[utoipa::path(get, path = "/info", tag = "tei", params(InfoQuery),
+    responses((status = 200, body = TeiInfo), TeiErrors),
+    security((), ("client_key" = [])))]
 pub async fn info(
     State(hub): State<Hub>,
     headers: HeaderMap,
     Query(q): Query<InfoQuery>,
-) -> Result<Json<Value>, Shaped> {
-    let run = || -> Result<Json<Value>, ApiError> {
+) -> Result<Json<TeiInfo>, Shaped> {
+    let run = || -> Result<Json<TeiInfo>, ApiError> {
         client_auth(&hub, &headers)?;
         let role = match q.model.as_deref() {
             None => Role::Embedding,
@@ -361,20 +490,23 @@ pub async fn info(
             }
             _ => json!({"embedding": {"pooling": entry.pooling}}),
         };
-        Ok(Json(json!({
-            "model_id": entry.model,
-            "model_sha": entry.revision,
-            "model_dtype": entry.dtype,
-            "served_model_name": role,
-            "model_type": model_type,
-            "max_input_length": entry.max_input_tokens,
-            "max_batch_tokens": entry.max_batch_tokens,
-            "max_batch_requests": entry.max_batch_items,
-            "max_client_batch_size": hub.core().settings.limits.max_inputs,
-            "auto_truncate": true,
-            "version": env!("CARGO_PKG_VERSION"),
-            "x_fantom": entry,
-        })))
+        let settings = &hub.core().settings;
+        Ok(Json(TeiInfo {
+            model_id: entry.model.clone().unwrap_or_else(|| role.to_string()),
+            model_sha: entry.revision.clone(),
+            model_dtype: entry.dtype.clone().unwrap_or_else(|| "unknown".into()),
+            served_model_name: role.to_string(),
+            model_type,
+            max_concurrent_requests: settings.queue_capacity,
+            max_input_length: entry.max_input_tokens.unwrap_or(0),
+            max_batch_tokens: entry.max_batch_tokens.unwrap_or(0),
+            max_batch_requests: entry.max_batch_items,
+            max_client_batch_size: settings.limits.max_inputs,
+            auto_truncate: true,
+            tokenization_workers: entry.providers,
+            version: env!("CARGO_PKG_VERSION"),
+            x_fantom: entry,
+        }))
     };
     run().map_err(|e| e.shaped(SHAPE))
 }

@@ -25,7 +25,7 @@ pub enum Outgoing {
 pub type AgentTx = mpsc::UnboundedSender<Outgoing>;
 
 /// Which provider served a result: every vector carries this as its provenance.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ProviderRef {
     /// `agent_id/provider_id`.
     pub provider: String,
@@ -36,7 +36,7 @@ pub struct ProviderRef {
 
 /// Where a provider's answers come from (its backend, model, pinned revision or upstream):
 /// the part of its identity that its provenance, its scorer and its status view share.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct ModelOrigin {
     pub backend: Backend,
     pub model: String,
@@ -62,7 +62,7 @@ impl ModelOrigin {
 }
 
 /// A reranker's scorer identity: providers of one identity produce scores on one scale.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct ScorerRef {
     /// `backend model@revision-or-upstream activation`.
     pub id: String,

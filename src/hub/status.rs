@@ -96,7 +96,7 @@ pub struct RoleView {
 }
 
 /// What a client would be told.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct UnservableView {
     pub code: &'static str,
     pub message: String,
@@ -631,7 +631,7 @@ fn serving_by_role(core: &super::core::Core) -> BTreeMap<Role, Vec<String>> {
 
 /// What the hub serves for one role, as the clients' model listings show it (`/v1/models`,
 /// TEI's `/info`, Ollama's model names): its model, and for an embedding role its space.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
 pub struct RoleCatalog {
     pub role: Role,
     /// The space's model for an embedding role; else the first connected provider's.

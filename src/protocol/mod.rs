@@ -146,7 +146,7 @@ pub struct HeldConfig {
 }
 
 /// Whether a provider computes here or calls a cloud upstream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Backend {
     Local,

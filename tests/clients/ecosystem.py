@@ -173,10 +173,11 @@ def main():
 
     @check
     def openai_unknown_role_error():
-        e = raises(openai.BadRequestError, lambda: oa.embeddings.create(model="nope", input="x"))
+        # OpenAI answers a model it does not serve with 404 model_not_found.
+        e = raises(openai.NotFoundError, lambda: oa.embeddings.create(model="nope", input="x"))
         msg = e.body.get("message") if isinstance(e.body, dict) else None
         assert msg, f"no error.message in body {e.body!r}"
-        assert e.code, f"no error.code in body {e.body!r}"
+        assert e.code == "model_not_found", f"error.code in body {e.body!r}"
 
     # --- cohere
     def co_embed(input_type, types):

@@ -176,7 +176,7 @@ async fn bad_http_requests_get_clear_errors() {
     let cases = [
         (
             json!({"model":"embeddings","input":"x"}),
-            400,
+            404,
             "unknown role 'embeddings'",
         ),
         (

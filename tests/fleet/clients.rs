@@ -21,7 +21,7 @@ use crate::support::*;
 /// The venv's python, made (or found up to date) by `scripts/client-sdks.sh` once per run.
 /// It needs PyPI, which is reachable wherever the tests run; without it the test fails saying
 /// what to do.
-fn clients_python() -> PathBuf {
+pub fn clients_python() -> PathBuf {
     static PYTHON: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     PYTHON
         .get_or_init(|| {

@@ -15,7 +15,7 @@ use crate::support::*;
 use crate::upstream::Upstream;
 
 /// The chat route, cloud-only.
-async fn push_chat(hub: &HubProc) {
+pub async fn push_chat(hub: &HubProc) {
     let (code, body) = hub
         .push(json!({"openrouter": {"apiKey": KEY,
             "allowedModels": {"code-assistant": {"model": CHAT_MODEL}},

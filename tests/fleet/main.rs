@@ -11,6 +11,7 @@ mod black_hole;
 mod budget;
 mod clients;
 mod cloud;
+mod contract;
 mod fantom_master;
 mod gate;
 mod integrity;

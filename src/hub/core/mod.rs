@@ -129,7 +129,7 @@ pub struct Served {
 }
 
 /// A vector's space, as its provenance names it.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, utoipa::ToSchema)]
 pub struct SpaceRef {
     pub id: String,
     /// Which founding of the id (see [`Space::generation`]): a request admitted under one

@@ -59,7 +59,7 @@ impl Caller {
 }
 
 /// A project's limits; each is optional (unset: no limit of its own).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ProjectLimits {
     /// Items the project may have accepted and not yet answered, over every role.
