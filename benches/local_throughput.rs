@@ -69,6 +69,7 @@ fn engine_for(rt: &tokio::runtime::Runtime, selector: ModelSelector, rows: usize
         registry: ManifestRegistry::built_in(),
         lock_path: tmp.join("models.lock"),
         hub: HubOptions::from_env(),
+        mirror: fantom_sidecar::model_source::MirrorOptions::from_env(),
     };
     let resolved = rt
         .block_on(model_source::resolve(

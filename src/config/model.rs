@@ -125,7 +125,7 @@ impl ModelChoice {
 }
 
 /// Built-in manifests plus those in `manifests`, the lock file (default path unless given) and
-/// the hub settings from the environment.
+/// the hub and mirror settings from the environment.
 pub fn source_options(
     manifests: Option<&Path>,
     lock_file: Option<&Path>,
@@ -138,6 +138,7 @@ pub fn source_options(
         registry,
         lock_path: lock_file.map_or_else(ModelsLock::default_path, Path::to_path_buf),
         hub: HubOptions::from_env(),
+        mirror: crate::model_source::MirrorOptions::from_env(),
     })
 }
 

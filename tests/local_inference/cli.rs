@@ -19,6 +19,15 @@ fn envs(tmp: &std::path::Path) -> Vec<(String, String)> {
         ),
         ("HF_HUB_CACHE".into(), tmp.join("hf").display().to_string()),
         ("HF_ENDPOINT".into(), closed_endpoint()),
+        // Nor PyPI: a missing model fails here instead of being fetched.
+        (
+            "PIP_INDEX_URL".into(),
+            format!("{}/simple", closed_endpoint()),
+        ),
+        (
+            "XDG_CACHE_HOME".into(),
+            tmp.join("cache").display().to_string(),
+        ),
     ]
 }
 

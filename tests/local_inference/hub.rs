@@ -19,7 +19,7 @@ const REPO: &str = "sentence-transformers/all-MiniLM-L6-v2";
 const REV: &str = "c9745ed1d9f207416be6d2e6f8de32d1f16199bf";
 const FILES: [&str; 3] = ["config.json", "tokenizer.json", "model.safetensors"];
 
-fn pinned_minilm() -> ModelSelector {
+pub fn pinned_minilm() -> ModelSelector {
     ModelSelector::Pinned {
         id: "all-minilm-l6-v2".into(),
         dir: None,

@@ -6,6 +6,8 @@ mod cross_encoder;
 mod embeddings;
 mod half;
 mod hub;
+mod mirror;
 mod pinning;
+mod pypi_index;
 mod qwen3;
 mod support;

@@ -7,8 +7,10 @@ use std::sync::OnceLock;
 
 use fantom_sidecar::inference::{Engine, EngineConfig};
 use fantom_sidecar::manifest::ManifestRegistry;
+use fantom_sidecar::model_source::pip_config::PipConfig;
 use fantom_sidecar::model_source::{
-    self, HubOptions, ModelSelector, ResolvedModel, SourceError, SourceOptions, SpecOverrides,
+    self, HubOptions, MirrorOptions, ModelSelector, ResolvedModel, SourceError, SourceOptions,
+    SpecOverrides,
 };
 use fantom_sidecar::model_spec::Task;
 use serde::Deserialize;
@@ -120,7 +122,8 @@ pub fn assemble_cross_encoder(into: &Path) -> PathBuf {
     dir
 }
 
-/// Source options with a private lock file and a hub that cannot be reached.
+/// Source options with a private lock file, and a hub and a package index that cannot be
+/// reached.
 pub fn source_options(tmp: &Path) -> SourceOptions {
     SourceOptions {
         registry: ManifestRegistry::built_in(),
@@ -129,6 +132,15 @@ pub fn source_options(tmp: &Path) -> SourceOptions {
             cache_dir: tmp.join("hf-cache"),
             endpoint: closed_endpoint(),
             offline: false,
+        },
+        mirror: MirrorOptions {
+            cache_dir: tmp.join("mirror-cache"),
+            pip: PipConfig {
+                indexes: vec![format!("{}/simple", closed_endpoint())],
+                certs: Vec::new(),
+                trusted_hosts: Vec::new(),
+                files: Vec::new(),
+            },
         },
     }
 }
