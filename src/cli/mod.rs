@@ -69,6 +69,15 @@ enum Command {
     Projects(projects::ProjectsCommand),
     /// Run our CUDA kernels on a device against their CPU bodies (exit 1 on a mismatch).
     KernelCheck(kernel_check::KernelCheckArgs),
+    /// Shell completions on stdout, generated from this command line: e.g.
+    /// `fantom-sidecar completions bash > /etc/bash_completion.d/fantom-sidecar`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// The man page (roff) on stdout, generated from this command line: e.g.
+    /// `fantom-sidecar man > /usr/local/share/man/man1/fantom-sidecar.1`.
+    Man,
 }
 
 /// Which model and how to run it (shared by `embed` and `rerank`).
@@ -193,6 +202,30 @@ fn init_logging(format: LogFormat) {
 /// 1 refused, 2 error).
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    match cli.command {
+        Command::Completions { shell } => {
+            use clap::CommandFactory as _;
+            let mut command = Cli::command();
+            clap_complete::generate(
+                shell,
+                &mut command,
+                "fantom-sidecar",
+                &mut std::io::stdout(),
+            );
+            return ExitCode::SUCCESS;
+        }
+        Command::Man => {
+            use clap::CommandFactory as _;
+            return match clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: cannot write the man page: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        _ => {}
+    }
     init_logging(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -217,6 +250,7 @@ pub fn main() -> ExitCode {
             Command::Agent(cmd) => fleet::agent(cmd).await,
             Command::Serve(cmd) => fleet::serve(*cmd).await,
             Command::Projects(cmd) => projects::run(cmd).await,
+            Command::Completions { .. } | Command::Man => Ok(()),
         };
         done.map(|()| ExitCode::SUCCESS)
     });

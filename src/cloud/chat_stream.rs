@@ -3,10 +3,13 @@
 //! usage, the finish reason, the content and tool calls) for accounting and non-streaming
 //! callers.
 //!
-//! The wire: `data: {chunk}` lines separated by blank lines, `: OPENROUTER PROCESSING`
+//! The wire ([`super::sse`] decodes it): `data: {chunk}` events, `: OPENROUTER PROCESSING`
 //! comments while the upstream thinks, `data: [DONE]` at the end. An error after the stream
-//! began comes as a chunk with an `error` object (and `finish_reason: "error"`); it ends the
-//! call with that error.
+//! began comes as a chunk with an `error` object (and `finish_reason: "error"`), an `error`
+//! event, or llama.cpp's `error:` line; it ends the call with that error. A stream silent for
+//! longer than its idle limit ends the call as a transport failure.
+
+use std::time::Duration;
 
 use reqwest::header::HeaderMap;
 use serde_json::{Map, Value, json};
@@ -14,63 +17,52 @@ use serde_json::{Map, Value, json};
 use super::error::CloudError;
 use super::openrouter::{Chatted, OpenRouterClient};
 use super::route::CloudRoute;
+use super::sse::{SseDecoder, SseEvent};
 use super::wire::{chat_body, parse_cost, parse_tokens};
 
 /// The most bytes one streamed completion may carry (its chunks together).
 const MAX_STREAM_BYTES: usize = 32 << 20;
-/// The longest line an event may have.
-const MAX_LINE_BYTES: usize = 4 << 20;
 
-/// What one line of the stream says.
+/// How long a cloud stream may stay silent: OpenRouter sends `: OPENROUTER PROCESSING`
+/// comments every few seconds while the upstream thinks, so a minute without a byte is a
+/// stalled upstream, noticed long before the call's own timeout.
+pub const CLOUD_STREAM_IDLE: Duration = Duration::from_secs(60);
+
+/// What one event of the stream says.
 #[derive(Debug, PartialEq)]
-pub enum SseLine {
+enum StreamEvent {
     /// A chunk object.
     Chunk(Value),
     /// `data: [DONE]`.
     Done,
-    /// A comment, a blank line, a field we do not use.
-    Nothing,
 }
 
-/// Reads one line (without its line break).
-pub fn parse_line(line: &str) -> Result<SseLine, CloudError> {
-    let line = line.strip_suffix('\r').unwrap_or(line);
-    let Some(data) = line.strip_prefix("data:") else {
-        return Ok(SseLine::Nothing);
-    };
-    let data = data.strip_prefix(' ').unwrap_or(data);
-    if data.trim() == "[DONE]" {
-        return Ok(SseLine::Done);
+/// Reads one event: a chunk, `[DONE]`, or the error it reports (an `error` event, llama.cpp's
+/// `error:` line, or a chunk with an `error` object).
+fn read_event(event: &SseEvent) -> Result<StreamEvent, CloudError> {
+    if event.data.trim() == "[DONE]" {
+        return Ok(StreamEvent::Done);
     }
-    match serde_json::from_str::<Value>(data) {
-        Ok(v @ Value::Object(_)) => Ok(SseLine::Chunk(v)),
+    let value = serde_json::from_str::<Value>(&event.data);
+    if event.name.as_deref() == Some("error") {
+        let error = match value {
+            Ok(Value::Object(mut o)) => o.remove("error").unwrap_or(Value::Object(o)),
+            _ => json!({"message": crate::secret::redact(&event.data)}),
+        };
+        return Err(
+            chunk_error(&json!({ "error": error })).unwrap_or(CloudError::BadResponse {
+                message: "the stream reported an error".into(),
+            }),
+        );
+    }
+    match value {
+        Ok(v @ Value::Object(_)) => match chunk_error(&v) {
+            Some(e) => Err(e),
+            None => Ok(StreamEvent::Chunk(v)),
+        },
         _ => Err(CloudError::BadResponse {
             message: "a streamed chunk is not a JSON object".into(),
         }),
-    }
-}
-
-/// Splits bytes as they come into complete lines.
-#[derive(Default)]
-pub struct Lines {
-    pending: Vec<u8>,
-}
-
-impl Lines {
-    /// Adds `bytes`; returns the lines they complete.
-    pub fn feed(&mut self, bytes: &[u8]) -> Result<Vec<String>, CloudError> {
-        self.pending.extend_from_slice(bytes);
-        let mut out = Vec::new();
-        while let Some(at) = self.pending.iter().position(|b| *b == b'\n') {
-            let line: Vec<u8> = self.pending.drain(..=at).collect();
-            out.push(String::from_utf8_lossy(&line[..line.len() - 1]).into_owned());
-        }
-        if self.pending.len() > MAX_LINE_BYTES {
-            return Err(CloudError::BadResponse {
-                message: format!("a streamed line is longer than {MAX_LINE_BYTES} bytes"),
-            });
-        }
-        Ok(out)
     }
 }
 
@@ -222,7 +214,13 @@ impl OpenRouterClient {
         let response = self
             .post_streaming("/chat/completions", &body, &route.key())
             .await?;
-        let response = read_events(response, |line| self.redact_key(line), on_chunk).await?;
+        let response = read_events(
+            response,
+            CLOUD_STREAM_IDLE,
+            |line| self.redact_key(line),
+            on_chunk,
+        )
+        .await?;
         let (tokens, cost_usd) = (parse_tokens(&response), parse_cost(&response));
         Ok(Chatted {
             response,
@@ -233,22 +231,58 @@ impl OpenRouterClient {
 }
 
 /// Reads a chat stream's events to the end (`[DONE]`, or a close after a finish reason):
-/// each chunk to `on_chunk` as it arrives (lines pass `redact` first), the completion
-/// assembled from them. An error chunk, a cut stream or one over 32 MiB ends it with that
-/// error. OpenRouter's stream and the fronted model servers' (vLLM, Ollama, llama.cpp) are
-/// read by this one loop.
+/// each chunk to `on_chunk` as it arrives (event data passes `redact` first), the completion
+/// assembled from them. An error event, a cut stream, one silent for `idle`, or one over
+/// 32 MiB ends it with that error. OpenRouter's stream and the fronted model servers' (vLLM,
+/// Ollama, llama.cpp) are read by this one loop.
 pub async fn read_events(
     mut response: reqwest::Response,
+    idle: Duration,
     redact: impl Fn(String) -> String,
     mut on_chunk: impl FnMut(Value) + Send,
 ) -> Result<Value, CloudError> {
-    let (mut lines, mut whole, mut read) = (Lines::default(), Assembled::default(), 0usize);
+    let (mut decoder, mut whole, mut read) = (SseDecoder::default(), Assembled::default(), 0usize);
+    let too_long = |e: super::sse::EventTooLong| CloudError::BadResponse {
+        message: e.to_string(),
+    };
     loop {
-        let Some(bytes) = response
-            .chunk()
+        let next = tokio::time::timeout(idle, response.chunk())
             .await
-            .map_err(super::openrouter::transport)?
-        else {
+            .map_err(|_| CloudError::Transport {
+                message: format!(
+                    "the stream sent nothing for {} s (a stalled upstream)",
+                    idle.as_secs_f64()
+                ),
+            })?
+            .map_err(super::openrouter::transport)?;
+        let closed = next.is_none();
+        let events = match next {
+            Some(bytes) => {
+                read = read.saturating_add(bytes.len());
+                if read > MAX_STREAM_BYTES {
+                    return Err(CloudError::BadResponse {
+                        message: format!("the stream is longer than {MAX_STREAM_BYTES} bytes"),
+                    });
+                }
+                decoder.feed(&bytes).map_err(too_long)?
+            }
+            None => decoder.finish().map_err(too_long)?.into_iter().collect(),
+        };
+        let mut done = false;
+        for mut event in events {
+            event.data = redact(event.data);
+            match read_event(&event)? {
+                StreamEvent::Chunk(chunk) => {
+                    whole.add(&chunk);
+                    on_chunk(chunk);
+                }
+                StreamEvent::Done => done = true,
+            }
+        }
+        if done {
+            break;
+        }
+        if closed {
             // The upstream closed without `[DONE]`: what came is the answer if it ended
             // with a finish reason; else the stream was cut.
             if whole.finish_reason.is_some() {
@@ -257,29 +291,6 @@ pub async fn read_events(
             return Err(CloudError::BadResponse {
                 message: "the stream ended before the completion finished".into(),
             });
-        };
-        read = read.saturating_add(bytes.len());
-        if read > MAX_STREAM_BYTES {
-            return Err(CloudError::BadResponse {
-                message: format!("the stream is longer than {MAX_STREAM_BYTES} bytes"),
-            });
-        }
-        let mut done = false;
-        for line in lines.feed(&bytes)? {
-            match parse_line(&redact(line))? {
-                SseLine::Chunk(chunk) => {
-                    if let Some(e) = chunk_error(&chunk) {
-                        return Err(e);
-                    }
-                    whole.add(&chunk);
-                    on_chunk(chunk);
-                }
-                SseLine::Done => done = true,
-                SseLine::Nothing => {}
-            }
-        }
-        if done {
-            break;
         }
     }
     Ok(whole.finish())
@@ -287,50 +298,108 @@ pub async fn read_events(
 
 #[cfg(test)]
 mod tests {
+    use futures_util::StreamExt as _;
+
     use super::*;
 
+    /// The chunks of `stream` fed in pieces of `piece` bytes, as `read_events` reads them.
+    fn events_of(stream: &str, piece: usize) -> Result<(usize, bool, Assembled), CloudError> {
+        let mut decoder = SseDecoder::default();
+        let (mut chunks, mut done, mut whole) = (0, false, Assembled::default());
+        let mut events = Vec::new();
+        for part in stream.as_bytes().chunks(piece) {
+            events.extend(decoder.feed(part).unwrap());
+        }
+        events.extend(decoder.finish().unwrap());
+        for event in events {
+            match read_event(&event)? {
+                StreamEvent::Chunk(c) => {
+                    chunks += 1;
+                    whole.add(&c);
+                }
+                StreamEvent::Done => done = true,
+            }
+        }
+        Ok((chunks, done, whole))
+    }
+
     #[test]
-    fn lines_split_across_reads_and_chunks_add_up_to_the_completion() {
+    fn events_split_across_reads_and_chunks_add_up_to_the_completion() {
         let stream = concat!(
             ": OPENROUTER PROCESSING\n\n",
             "data: {\"id\":\"gen-1\",\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"hel\"}}]}\n\n",
             "data: {\"id\":\"gen-1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo\",\"tool_calls\":[{\"index\":0,\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"a\\\"\"}}]}}]}\r\n\r\n",
-            "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\":1}\"}}]},\"finish_reason\":\"stop\"}],\"usage\":{\"total_tokens\":9}}\n\n",
+            // One chunk in two data lines, with bare CR line ends.
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\":1}\"}}]},\r",
+            "data: \"finish_reason\":\"stop\"}],\"usage\":{\"total_tokens\":9}}\r\r",
             "data: [DONE]\n\n"
         );
-        let mut lines = Lines::default();
-        let (mut chunks, mut done, mut whole) = (0, false, Assembled::default());
-        // Bytes arrive in pieces that cut lines (and a UTF-8 free split) anywhere.
-        for piece in stream.as_bytes().chunks(7) {
-            for line in lines.feed(piece).unwrap() {
-                match parse_line(&line).unwrap() {
-                    SseLine::Chunk(c) => {
-                        chunks += 1;
-                        whole.add(&c);
-                    }
-                    SseLine::Done => done = true,
-                    SseLine::Nothing => {}
-                }
-            }
+        // Bytes arrive in pieces that cut lines (and line ends) anywhere.
+        for piece in [1, 7, 4096] {
+            let (chunks, done, whole) = events_of(stream, piece).unwrap();
+            assert!(done);
+            assert_eq!(chunks, 3);
+            let c = whole.finish();
+            assert_eq!(c["id"], "gen-1");
+            assert_eq!(c["object"], "chat.completion");
+            assert_eq!(c["choices"][0]["message"]["content"], "hello");
+            assert_eq!(c["choices"][0]["finish_reason"], "stop");
+            assert_eq!(
+                c["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"],
+                "{\"a\":1}"
+            );
+            assert!(
+                c["choices"][0]["message"]["tool_calls"][0]
+                    .get("index")
+                    .is_none()
+            );
+            assert_eq!(c["usage"]["total_tokens"], 9);
         }
-        assert!(done);
-        assert_eq!(chunks, 3);
-        let c = whole.finish();
-        assert_eq!(c["id"], "gen-1");
-        assert_eq!(c["object"], "chat.completion");
-        assert_eq!(c["choices"][0]["message"]["content"], "hello");
-        assert_eq!(c["choices"][0]["finish_reason"], "stop");
-        assert_eq!(
-            c["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"],
-            "{\"a\":1}"
+        assert!(events_of("data: [1,2]\n\n", 10).is_err());
+    }
+
+    #[test]
+    fn llama_cpps_error_lines_and_error_events_end_the_stream_with_their_error() {
+        let llama = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\nerror: {\"code\":400,\"message\":\"the request exceeds the available context size\",\"type\":\"exceed_context_size_error\"}\n\n";
+        let Err(e) = events_of(llama, 3) else {
+            panic!("an error line is an error")
+        };
+        assert_eq!(e.http_status(), 400);
+        assert!(e.to_string().contains("context size"), "{e}");
+        let named = "event: error\ndata: {\"error\":{\"code\":503,\"message\":\"overloaded\"}}\n\n";
+        let Err(e) = events_of(named, 5) else {
+            panic!("an error event is an error")
+        };
+        assert_eq!(e.http_status(), 503);
+    }
+
+    /// An upstream that sends one chunk and then nothing, keeping the connection open: the
+    /// stream ends as a transport failure after `idle`, not at the call's timeout.
+    #[tokio::test]
+    async fn a_stalled_stream_is_noticed_after_its_idle_limit() {
+        let first = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\n";
+        let app = axum::Router::new().route(
+            "/stream",
+            axum::routing::get(move || async move {
+                let stalled = futures_util::stream::iter([Ok::<_, std::io::Error>(
+                    axum::body::Bytes::from(first),
+                )])
+                .chain(futures_util::stream::pending());
+                axum::body::Body::from_stream(stalled)
+            }),
         );
-        assert!(
-            c["choices"][0]["message"]["tool_calls"][0]
-                .get("index")
-                .is_none()
-        );
-        assert_eq!(c["usage"]["total_tokens"], 9);
-        assert!(parse_line("data: [1,2]").is_err());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
+        let response = reqwest::get(format!("http://{addr}/stream")).await.unwrap();
+        let mut chunks = 0;
+        let e = read_events(response, Duration::from_millis(200), |l| l, |_| chunks += 1)
+            .await
+            .unwrap_err();
+        assert_eq!(chunks, 1, "the chunk before the stall was handed on");
+        assert!(matches!(e, CloudError::Transport { .. }), "{e}");
+        assert!(e.to_string().contains("sent nothing for 0.2 s"), "{e}");
+        server.abort();
     }
 
     #[test]

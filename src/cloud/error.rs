@@ -8,7 +8,7 @@
 use std::fmt;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use reqwest::header::{HeaderMap, RETRY_AFTER};
+use reqwest::header::HeaderMap;
 use serde_json::Value;
 
 use crate::protocol::{FailureClass, LimitKind, Refusal};
@@ -117,8 +117,18 @@ impl CloudError {
             .or_else(|| metadata.and_then(|m| m.get("availability")));
         let message = body_message(status, error, metadata, body);
 
-        let retry_after_ms = header_number(headers, RETRY_AFTER.as_str())
-            .or_else(|| echoed_header(echoed, "retry-after").and_then(number))
+        let echoed_retry_after = || {
+            let value = echoed_header(echoed, "retry-after")?;
+            match value.as_str() {
+                Some(text) => super::retry_after::parse(text, std::time::SystemTime::now()),
+                None => number(value).and_then(|s| {
+                    (s.is_finite() && s >= 0.0).then(|| std::time::Duration::from_secs_f64(s))
+                }),
+            }
+        };
+        let retry_after_ms = super::retry_after::from_headers(headers)
+            .or_else(echoed_retry_after)
+            .map(|d| d.as_secs_f64())
             .or_else(|| field_number(metadata, "retry_after"))
             .or_else(|| field_number(error, "retry_after"))
             .or_else(|| field_number(availability, "retry_after"))
@@ -499,6 +509,18 @@ mod tests {
         assert_eq!(e.retry_after_ms(), Some(3000));
         assert_eq!(e.limit(), Some(LimitKind::Upstream));
         assert_eq!(e.failure_class(), FailureClass::RateLimited);
+    }
+
+    #[test]
+    fn retry_after_as_an_http_date_is_the_time_left() {
+        let at = std::time::SystemTime::now() + std::time::Duration::from_secs(30);
+        let date = httpdate::fmt_http_date(at);
+        let mut h = HeaderMap::new();
+        h.insert("retry-after", HeaderValue::from_str(&date).unwrap());
+        let body = r#"{"error":{"code":429,"message":"rate-limited upstream","metadata":{"provider_name":"DeepInfra"}}}"#;
+        let e = CloudError::from_response(429, &h, body);
+        let ms = e.retry_after_ms().expect("read from the date");
+        assert!((28_000..=30_000).contains(&ms), "{ms}");
     }
 
     #[test]

@@ -154,7 +154,10 @@ pub async fn completions(
         let event = state.next().instrument(span.clone()).await?;
         Some((Ok::<_, Infallible>(event), (state, span)))
     });
-    Ok(Sse::new(events).into_response())
+    Ok(super::event_stream::event_stream(
+        events,
+        super::event_stream::KEEP_ALIVE,
+    ))
 }
 
 /// A streamed chat relayed as server-sent events: the provider's chunks as they arrive, then

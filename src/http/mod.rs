@@ -14,6 +14,7 @@ pub mod chat_api;
 pub mod client_api;
 pub mod cohere_api;
 pub mod error;
+pub mod event_stream;
 pub mod ollama_api;
 pub mod openai_api;
 pub mod openapi;

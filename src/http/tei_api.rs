@@ -42,17 +42,8 @@ pub struct EmbedRequest {
     /// Only `true` is served.
     #[serde(default)]
     pub normalize: Option<bool>,
-    /// Only `true` (the default) is served: a long input is cut at the model's limit.
-    #[serde(default)]
-    pub truncate: Option<bool>,
-    /// Only `right` (the default) is served.
-    #[serde(default)]
-    #[schema(schema_with = truncation_directions)]
-    pub truncation_direction: Option<String>,
-    /// `query` applies the model's query template; `document`/`passage` or none do not.
-    #[serde(default)]
-    #[schema(schema_with = prompt_names)]
-    pub prompt_name: Option<String>,
+    #[serde(flatten)]
+    pub parameters: TextParameters,
     /// Matryoshka width: the first `dimensions` entries, re-normalised.
     #[serde(default, deserialize_with = "super::whole_number::optional")]
     #[schema(minimum = 1)]
@@ -85,17 +76,28 @@ pub struct SimilarityInputs {
     pub sentences: Vec<String>,
 }
 
-/// What `/similarity` takes of `/embed`'s options, applied the same way.
+/// How texts are prepared: `/embed`'s fields, and `/similarity`'s `parameters`.
 #[derive(Deserialize, Default, ToSchema)]
-pub struct SimilarityParameters {
+pub struct TextParameters {
+    /// Only `true` (the default) is served: a long input is cut at the model's limit.
     #[serde(default)]
     pub truncate: Option<bool>,
+    /// Only `right` (the default) is served.
     #[serde(default)]
     #[schema(schema_with = truncation_directions)]
     pub truncation_direction: Option<String>,
+    /// `query` applies the model's query template; `document`/`passage` or none do not.
     #[serde(default)]
     #[schema(schema_with = prompt_names)]
     pub prompt_name: Option<String>,
+}
+
+impl TextParameters {
+    /// Whether the query template applies; a refusal for what is not served.
+    fn is_query(&self) -> Result<bool, ApiError> {
+        check_truncation(self.truncate, self.truncation_direction.as_deref())?;
+        wants_query_template(self.prompt_name.as_deref())
+    }
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -106,7 +108,7 @@ pub struct SimilarityRequest {
     pub model: Option<String>,
     pub inputs: SimilarityInputs,
     #[serde(default)]
-    pub parameters: Option<SimilarityParameters>,
+    pub parameters: Option<TextParameters>,
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
@@ -192,8 +194,7 @@ async fn run_embed(hub: &Hub, client: Client, req: EmbedRequest) -> Result<Respo
              (unit length for every pinned embedder); leave normalize out or send true",
         ));
     }
-    check_truncation(req.truncate, req.truncation_direction.as_deref())?;
-    let is_query = wants_query_template(req.prompt_name.as_deref())?;
+    let is_query = req.parameters.is_query()?;
     let texts = client_api::texts_of(req.inputs, "inputs")?;
     let done = client_api::embed(
         hub,
@@ -246,12 +247,7 @@ async fn run_similarity(
     req: SimilarityRequest,
 ) -> Result<Response, ApiError> {
     let role = role_of(hub, req.model.as_deref(), Op::Embed, Role::Embedding)?;
-    let parameters = req.parameters.unwrap_or_default();
-    check_truncation(
-        parameters.truncate,
-        parameters.truncation_direction.as_deref(),
-    )?;
-    let is_query = wants_query_template(parameters.prompt_name.as_deref())?;
+    let is_query = req.parameters.unwrap_or_default().is_query()?;
     if req.inputs.sentences.is_empty() {
         return Err(ApiError::bad_request("inputs.sentences is empty"));
     }

@@ -49,22 +49,6 @@ impl HubOptions {
     }
 }
 
-/// The paths of `names` in the cache snapshot, if every one is there.
-pub fn cached(
-    manifest: &ModelManifest,
-    names: &[String],
-    hub: &HubOptions,
-) -> Option<BTreeMap<String, PathBuf>> {
-    let snapshot = hub.snapshot_dir(manifest);
-    names
-        .iter()
-        .map(|n| {
-            let p = snapshot.join(n);
-            p.is_file().then(|| (n.clone(), p))
-        })
-        .collect()
-}
-
 /// A file the cache lacks and the hub could not provide.
 #[derive(Debug)]
 pub struct FetchFailure {

@@ -428,14 +428,12 @@ async fn fetch_files(
         }
         None => {
             let snapshot = opts.hub.snapshot_dir(manifest);
-            if let Some(paths) = hub::cached(manifest, names, &opts.hub) {
+            if let Some(paths) = all_in(&snapshot, names) {
                 return Ok((paths, FileOrigin::HfCache(snapshot)));
             }
-            if let Some(paths) = pypi::cached(manifest, names, &opts.mirror) {
-                return Ok((
-                    paths,
-                    FileOrigin::MirrorCache(opts.mirror.model_dir(manifest)),
-                ));
+            let mirrored = opts.mirror.model_dir(manifest);
+            if let Some(paths) = all_in(&mirrored, names) {
+                return Ok((paths, FileOrigin::MirrorCache(mirrored)));
             }
             let failure = match hub::fetch(manifest, names, &opts.hub).await {
                 Ok(paths) => return Ok((paths, FileOrigin::Downloaded(snapshot))),
@@ -475,6 +473,17 @@ async fn fetch_files(
             })))
         }
     }
+}
+
+/// The paths of `names` in `dir`, if every one is there (a cache holds a model or it does not).
+fn all_in(dir: &Path, names: &[String]) -> Option<BTreeMap<String, PathBuf>> {
+    names
+        .iter()
+        .map(|n| {
+            let p = dir.join(n);
+            p.is_file().then(|| (n.clone(), p))
+        })
+        .collect()
 }
 
 /// Hashes files in parallel (weights are gigabytes; one thread per file).

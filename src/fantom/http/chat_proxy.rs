@@ -254,7 +254,7 @@ async fn stream_chat(
             }
         },
     );
-    Sse::new(events).into_response()
+    crate::http::event_stream::event_stream(events, crate::http::event_stream::KEEP_ALIVE)
 }
 
 /// An upstream failure as Fantom's envelope with its status; OpenRouter refusing the key is
