@@ -35,11 +35,18 @@ enum StreamEvent {
     Chunk(Value),
     /// `data: [DONE]`.
     Done,
+    /// An event of another name (`ping`, …): not part of the completion.
+    Other,
 }
 
 /// Reads one event: a chunk, `[DONE]`, or the error it reports (an `error` event, llama.cpp's
 /// `error:` line, or a chunk with an `error` object).
 fn read_event(event: &SseEvent) -> Result<StreamEvent, CloudError> {
+    if let Some(name) = event.name.as_deref()
+        && !matches!(name, "error" | "message")
+    {
+        return Ok(StreamEvent::Other);
+    }
     if event.data.trim() == "[DONE]" {
         return Ok(StreamEvent::Done);
     }
@@ -277,6 +284,7 @@ pub async fn read_events(
                     on_chunk(chunk);
                 }
                 StreamEvent::Done => done = true,
+                StreamEvent::Other => {}
             }
         }
         if done {
@@ -318,6 +326,7 @@ mod tests {
                     whole.add(&c);
                 }
                 StreamEvent::Done => done = true,
+                StreamEvent::Other => {}
             }
         }
         Ok((chunks, done, whole))
@@ -356,6 +365,9 @@ mod tests {
             assert_eq!(c["usage"]["total_tokens"], 9);
         }
         assert!(events_of("data: [1,2]\n\n", 10).is_err());
+        // An event of another name is not a chunk, whatever its data.
+        let (chunks, _, _) = events_of("event: ping\ndata: not json\n\n", 4).unwrap();
+        assert_eq!(chunks, 0);
     }
 
     #[test]

@@ -121,9 +121,7 @@ impl CloudError {
             let value = echoed_header(echoed, "retry-after")?;
             match value.as_str() {
                 Some(text) => super::retry_after::parse(text, std::time::SystemTime::now()),
-                None => number(value).and_then(|s| {
-                    (s.is_finite() && s >= 0.0).then(|| std::time::Duration::from_secs_f64(s))
-                }),
+                None => number(value).and_then(super::retry_after::seconds),
             }
         };
         let retry_after_ms = super::retry_after::from_headers(headers)

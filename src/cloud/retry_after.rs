@@ -7,14 +7,27 @@ use std::time::{Duration, SystemTime};
 
 use reqwest::header::{HeaderMap, RETRY_AFTER};
 
+/// The longest wait read from an upstream: a day (a larger number is a day, never a panic).
+const MAX_WAIT: Duration = Duration::from_secs(86_400);
+
+/// `seconds` as a wait, if it is one (negative, NaN and infinite are not; huge is [`MAX_WAIT`]).
+pub fn seconds(seconds: f64) -> Option<Duration> {
+    (seconds.is_finite() && seconds >= 0.0)
+        .then(|| Duration::try_from_secs_f64(seconds).map_or(MAX_WAIT, |d| d.min(MAX_WAIT)))
+}
+
 /// The wait a `Retry-After` value asks for, read at `now`; a date in the past is no wait.
 pub fn parse(value: &str, now: SystemTime) -> Option<Duration> {
     let value = value.trim();
-    if let Ok(seconds) = value.parse::<f64>() {
-        return (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds));
+    if let Ok(s) = value.parse::<f64>() {
+        return seconds(s);
     }
     let at = httpdate::parse_http_date(value).ok()?;
-    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+    Some(
+        at.duration_since(now)
+            .unwrap_or(Duration::ZERO)
+            .min(MAX_WAIT),
+    )
 }
 
 /// The wait `headers`' `Retry-After` asks for, now.
@@ -46,6 +59,10 @@ mod tests {
             Some(Duration::ZERO)
         );
         assert_eq!(parse("-1", now), None);
+        // Numbers past any Duration are a day, never a panic.
+        assert_eq!(parse("1e20", now), Some(MAX_WAIT));
+        assert_eq!(parse("18446744073709551616", now), Some(MAX_WAIT));
+        assert_eq!(parse("NaN", now), None);
         assert_eq!(parse("soon", now), None);
     }
 }

