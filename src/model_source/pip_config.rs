@@ -31,8 +31,9 @@ const SYSTEM_BUNDLES: &[&str] = &[
     "/etc/ssl/cert.pem",
 ];
 
-/// What the PyPI mirror takes from pip's configuration.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// What the PyPI mirror takes from pip's configuration (its `Debug` shows index URLs without
+/// their user and password).
+#[derive(Clone, PartialEq, Eq)]
 pub struct PipConfig {
     /// The indexes to ask, in order: `index-url`, then each `extra-index-url`.
     pub indexes: Vec<String>,
@@ -135,6 +136,30 @@ impl PipConfig {
             }
             _ => t.eq_ignore_ascii_case(host),
         })
+    }
+}
+
+impl std::fmt::Debug for PipConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let indexes: Vec<String> = self.indexes.iter().map(|i| shown_url(i)).collect();
+        f.debug_struct("PipConfig")
+            .field("indexes", &indexes)
+            .field("certs", &self.certs)
+            .field("trusted_hosts", &self.trusted_hosts)
+            .field("files", &self.files)
+            .finish()
+    }
+}
+
+/// A URL as it may be shown: without a user or password.
+pub fn shown_url(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut u) => {
+            let _ = u.set_username("");
+            let _ = u.set_password(None);
+            u.to_string()
+        }
+        Err(_) => "(an index URL that does not parse)".to_string(),
     }
 }
 
@@ -303,5 +328,17 @@ mod tests {
         let config = PipConfig::read_under(&env_of(&none), &etc);
         assert_eq!(config.indexes, [DEFAULT_INDEX]);
         assert!(config.files.is_empty());
+
+        // A user and password in an index URL never show in a Debug print.
+        let mut secret = base.clone();
+        secret.push((
+            "PIP_INDEX_URL",
+            "https://me:s3cr3t@mirror.local/simple".to_string(),
+        ));
+        let shown = format!("{:?}", PipConfig::read_under(&env_of(&secret), &etc));
+        assert!(
+            shown.contains("mirror.local") && !shown.contains("s3cr3t"),
+            "{shown}"
+        );
     }
 }

