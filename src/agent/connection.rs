@@ -356,23 +356,13 @@ async fn session(
                     }
                     Ok(HubFrame::Error { message, .. }) => tracing::warn!(message = %message, "the hub reported an error"),
                     Ok(HubFrame::Probe(probe)) => {
-                        // Gate probes run like production documents; the answer is the vectors.
+                        // Probes run like production work: the gate's as documents to embed (the
+                        // answer is the vectors), the scorer check's as pairs to score.
                         let provider = find(&providers, &probe.provider).cloned();
                         let tx = tx.clone();
                         tokio::spawn(async move {
-                            let (vectors, error) = match provider {
-                                None => (None, Some(format!("no provider '{}' here", probe.provider))),
-                                Some(p) => {
-                                    let input = protocol::WorkInput::Embed(protocol::EmbedInput { texts: probe.texts, truncate: true, ..Default::default() });
-                                    match p.run(input).await {
-                                        Ok(WorkResult { output: protocol::WorkOutput::Embeddings(v), .. }) => (Some(v), None),
-                                        Ok(_) => (None, Some("the provider answered a probe with something other than vectors".into())),
-                                        Err(f) => (None, Some(f.message)),
-                                    }
-                                }
-                            };
-                            let result = AgentFrame::ProbeResult(protocol::ProbeResult { probe: probe.probe, provider: probe.provider, vectors, error });
-                            let _ = tx.send(Message::Text(encode_agent(&result).into()));
+                            let result = answer_probe(provider, probe).await;
+                            let _ = tx.send(Message::Text(encode_agent(&AgentFrame::ProbeResult(result)).into()));
                         });
                     }
                     Ok(HubFrame::Welcome(_)) => {}
@@ -642,6 +632,49 @@ async fn end(
     drop(tx);
     writer.abort();
     SessionEnd::Lost(why)
+}
+
+/// A probe's answer: vectors for the gate's texts, scores for a reranker's pairs.
+async fn answer_probe(
+    provider: Option<Arc<dyn Provider>>,
+    probe: protocol::Probe,
+) -> protocol::ProbeResult {
+    let mut result = protocol::ProbeResult {
+        probe: probe.probe,
+        provider: probe.provider,
+        vectors: None,
+        scores: None,
+        error: None,
+    };
+    let Some(p) = provider else {
+        result.error = Some(format!("no provider '{}' here", result.provider));
+        return result;
+    };
+    let input = match probe.query {
+        Some(query) => protocol::WorkInput::Rerank(protocol::RerankInput {
+            query,
+            documents: probe.texts,
+            instruction: None,
+        }),
+        None => protocol::WorkInput::Embed(protocol::EmbedInput {
+            texts: probe.texts,
+            truncate: true,
+            ..Default::default()
+        }),
+    };
+    match p.run(input).await {
+        Ok(WorkResult {
+            output: protocol::WorkOutput::Embeddings(v),
+            ..
+        }) => result.vectors = Some(v),
+        Ok(WorkResult {
+            output: protocol::WorkOutput::Scores(s),
+            ..
+        }) => result.scores = Some(s),
+        Ok(_) => result.error = Some("the provider answered a probe with something else".into()),
+        Err(f) => result.error = Some(f.message),
+    }
+    result
 }
 
 #[cfg(test)]

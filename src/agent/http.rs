@@ -1,24 +1,25 @@
 //! The agent's own small HTTP server (`--http`, default 127.0.0.1:8098): `GET /health` and
-//! `GET /metrics` (Prometheus text) for the host's monitoring, with each fronted model server's
-//! health. No secrets: counters only.
+//! `GET /metrics` (the agent's own registry, [`crate::metrics`]) for the host's monitoring, with
+//! each fronted model server's health. No secrets: counters only.
 
-use std::fmt::Write;
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use serde_json::json;
 
 use super::Agent;
 use super::local_server::Health;
+use crate::metrics::{Families, Labels, Registry, Scrape};
 
 pub fn router(agent: Arc<Agent>) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .layer(Extension(Arc::new(registry(agent.clone()))))
         .with_state(agent)
 }
 
@@ -66,76 +67,79 @@ fn local_servers(agent: &Agent) -> Vec<serde_json::Value> {
         .collect()
 }
 
-async fn metrics(State(agent): State<Arc<Agent>>) -> impl IntoResponse {
-    let mut out = String::new();
+async fn metrics(
+    Extension(registry): Extension<Arc<Registry>>,
+    headers: axum::http::HeaderMap,
+) -> axum::response::Response {
+    crate::metrics::response(&registry, &headers)
+}
+
+/// The agent's registry: build info, process, and its providers read at each scrape.
+fn registry(agent: Arc<Agent>) -> Registry {
+    let mut registry = crate::metrics::registry("agent");
+    registry.register_collector(Box::new(Scrape::new(move |f| encode(&agent, f))));
+    registry
+}
+
+fn encode(agent: &Agent, f: &mut Families) -> std::fmt::Result {
     let stats = agent.provider_stats();
     let roles: Vec<String> = agent
         .providers()
         .iter()
         .map(|p| p.info().role.to_string())
         .collect();
-    let mut family = |name: &str, kind: &str, help: &str, value: &dyn Fn(usize) -> Option<f64>| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (i, s) in stats.iter().enumerate() {
-            if let Some(v) = value(i) {
-                let _ = writeln!(
-                    out,
-                    "{name}{{provider=\"{}\",role=\"{}\"}} {v}",
-                    s.provider,
-                    roles.get(i).map_or("", String::as_str)
-                );
-            }
-        }
+    let rows = |value: &dyn Fn(&crate::protocol::ProviderStats) -> Option<f64>| {
+        stats
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let labels = vec![
+                    ("provider", s.provider.clone()),
+                    ("role", roles.get(i).cloned().unwrap_or_default()),
+                ];
+                Some((labels, value(s)?))
+            })
+            .collect::<Vec<(Labels, f64)>>()
     };
-    family(
+    f.counter(
         "fantom_agent_items_served_total",
-        "counter",
         "Items served.",
-        &|i| Some(stats[i].served as f64),
-    );
-    family(
+        rows(&|s| Some(s.served as f64)),
+    )?;
+    f.counter(
         "fantom_agent_failures_total",
-        "counter",
         "Failed work frames.",
-        &|i| Some(stats[i].failures as f64),
-    );
-    family(
+        rows(&|s| Some(s.failures as f64)),
+    )?;
+    f.gauge(
         "fantom_agent_in_flight",
-        "gauge",
         "Work frames in progress.",
-        &|i| Some(stats[i].in_flight as f64),
-    );
-    family(
-        "fantom_agent_latency_ewma_ms",
-        "gauge",
+        rows(&|s| Some(s.in_flight as f64)),
+    )?;
+    f.gauge(
+        "fantom_agent_latency_ewma_seconds",
         "Model-call latency per work frame (EWMA).",
-        &|i| stats[i].latency_ewma_ms,
-    );
-    family(
-        "fantom_agent_latency_p95_ms",
-        "gauge",
+        rows(&|s| s.latency_ewma_ms.map(|ms| ms / 1000.0)),
+    )?;
+    f.gauge(
+        "fantom_agent_latency_p95_seconds",
         "Model-call latency per work frame, p95 of the last 256.",
-        &|i| stats[i].latency_p95_ms,
-    );
-    let _ = writeln!(
-        out,
-        "# HELP fantom_agent_hub_connected 1 while a hub session is open.\n# TYPE fantom_agent_hub_connected gauge\nfantom_agent_hub_connected {}",
-        u8::from(agent.is_connected())
-    );
-    if !agent.servers().is_empty() {
-        let _ = writeln!(
-            out,
-            "# HELP fantom_agent_local_server_up 1 while a fronted model server answers its health check.\n# TYPE fantom_agent_local_server_up gauge"
-        );
-        for s in agent.servers().iter() {
-            let _ = writeln!(
-                out,
-                "fantom_agent_local_server_up{{server=\"{}\",kind=\"{}\"}} {}",
-                s.key(),
-                s.config.kind.as_str(),
-                u8::from(s.is_up())
-            );
-        }
-    }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+        rows(&|s| s.latency_p95_ms.map(|ms| ms / 1000.0)),
+    )?;
+    f.gauge(
+        "fantom_agent_hub_connected",
+        "1 while a hub session is open.",
+        [(Labels::new(), f64::from(u8::from(agent.is_connected())))],
+    )?;
+    f.gauge(
+        "fantom_agent_local_server_up",
+        "1 while a fronted model server answers its health check.",
+        agent.servers().iter().map(|s| {
+            let labels = vec![
+                ("server", s.key().to_string()),
+                ("kind", s.config.kind.as_str().to_string()),
+            ];
+            (labels, f64::from(u8::from(s.is_up())))
+        }),
+    )
 }

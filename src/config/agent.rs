@@ -47,7 +47,7 @@ use serde::Deserialize;
 use super::local_server::LocalServerConfig;
 use super::model::ModelChoice;
 use super::tokens::TokenError;
-use crate::roles::Role;
+use crate::roles::{Op, Role};
 use crate::secret::Secret;
 
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -224,10 +224,10 @@ impl AgentConfig {
             let by_server = cfg
                 .local_servers
                 .iter()
-                .any(|s| s.role.hub_role() == Some(*role) && role.is_embedding());
+                .any(|s| s.role.hub_role() == Some(*role) && role.op() != Op::Chat);
             if !cfg.models.iter().any(|m| m.roles.contains(role)) && !by_server {
                 return Err(format!(
-                    "role_ports: {role} has a port but no [[models]] table or embedding [[local_server]] serves it"
+                    "role_ports: {role} has a port but no [[models]] table or embedding or reranker [[local_server]] serves it"
                 ));
             }
         }

@@ -5,12 +5,17 @@
 //!
 //! ```toml
 //! [[local_server]]
-//! role = "rlm"                      # rlm, completion, ocr, embedding, code-embedding
+//! role = "rlm"                      # rlm, completion, ocr, embedding, code-embedding, reranker
 //! url = "http://127.0.0.1:8100"
 //! model = "mit-oasys/rlm-qwen3-8b"
 //! kind = "vllm"                     # vllm, ollama, llama-cpp, tei, openai
 //! unit = "vllm-rlm.service"         # optional: `start`/`stop` act on it
 //! ```
+//!
+//! A reranker server (vLLM, TEI, llama.cpp or any server with Cohere's `/v1/rerank`) is a scorer
+//! like a candle reranker: its identity is its model with the `revision` and `quantization`
+//! the operator declares (TEI's `/info` tells its own `model_sha`), and the hub checks providers
+//! that claim one identity on fixed probe pairs before they share a ranking.
 //!
 //! A role is written as a Fantom master knows its containers (`rlm`, `completion`, `ocr`) or
 //! as the hub's role (`rlm-sandbox`, `code-assistant`, `embedding`, `code-embedding`); both
@@ -36,6 +41,8 @@ pub enum ServerRole {
     Ocr,
     Embedding,
     CodeEmbedding,
+    /// A cross-encoder reranker; the hub's `reranker`.
+    Reranker,
 }
 
 impl ServerRole {
@@ -47,6 +54,7 @@ impl ServerRole {
             ServerRole::Ocr => "ocr",
             ServerRole::Embedding => "embedding",
             ServerRole::CodeEmbedding => "code-embedding",
+            ServerRole::Reranker => "reranker",
         }
     }
 
@@ -58,6 +66,7 @@ impl ServerRole {
             ServerRole::Ocr => None,
             ServerRole::Embedding => Some(Role::Embedding),
             ServerRole::CodeEmbedding => Some(Role::CodeEmbedding),
+            ServerRole::Reranker => Some(Role::Reranker),
         }
     }
 
@@ -65,6 +74,7 @@ impl ServerRole {
         match self {
             ServerRole::Rlm | ServerRole::Completion | ServerRole::Ocr => Op::Chat,
             ServerRole::Embedding | ServerRole::CodeEmbedding => Op::Embed,
+            ServerRole::Reranker => Op::Rerank,
         }
     }
 
@@ -75,12 +85,10 @@ impl ServerRole {
             "ocr" => ServerRole::Ocr,
             "embedding" => ServerRole::Embedding,
             "code-embedding" => ServerRole::CodeEmbedding,
-            "reranker" => {
-                return Err("a declared reranker server is not supported: serve the reranker with a [[models]] table".into());
-            }
+            "reranker" => ServerRole::Reranker,
             other => {
                 return Err(format!(
-                    "unknown local_server role '{other}'; the roles are: rlm (rlm-sandbox), completion (code-assistant), ocr, embedding, code-embedding"
+                    "unknown local_server role '{other}'; the roles are: rlm (rlm-sandbox), completion (code-assistant), ocr, embedding, code-embedding, reranker"
                 ));
             }
         })
@@ -98,15 +106,18 @@ impl<'de> Deserialize<'de> for ServerRole {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ServerKind {
-    /// vLLM's OpenAI server: `/v1/models`, `/v1/chat/completions`, `/v1/embeddings`.
+    /// vLLM's OpenAI server: `/v1/models`, `/v1/chat/completions`, `/v1/embeddings`,
+    /// `/v1/rerank` (or `/v1/score`).
     Vllm,
     /// Ollama: `/api/tags`, `/api/embed`, and its OpenAI `/v1/chat/completions`.
     Ollama,
-    /// llama.cpp's `llama-server`: `/health`, `/v1/chat/completions`, `/v1/embeddings`.
+    /// llama.cpp's `llama-server`: `/health`, `/v1/chat/completions`, `/v1/embeddings`,
+    /// `/v1/rerank`.
     LlamaCpp,
-    /// text-embeddings-inference: `/health`, `/info`, `/embed`.
+    /// text-embeddings-inference: `/health`, `/info`, `/embed`, `/rerank`.
     Tei,
-    /// Any OpenAI-compatible server: `/v1/models`, `/v1/chat/completions`, `/v1/embeddings`.
+    /// Any OpenAI-compatible server: `/v1/models`, `/v1/chat/completions`, `/v1/embeddings`,
+    /// and Cohere's `/v1/rerank` (or vLLM's `/v1/score`).
     Openai,
 }
 
@@ -121,12 +132,12 @@ impl ServerKind {
         }
     }
 
-    /// Whether it serves `op` at all (TEI has no chat).
+    /// Whether it serves `op` at all (TEI has no chat, Ollama no reranking).
     pub fn serves(self, op: Op) -> bool {
         match op {
             Op::Chat => self != ServerKind::Tei,
             Op::Embed => true,
-            Op::Rerank => false,
+            Op::Rerank => self != ServerKind::Ollama,
         }
     }
 }
@@ -152,6 +163,15 @@ pub struct LocalServerConfig {
     /// An embedding server's width, when known (else the gate's probe measures it).
     #[serde(default)]
     pub dims: Option<usize>,
+    /// The weights' revision, as the operator declares it (a commit of the model's repository):
+    /// part of a reranker's scorer identity where the server tells none (TEI's `model_sha`
+    /// wins where it answers one).
+    #[serde(default)]
+    pub revision: Option<String>,
+    /// The weights' quantization or dtype as served (`awq`, `fp8`, `bf16`): part of a
+    /// reranker's scorer identity.
+    #[serde(default)]
+    pub quantization: Option<String>,
     /// Seconds between health checks.
     #[serde(default = "default_health_s")]
     pub health_interval_s: u64,
@@ -237,10 +257,29 @@ impl LocalServerConfig {
             return Err(format!("local_server {name}: model is empty"));
         }
         if !self.kind.serves(self.role.op()) {
+            let (api, kinds) = match self.role.op() {
+                Op::Rerank => (
+                    "rerank",
+                    "vllm, tei, llama-cpp or openai (any server with /v1/rerank)",
+                ),
+                _ => ("chat", "vllm, ollama, llama-cpp or openai"),
+            };
             return Err(format!(
-                "local_server {name}: a {} server has no chat API; use kind vllm, ollama, llama-cpp or openai",
+                "local_server {name}: a {} server has no {api} API; use kind {kinds}",
                 self.kind.as_str()
             ));
+        }
+        for (field, value) in [
+            ("revision", &self.revision),
+            ("quantization", &self.quantization),
+        ] {
+            if let Some(v) = value
+                && (v.trim().is_empty() || v.chars().any(|c| c.is_whitespace() || c == '@'))
+            {
+                return Err(format!(
+                    "local_server {name}: {field} must be one word without spaces or '@' (it is part of the scorer's identity)"
+                ));
+            }
         }
         if self.pipeline_depth == 0 || self.max_items_per_work == 0 {
             return Err(format!(
@@ -299,9 +338,19 @@ mod tests {
         assert_eq!(ServerRole::Ocr.hub_role(), None);
 
         let err = |body: &str| parse(body).unwrap_err();
+        let reranker = parse(
+            "role = \"reranker\"\nurl = \"http://h\"\nmodel = \"m\"\nkind = \"tei\"\nrevision = \"abc\"\nquantization = \"fp16\"",
+        )
+        .unwrap();
+        assert_eq!(reranker.role.hub_role(), Some(Role::Reranker));
+        assert_eq!(reranker.revision.as_deref(), Some("abc"));
         assert!(
-            err("role = \"reranker\"\nurl = \"http://h\"\nmodel = \"m\"\nkind = \"tei\"")
-                .contains("[[models]]")
+            err("role = \"reranker\"\nurl = \"http://h\"\nmodel = \"m\"\nkind = \"ollama\"")
+                .contains("no rerank API")
+        );
+        assert!(
+            err("role = \"reranker\"\nurl = \"http://h\"\nmodel = \"m\"\nkind = \"vllm\"\nrevision = \"a b\"")
+                .contains("revision")
         );
         assert!(
             err("role = \"llm\"\nurl = \"http://h\"\nmodel = \"m\"\nkind = \"vllm\"")

@@ -160,8 +160,8 @@ impl LocalContainer {
         // Ollama's `/api/embed` for embedders, vLLM's `/v1/rerank` for the reranker (a fronted
         // server's API is ours to answer here: masters call the agent's port for it).
         let kind = match &self.source {
+            _ if self.role == Role::Reranker => ContainerKind::Vllm,
             Source::Server(server) => container_kind(server.config.kind),
-            Source::Model(_) if self.role == Role::Reranker => ContainerKind::Vllm,
             Source::Model(_) => ContainerKind::Ollama,
         };
         let on_gpu = self.device.starts_with("cuda");
@@ -273,7 +273,9 @@ impl Containers {
         let mut chat = Vec::new();
         for server in servers.iter() {
             match server.config.role.hub_role() {
-                Some(role) if role.is_embedding() => all.push(LocalContainer {
+                // Embedding and reranker servers are answered on the agent's role endpoints,
+                // as our own models are; chat servers are called directly.
+                Some(role) if role.op() != Op::Chat => all.push(LocalContainer {
                     role,
                     model: server.config.model.clone(),
                     port: ports.get(&role).copied().unwrap_or(agent_port),

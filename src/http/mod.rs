@@ -57,6 +57,12 @@ pub struct TlsFiles {
 /// answers are gzip-compressed for a client that asks (`Accept-Encoding: gzip`; never a stream).
 pub fn hub_router(hub: Hub) -> Router {
     let routes = std::sync::Arc::new(request_id::RouteMetrics::default());
+    let mut registry = crate::metrics::registry("hub");
+    let scraped = hub.clone();
+    registry.register_collector(Box::new(crate::metrics::Scrape::new(move |f| {
+        scraped.encode_metrics(f)
+    })));
+    registry.register_collector(Box::new(routes.clone()));
     let (router, doc) = api_router().split_for_parts();
     let docs = utoipa_swagger_ui::SwaggerUi::new("/docs")
         .url("/openapi.json", doc)
@@ -69,7 +75,7 @@ pub fn hub_router(hub: Hub) -> Router {
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(
             error::panic_response,
         ))
-        .layer(axum::Extension(routes.clone()))
+        .layer(axum::Extension(std::sync::Arc::new(registry)))
         .layer(axum::middleware::from_fn_with_state(
             (hub.clone(), routes),
             request_id::observe,

@@ -1,21 +1,20 @@
 //! `GET /health` (liveness: the process is up; also `GET /` and `GET /ping`, as TEI answers),
 //! `GET /ready` (readiness: every role that gates it can serve a new request now, else 503 with
 //! the reason per role; what a load balancer or a Kubernetes readiness probe asks) and
-//! `GET /metrics` (Prometheus text), open to anyone: they carry counts and reasons, never a
+//! `GET /metrics` (the hub's registry, [`crate::metrics`]), open to anyone: they carry counts and reasons, never a
 //! secret.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use axum::http::StatusCode;
+use axum::response::Response;
 use axum::{Extension, Json};
 use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::error::ApiError;
-use super::request_id::RouteMetrics;
 use crate::hub::Hub;
 
 /// The process is up.
@@ -128,15 +127,13 @@ pub async fn ready(State(hub): State<Hub>) -> (StatusCode, Json<Readiness>) {
 
 /// The hub's metrics and its routes' latencies, in Prometheus' text format.
 #[utoipa::path(get, path = "/metrics", tag = "operations", responses(
-    (status = 200, description = "Prometheus text exposition format 0.0.4", body = String,
-        content_type = "text/plain")))]
+    (status = 200, description = "OpenMetrics 1.0 text for a scraper whose Accept names it (Prometheus does), else Prometheus' text format 0.0.4",
+        content((String = "text/plain"), (String = "application/openmetrics-text")))))]
 pub async fn metrics(
-    State(hub): State<Hub>,
-    Extension(routes): Extension<Arc<RouteMetrics>>,
+    Extension(registry): Extension<Arc<crate::metrics::Registry>>,
+    headers: axum::http::HeaderMap,
 ) -> Response {
-    let mut text = hub.metrics_text();
-    routes.render(&mut text);
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+    crate::metrics::response(&registry, &headers)
 }
 
 pub async fn not_found() -> ApiError {

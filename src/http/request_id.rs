@@ -16,8 +16,9 @@ use axum::middleware::Next;
 use axum::response::Response;
 use tracing::Instrument;
 
-use crate::histogram::{self, Histogram};
 use crate::hub::Hub;
+use crate::metrics::Families;
+use crate::metrics::histogram::{self, Histogram};
 use crate::secret::Secret;
 
 pub const HEADER: &str = "x-request-id";
@@ -26,7 +27,7 @@ pub const HEADER: &str = "x-request-id";
 const MAX_LEN: usize = 128;
 
 /// Latency per route and status.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct RouteMetrics {
     series: Mutex<BTreeMap<(String, u16), Histogram>>,
 }
@@ -40,27 +41,25 @@ impl RouteMetrics {
             .or_insert_with(|| Histogram::new(histogram::SECONDS))
             .observe(seconds);
     }
+}
 
-    /// The family in Prometheus text.
-    pub fn render(&self, out: &mut String) {
+/// Encoded at each scrape of the hub's registry.
+impl prometheus_client::collector::Collector for RouteMetrics {
+    fn encode(&self, encoder: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
         let series = self
             .series
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        histogram::render_family(
-            out,
+        Families::from(encoder).histogram(
             "fantom_http_request_duration_seconds",
             "Seconds from a request's arrival to its response headers, by route and status.",
             series.iter().map(|((route, status), h)| {
                 (
-                    format!(
-                        "route=\"{}\",status=\"{status}\"",
-                        crate::hub::status::label(route)
-                    ),
+                    vec![("route", route.clone()), ("status", status.to_string())],
                     h,
                 )
             }),
-        );
+        )
     }
 }
 

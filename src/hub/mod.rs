@@ -11,11 +11,13 @@
 pub mod budget;
 pub mod core;
 pub mod gate;
+mod metrics;
 pub mod policy;
 pub mod project_admin;
 pub mod projects;
 pub mod queue;
 pub mod registry;
+pub mod scorer_check;
 pub mod socket;
 pub mod state;
 pub mod status;
@@ -290,6 +292,8 @@ impl Hub {
     ) -> Result<Running, HubError> {
         let (wait, mut changes) = {
             let core = self.core();
+            // A request past the hub's limits can never be served: refused before any wait.
+            core.check_limits(&shape, &texts)?;
             (core.settings.admission_wait, core.watch_changes())
         };
         let give_up = tokio::time::Instant::now() + wait;

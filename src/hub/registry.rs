@@ -92,8 +92,16 @@ impl ScorerRef {
             ScoreActivation::None => "logit",
             ScoreActivation::Sigmoid => "sigmoid",
         };
+        // A fronted server's declared quantization is part of what it claims to be.
+        let quantization = match (&info.server, &info.dtype) {
+            (Some(_), Some(q)) => format!(" {q}"),
+            _ => String::new(),
+        };
         Some(ScorerRef {
-            id: format!("{backend} {}@{at} {activation_name}", info.model),
+            id: format!(
+                "{backend} {}@{at}{quantization} {activation_name}",
+                info.model
+            ),
             origin: ModelOrigin::of(info),
             activation,
         })
@@ -109,7 +117,11 @@ pub struct ProviderEntry {
     pub route: Option<String>,
     /// How the compatibility gate sees an embedding provider; `None` for other roles.
     pub gate_candidate: Option<crate::hub::gate::Candidate>,
-    /// A reranker's scorer identity; `None` for other roles.
+    /// The scorer identity a reranker claims; `None` for other roles.
+    pub claimed_scorer: Option<Arc<ScorerRef>>,
+    /// The scorer it serves as: a cloud reranker's claim at once, a local one's once the
+    /// scorer check ([`crate::hub::scorer_check`]) has compared it on the probe pairs (the
+    /// claim, or a `~N` variant when it disagrees). `None`: it serves no rerank work.
     pub scorer: Option<Arc<ScorerRef>>,
     /// A cloud route that refuses every call until a push (no endpoint for its pin): why.
     pub refused: Option<String>,
@@ -168,12 +180,16 @@ impl ProviderEntry {
                 fronted: info.server.is_some(),
                 healthy: true,
             });
-        let scorer = ScorerRef::of(&info).map(Arc::new);
+        let claimed_scorer = ScorerRef::of(&info).map(Arc::new);
+        let scorer = claimed_scorer
+            .clone()
+            .filter(|_| info.backend == Backend::Cloud);
         Self {
             info,
             reference,
             route,
             gate_candidate,
+            claimed_scorer,
             scorer,
             refused: None,
             stale: None,

@@ -304,6 +304,17 @@ mod tests {
             probe: "p1".into(),
             provider: "embedding".into(),
             vectors: Some(vec![vec![1.0]]),
+            scores: None,
+            error: None,
+        }));
+        round_trip_agent(AgentFrame::ProbeResult(ProbeResult {
+            probe: "scorer-1".into(),
+            provider: "reranker".into(),
+            vectors: None,
+            scores: Some(vec![Score {
+                score: 1.5,
+                probability: Some(0.8),
+            }]),
             error: None,
         }));
     }
@@ -353,6 +364,13 @@ mod tests {
             probe: "p".into(),
             provider: "embedding".into(),
             texts: vec!["x".into()],
+            query: None,
+        }));
+        round_trip_hub(HubFrame::Probe(Probe {
+            probe: "scorer-1".into(),
+            provider: "reranker".into(),
+            texts: vec!["d".into()],
+            query: Some("q".into()),
         }));
         round_trip_hub(HubFrame::Cancel {
             lease: 3,

@@ -347,6 +347,9 @@ pub struct ProbeResult {
     pub provider: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vectors: Option<Vec<Vec<f32>>>,
+    /// A reranker's scores of the probe pairs (the answer to a probe with a `query`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scores: Option<Vec<Score>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -540,5 +543,9 @@ pub struct Score {
 pub struct Probe {
     pub probe: String,
     pub provider: String,
+    /// The gate's probe texts; with `query`, the documents scored against it.
     pub texts: Vec<String>,
+    /// A reranker's probe: the query of its fixed probe pairs (the scorer check).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query: Option<String>,
 }

@@ -12,7 +12,10 @@
 //!   fails at once with the reason;
 //! * the gate: a declared embedding server (Ollama) at cosine 0.97 to the reference is refused
 //!   and serves nothing; one with the reference's own vectors (TEI) passes and serves, until
-//!   new weights behind the same name make it a new identity, judged again and refused.
+//!   new weights behind the same name make it a new identity, judged again and refused;
+//! * the scorer check: fronted rerankers (vLLM on `/v1/score` after `/v1/rerank`'s 404, TEI
+//!   with `raw_scores`, vLLM on Cohere's `/v1/rerank`) claiming one identity are compared on
+//!   the probe pairs; the one that disagrees is another scorer, and no ranking mixes the two.
 
 use std::path::Path;
 
@@ -20,7 +23,7 @@ use serde_json::{Map, Value, json};
 
 use crate::fantom_master::TestMaster;
 use crate::gate::{minilm_embedder, verdict};
-use crate::model_servers::{Kind, ModelServer, ModelServerConfig};
+use crate::model_servers::{Kind, ModelServer, ModelServerConfig, RerankStandIn, stand_in_logit};
 use crate::relay::{TRACE, opts};
 use crate::support::*;
 use crate::upstream::{Endpoint, EndpointKind, Upstream, UpstreamConfig};
@@ -37,6 +40,7 @@ async fn server(kind: Kind, model: &str, api_key: Option<&str>) -> ModelServer {
         embedder: None,
         cosine: None,
         api_key: api_key.map(str::to_string),
+        rerank: None,
     })
     .await
 }
@@ -402,6 +406,7 @@ async fn a_declared_embedding_server_is_gated_like_any_provider() {
                 embedder,
                 cosine,
                 api_key: None,
+                rerank: None,
             })
             .await
         }
@@ -519,4 +524,153 @@ async fn a_declared_embedding_server_is_gated_like_any_provider() {
         served,
         "refused: no text"
     );
+}
+
+const RERANK_MODEL: &str = "BAAI/bge-reranker-v2-m3";
+/// What the TEI stand-in's `/info` answers as `model_sha`: the commit the vLLM tables declare.
+const TEI_REVISION: &str = "8eeb52dfb3bb9aefdf9d1ef24b3bdbcfbf5e3b7c0d1a2f3e4d5c6b7a8f9e0d1c";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fronted_rerankers_claiming_one_scorer_are_checked_and_one_that_disagrees_is_kept_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let reranker = |kind: Kind, shift: f64, cohere_route: bool| async move {
+        ModelServer::start(ModelServerConfig {
+            kind,
+            model: RERANK_MODEL.into(),
+            embedder: None,
+            cosine: None,
+            api_key: None,
+            rerank: Some(RerankStandIn {
+                shift,
+                cohere_route,
+            }),
+        })
+        .await
+    };
+    // One claim, three servers: vLLM without Cohere's route, TEI, and a vLLM that disagrees.
+    let score_only = reranker(Kind::Vllm, 0.0, false).await;
+    let tei = reranker(Kind::Tei, 0.0, false).await;
+    let other = reranker(Kind::Vllm, 1.5, true).await;
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    // Three documents a work frame, one frame at a time: a ranking takes several frames.
+    let small = "max_items_per_work = 3\npipeline_depth = 1";
+    let declared = format!("revision = \"{TEI_REVISION}\"\n{small}");
+    let mut agents = [
+        ("score-only", &score_only, "vllm", declared.as_str()),
+        ("tei", &tei, "tei", small),
+        ("other", &other, "vllm", declared.as_str()),
+    ]
+    .map(|(id, server, kind, extra)| {
+        let body = table("reranker", server, RERANK_MODEL, kind, extra);
+        start_agent_toml(dir.path(), &hub.ws_url(), &hub.fleet_file, id, &body, &[])
+    });
+
+    let scorers: Vec<Value> = eventually("three rerankers checked", || async {
+        let s = hub.status().await;
+        let list = s["scorers"].as_array()?.clone();
+        (list.len() == 3 && list.iter().all(|v| v["state"] == "checked")).then_some(list)
+    })
+    .await;
+    let of = |p: &str| {
+        scorers
+            .iter()
+            .find(|v| v["provider"] == format!("{p}/server:reranker"))
+            .unwrap_or_else(|| panic!("{p}: {scorers:?}"))
+            .clone()
+    };
+    let claim = format!("local {RERANK_MODEL}@{TEI_REVISION} sigmoid");
+    for p in ["score-only", "tei", "other"] {
+        assert_eq!(of(p)["claimed"], claim.as_str(), "{scorers:?}");
+    }
+    assert_eq!(
+        of("score-only")["scorer"],
+        of("tei")["scorer"],
+        "{scorers:?}"
+    );
+    assert_ne!(
+        of("score-only")["scorer"],
+        of("other")["scorer"],
+        "{scorers:?}"
+    );
+    assert!(
+        score_only.count(|c| &c.reranked_docs) >= 6 && other.count(|c| &c.reranked_docs) >= 6,
+        "the probe pairs reached vLLM's /v1/score (after /v1/rerank's 404) and Cohere's /v1/rerank"
+    );
+    let shift_of = |provider: &str| {
+        if provider.starts_with("other/") {
+            1.5
+        } else {
+            0.0
+        }
+    };
+
+    // Rankings spread over several work frames: each is one scorer's, scores on its scale.
+    let query = "reading a file line by line in rust";
+    let docs: Vec<String> = (0..12)
+        .map(|i| match i % 4 {
+            0 => format!("{i}: rust reads a file line by line"),
+            1 => format!("{i}: reading the file"),
+            2 => format!("{i}: a line of poetry"),
+            _ => format!("{i}: the weather today"),
+        })
+        .collect();
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..8 {
+        let (code, body) = hub
+            .post(
+                "/v1/rerank",
+                &json!({"model": "reranker", "query": query, "documents": docs}),
+            )
+            .await;
+        assert_eq!(code, 200, "{body}");
+        let scorer = body["scorer"]["id"].as_str().unwrap().to_string();
+        assert_eq!(body["scorer"]["activation"], "sigmoid", "{body}");
+        let results = body["results"].as_array().unwrap();
+        assert_eq!(results.len(), docs.len());
+        let providers: std::collections::BTreeSet<&str> = results
+            .iter()
+            .map(|r| r["provenance"]["provider"].as_str().unwrap())
+            .collect();
+        let groups: std::collections::BTreeSet<bool> =
+            providers.iter().map(|p| p.starts_with("other/")).collect();
+        assert_eq!(groups.len(), 1, "one ranking, one scorer: {providers:?}");
+        for r in results {
+            let i = r["index"].as_u64().unwrap() as usize;
+            let p = r["provenance"]["provider"].as_str().unwrap();
+            let want = 1.0 / (1.0 + (-stand_in_logit(query, &docs[i], shift_of(p))).exp());
+            let got = r["relevance_score"].as_f64().unwrap();
+            assert!((got - want).abs() < 1e-4, "{p} doc {i}: {got} vs {want}");
+        }
+        seen.insert(scorer);
+    }
+    assert!(!seen.is_empty());
+
+    // Without the disagreeing one, the two that agree share each ranking.
+    agents[2].kill();
+    eventually("the disagreeing reranker gone", || async {
+        let s = hub.status().await;
+        (s["scorers"].as_array()?.len() == 2).then_some(())
+    })
+    .await;
+    for _ in 0..3 {
+        let (code, body) = hub
+            .post(
+                "/v1/rerank",
+                &json!({"model": "reranker", "query": query, "documents": docs}),
+            )
+            .await;
+        assert_eq!(code, 200, "{body}");
+        assert_eq!(body["scorer"]["id"], of("tei")["scorer"], "{body}");
+        let providers: std::collections::BTreeSet<&str> = body["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["provenance"]["provider"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            providers.into_iter().collect::<Vec<_>>(),
+            ["score-only/server:reranker", "tei/server:reranker"],
+            "one scorer, two servers, one ranking"
+        );
+    }
 }

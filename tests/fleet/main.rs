@@ -34,5 +34,6 @@ mod seams;
 mod secrets;
 mod serve;
 mod service;
+mod telemetry;
 mod tls;
 mod upstream;

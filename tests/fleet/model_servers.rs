@@ -9,6 +9,13 @@
 //! * `Tei`: text-embeddings-inference: `GET /health` (an empty 200), `GET /info` (`model_id`,
 //!   `model_sha`), `POST /embed` (`{inputs}` → an array of vectors); no chat.
 //!
+//! With `rerank`, they rerank too, as each one's API does: vLLM's `POST /v1/score`
+//! (`{text_1, text_2}` → `data[].score`, probabilities) and, when `cohere_route`, Cohere's
+//! `POST /v1/rerank` (`results[].relevance_score`; else that path is vLLM's 404); TEI's
+//! `POST /rerank` (`[{index, score}]`, logits with `raw_scores`, else probabilities). The logit
+//! is a fixed function of the words a query and a document share, plus `shift`: two stand-ins
+//! with the same shift are one scorer, another shift a different one.
+//!
 //! Vectors come from a supplied embedder (or a hash of the text), normalised, and optionally
 //! perturbed to an exact cosine ([`crate::upstream::perturb`]). An API key, when set, is
 //! required as a bearer token. [`ModelServer::stop`] closes the listener: from then on nothing
@@ -49,6 +56,16 @@ pub struct ModelServerConfig {
     /// Served vectors at exactly this cosine to the clean ones.
     pub cosine: Option<f32>,
     pub api_key: Option<String>,
+    /// Serves reranking (see the module's comment).
+    pub rerank: Option<RerankStandIn>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct RerankStandIn {
+    /// Added to every logit.
+    pub shift: f64,
+    /// vLLM only: serves Cohere's `/v1/rerank` as well as `/v1/score`.
+    pub cohere_route: bool,
 }
 
 #[derive(Default)]
@@ -59,6 +76,8 @@ pub struct Counts {
     pub embed_calls: AtomicU64,
     pub embedded_texts: AtomicU64,
     pub unauthorized: AtomicU64,
+    /// Documents scored on the rerank routes.
+    pub reranked_docs: AtomicU64,
 }
 
 pub struct ServerState {
@@ -146,6 +165,18 @@ impl ModelServer {
         let router = match kind {
             Kind::Tei => router,
             _ => router.route("/v1/chat/completions", post(chat)),
+        };
+        let router = match (kind, state.cfg.rerank) {
+            (Kind::Tei, Some(_)) => router.route("/rerank", post(tei_rerank)),
+            (Kind::Vllm, Some(r)) => {
+                let router = router.route("/v1/score", post(vllm_score));
+                if r.cohere_route {
+                    router.route("/v1/rerank", post(cohere_rerank))
+                } else {
+                    router
+                }
+            }
+            _ => router,
         }
         .with_state(state);
         let (stop, stopped) = oneshot::channel::<()>();
@@ -409,4 +440,103 @@ async fn chat(State(s): State<Arc<ServerState>>, headers: HeaderMap, body: Bytes
         events,
     )
         .into_response()
+}
+
+/// The stand-ins' relevance logit: 1.5 per word (of three letters or more) a document shares
+/// with the query, less 2, plus the server's shift.
+pub fn stand_in_logit(query: &str, document: &str, shift: f64) -> f64 {
+    let words = |t: &str| -> std::collections::BTreeSet<String> {
+        t.split(|c: char| !c.is_alphanumeric())
+            .filter(|w| w.len() >= 3)
+            .map(str::to_lowercase)
+            .collect()
+    };
+    let q = words(query);
+    let shared = words(document).intersection(&q).count();
+    1.5 * shared as f64 - 2.0 + shift
+}
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// The query and documents of a rerank body, scored (logits), counted.
+fn score_body(s: &ServerState, query: &Value, docs: &Value) -> Result<Vec<f64>, Response> {
+    let query = query
+        .as_str()
+        .ok_or_else(|| refuse(StatusCode::UNPROCESSABLE_ENTITY, "query must be a string"))?;
+    let docs = texts_of(docs)?;
+    let shift = s.cfg.rerank.map_or(0.0, |r| r.shift);
+    s.counts
+        .reranked_docs
+        .fetch_add(docs.len() as u64, Ordering::SeqCst);
+    s.bump();
+    Ok(docs
+        .iter()
+        .map(|d| stand_in_logit(query, d, shift))
+        .collect())
+}
+
+/// Indexes by falling score, as the servers sort their answers.
+fn by_score(scores: &[f64]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|a, b| scores[*b].total_cmp(&scores[*a]));
+    order
+}
+
+async fn vllm_score(State(s): State<Arc<ServerState>>, body: Bytes) -> Response {
+    let logits = match parse(&body).and_then(|b| {
+        same_model(&s, &b)?;
+        score_body(&s, &b["text_1"], &b["text_2"])
+    }) {
+        Ok(l) => l,
+        Err(r) => return r,
+    };
+    let data: Vec<Value> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, l)| json!({"index": i, "object": "score", "score": sigmoid(*l)}))
+        .collect();
+    Json(
+        json!({"id": "score-1", "object": "list", "model": s.cfg.model, "data": data,
+        "usage": {"prompt_tokens": 7 * logits.len(), "total_tokens": 7 * logits.len()}}),
+    )
+    .into_response()
+}
+
+async fn cohere_rerank(State(s): State<Arc<ServerState>>, body: Bytes) -> Response {
+    let logits = match parse(&body).and_then(|b| {
+        same_model(&s, &b)?;
+        score_body(&s, &b["query"], &b["documents"])
+    }) {
+        Ok(l) => l,
+        Err(r) => return r,
+    };
+    let results: Vec<Value> = by_score(&logits)
+        .into_iter()
+        .map(|i| json!({"index": i, "relevance_score": sigmoid(logits[i])}))
+        .collect();
+    Json(
+        json!({"id": "rerank-1", "model": s.cfg.model, "results": results,
+        "usage": {"total_tokens": 7 * logits.len()}}),
+    )
+    .into_response()
+}
+
+async fn tei_rerank(State(s): State<Arc<ServerState>>, body: Bytes) -> Response {
+    let (logits, raw) = match parse(&body).and_then(|b| {
+        let raw = b["raw_scores"].as_bool().unwrap_or(false);
+        Ok((score_body(&s, &b["query"], &b["texts"])?, raw))
+    }) {
+        Ok(x) => x,
+        Err(r) => return r,
+    };
+    let rows: Vec<Value> = by_score(&logits)
+        .into_iter()
+        .map(|i| {
+            let score = if raw { logits[i] } else { sigmoid(logits[i]) };
+            json!({"index": i, "score": score})
+        })
+        .collect();
+    Json(Value::Array(rows)).into_response()
 }

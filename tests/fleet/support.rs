@@ -541,6 +541,16 @@ impl RawAgent {
             return false;
         }
         let n = v["texts"].as_array().map_or(0, Vec::len);
+        if v["query"].is_string() {
+            // The scorer check's probe pairs: every raw agent scores them alike.
+            let scores: Vec<Value> = (0..n)
+                .map(|i| json!({"score": -(i as f64), "probability": 1.0 / (1.0 + i as f64)}))
+                .collect();
+            self.send(json!({"type":"probe_result","probe":v["probe"],
+                "provider":v["provider"],"scores":scores}))
+                .await;
+            return true;
+        }
         self.send(json!({"type":"probe_result","probe":v["probe"],
             "provider":v["provider"],"vectors":vec![self.probe_unit(); n]}))
             .await;

@@ -1,7 +1,8 @@
 //! Each server kind's own API, as calls: the health check (vLLM and OpenAI-compatible servers'
 //! `/v1/models`, Ollama's `/api/tags`, llama.cpp's and TEI's `/health`, with TEI's `/info`),
 //! embeddings (TEI's `/embed`, Ollama's `/api/embed`, `/v1/embeddings` elsewhere) and chat
-//! (`/v1/chat/completions` everywhere, streamed as server-sent events when asked). Answers are
+//! (`/v1/chat/completions` everywhere, streamed as server-sent events when asked); reranking is
+//! in [`super::rerank`]. Answers are
 //! checked as a cloud answer is (count, width, finite numbers); failures are classified for
 //! the hub ([`ServerError::failure`]).
 
@@ -94,6 +95,8 @@ pub struct ServerApi {
     kind: ServerKind,
     model: String,
     key: Option<Secret>,
+    /// Set once the server answered 404 on Cohere's `/v1/rerank`: vLLM's `/v1/score` from then on.
+    pub(super) score_route: std::sync::atomic::AtomicBool,
 }
 
 fn truncate(text: &str) -> String {
@@ -143,6 +146,7 @@ impl ServerApi {
             kind: cfg.kind,
             model: cfg.model.clone(),
             key,
+            score_route: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -157,11 +161,16 @@ impl ServerApi {
         }
     }
 
+    /// The server's base URL (no key in it: `check` refuses one).
+    pub(super) fn base(&self) -> &str {
+        &self.base
+    }
+
     fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }
 
-    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+    pub(super) fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         let rb = self.http.request(method, self.url(path));
         match &self.key {
             Some(key) => rb.bearer_auth(key.expose()),
@@ -213,7 +222,11 @@ impl ServerApi {
     }
 
     /// Sends and reads a JSON answer.
-    async fn send(&self, path: &str, rb: reqwest::RequestBuilder) -> Result<Value, ServerError> {
+    pub(super) async fn send(
+        &self,
+        path: &str,
+        rb: reqwest::RequestBuilder,
+    ) -> Result<Value, ServerError> {
         let response = self.open(path, rb).await?;
         let body = read_capped(response)
             .await
@@ -224,7 +237,7 @@ impl ServerApi {
         })
     }
 
-    fn bad(&self, path: &str, message: impl Into<String>) -> ServerError {
+    pub(super) fn bad(&self, path: &str, message: impl Into<String>) -> ServerError {
         ServerError::BadAnswer {
             url: self.url(path),
             message: self.withhold_key(truncate(&message.into())),

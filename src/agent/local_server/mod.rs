@@ -12,6 +12,7 @@
 
 pub mod api;
 pub mod provider;
+pub mod rerank;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -133,9 +134,10 @@ impl LocalServer {
             Health::Up(c) => {
                 tracing::info!(server = key, url, kind = self.config.kind.as_str(), model = %self.config.model, revision = ?c.revision, "local server up");
                 let mut slot = self.provider.lock().unwrap_or_else(PoisonError::into_inner);
+                let revision = provider::served_revision(&self.config, c.revision.clone());
                 let same = slot
                     .as_ref()
-                    .is_some_and(|p| p.info_ref().revision == c.revision);
+                    .is_some_and(|p| p.info_ref().revision == revision);
                 if !same {
                     *slot = self.config.role.hub_role().map(|role| {
                         Arc::new(ServerProvider::new(

@@ -9,6 +9,7 @@ use super::{Core, results};
 use crate::hub::budget;
 use crate::hub::gate::Candidate;
 use crate::hub::registry::{AgentEntry, AgentTx, Outgoing, ProviderEntry};
+use crate::hub::scorer_check::{PROBE_DOCUMENTS, PROBE_QUERY, ScorerCheck};
 use crate::protocol::{
     self, AccountLimits, Backend, ConfigAck, ErrorCode, Heartbeat, Hello, HubFrame,
     PROTOCOL_VERSION, ProviderInfo, Welcome,
@@ -307,8 +308,10 @@ impl Core {
         }
     }
 
-    /// The gate's round: probes to send (new providers, retries, the sentinel), sent now.
+    /// The gate's round: probes to send (new providers, retries, the sentinel), sent now; the
+    /// scorer check's round first.
     pub fn gate_tick(&mut self, now: Instant) {
+        self.scorer_tick(now);
         let candidates: Vec<Candidate> = self
             .agents
             .values()
@@ -336,12 +339,60 @@ impl Core {
                     probe: r.probe.clone(),
                     provider: pid.to_string(),
                     texts: r.texts,
+                    query: None,
                 })))
                 .then_some(())
             });
             if sent.is_none() {
                 self.gate
                     .on_result(&r.probe, Err("the agent is gone".into()), now);
+            }
+        }
+    }
+
+    /// The scorer check's round: probes to local rerankers without a standing, sent now; each
+    /// provider's scorer set from its standing.
+    fn scorer_tick(&mut self, now: Instant) {
+        let candidates: Vec<_> = self
+            .agents
+            .values()
+            .flat_map(|a| a.providers.values())
+            .filter(|p| p.info.backend == Backend::Local)
+            .filter_map(|p| Some((p.reference.provider.clone(), p.claimed_scorer.clone()?)))
+            .collect();
+        for r in self.scorer_check.tick(now, &candidates) {
+            let sent = r.provider.split_once('/').and_then(|(agent, pid)| {
+                let a = self.agents.get(agent)?;
+                a.send(protocol::encode(&HubFrame::Probe(protocol::Probe {
+                    probe: r.probe.clone(),
+                    provider: pid.to_string(),
+                    texts: PROBE_DOCUMENTS.iter().map(|d| d.to_string()).collect(),
+                    query: Some(PROBE_QUERY.to_string()),
+                })))
+                .then_some(())
+            });
+            if sent.is_none() {
+                self.scorer_check.on_answer(
+                    &r.probe,
+                    &r.provider,
+                    Err("the agent is gone".into()),
+                    now,
+                );
+            }
+        }
+        self.sync_scorers();
+    }
+
+    /// Each local reranker's scorer, as the check has it now.
+    fn sync_scorers(&mut self) {
+        let check = &self.scorer_check;
+        for p in self
+            .agents
+            .values_mut()
+            .flat_map(|a| a.providers.values_mut())
+        {
+            if p.claimed_scorer.is_some() && p.info.backend == Backend::Local {
+                p.scorer = check.scorer_of(&p.reference.provider);
             }
         }
     }
@@ -354,6 +405,27 @@ impl Core {
         result: protocol::ProbeResult,
     ) -> Result<(), String> {
         self.session_agent(agent, session)?;
+        if ScorerCheck::is_probe(&result.probe) {
+            let answer = match (result.scores, result.error) {
+                (Some(s), None) => Ok(s),
+                (_, Some(e)) => Err(e),
+                (None, None) => Err("probe_result has neither scores nor error".into()),
+            };
+            let from = format!("{agent}/{}", result.provider);
+            let now = Instant::now();
+            if !self
+                .scorer_check
+                .on_answer(&result.probe, &from, answer, now)
+            {
+                return Err(format!(
+                    "probe '{}' was not asked of '{}'",
+                    result.probe, result.provider
+                ));
+            }
+            self.sync_scorers();
+            self.dispatch_all();
+            return Ok(());
+        }
         let answer = match (result.vectors, result.error) {
             (Some(v), None) => Ok(v),
             (_, Some(e)) => Err(e),

@@ -55,7 +55,9 @@ impl Binding {
                         .is_some_and(|c| gate.standing(c, &s.id) == Standing::Pass)
             }
             Binding::Scorer(Some(x)) => p.scorer.as_ref().is_some_and(|mine| mine.id == x.id),
-            Binding::Scorer(None) | Binding::Any => true,
+            // A reranker whose scores are still being checked serves nothing yet.
+            Binding::Scorer(None) => p.scorer.is_some(),
+            Binding::Any => true,
         }
     }
 }
@@ -344,6 +346,14 @@ impl Core {
         }
         if let Some(why) = &p.refused {
             return Some(Unfit::new(UnservableCode::NoEndpoint, why.clone()));
+        }
+        if p.claimed_scorer.is_some() && p.scorer.is_none() {
+            let mut unfit = Unfit::new(
+                UnservableCode::Probing,
+                "its scores are being checked on the probe pairs".into(),
+            );
+            unfit.soon = true;
+            return Some(unfit);
         }
 
         if let Some(until) = p.benched_until.filter(|t| *t > now) {

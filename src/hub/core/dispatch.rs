@@ -16,12 +16,12 @@ use std::time::Instant;
 
 use super::binding::Binding;
 use super::{Canary, Core, Counters, Lease};
-use crate::histogram;
 use crate::hub::budget;
 use crate::hub::gate;
 use crate::hub::policy::{self, Admission};
 use crate::hub::queue::{BatchLimits, Item, Shape};
 use crate::hub::registry::ProviderEntry;
+use crate::metrics::histogram;
 use crate::protocol::{self, Backend, HubFrame, Work, WorkClass};
 use crate::roles::{Policy, Role};
 

@@ -44,7 +44,7 @@ use super::registry::{AgentEntry, ProviderEntry, ProviderRef, SocketCount};
 use crate::config::hub::RequestLimits;
 use crate::config::push::CloudSettings;
 use crate::config::timings::RoleTimings;
-use crate::histogram::Histogram;
+use crate::metrics::histogram::Histogram;
 use crate::protocol::{self, Score};
 use crate::roles::{Op, Policy, Role};
 
@@ -421,6 +421,8 @@ pub struct Core {
     pub budget: Budget,
     /// The compatibility gate: verdicts of embedding providers.
     pub gate: Gate,
+    /// The scorer check: which scorer each local reranker serves as.
+    pub scorer_check: crate::hub::scorer_check::ScorerCheck,
     /// The projects, their settings and their live accounting.
     pub projects: Projects,
     queues: BTreeMap<Role, RoleQueue>,
@@ -466,6 +468,7 @@ impl Core {
             counters: Counters::default(),
             budget: Budget::new(BudgetSettings::default(), rand::random(), Instant::now()),
             gate: Gate::new(gate, spaces),
+            scorer_check: Default::default(),
             projects: Projects::default(),
             queues,
             requests: HashMap::new(),
@@ -644,7 +647,7 @@ impl Core {
 
     /// The request's input bytes, if it is within the per-request limits: inputs, characters
     /// per input, one input per work frame, and no more than every request together may hold.
-    fn check_limits(&self, shape: &Shape, texts: &[String]) -> Result<usize, SubmitError> {
+    pub fn check_limits(&self, shape: &Shape, texts: &[String]) -> Result<usize, SubmitError> {
         let limits = self.settings.limits;
         if texts.len() > limits.max_inputs {
             return Err(SubmitError::TooManyInputs {

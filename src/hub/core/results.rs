@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 use super::{
     Binding, Canary, Completed, Core, Counters, ItemOutput, Lease, RequestFailure, Served, Slot,
 };
-use crate::histogram;
 use crate::hub::budget;
 use crate::hub::queue::{Item, RequestId, Shape, estimate_tokens};
 use crate::hub::registry::ProviderEntry;
+use crate::metrics::histogram;
 use crate::protocol::{
     self, Backend, Chunk, Done, Failed, FailureClass, HubFrame, Refusal, WorkOutput,
 };

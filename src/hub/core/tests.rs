@@ -35,8 +35,9 @@ fn connect(
     info: ProviderInfo,
     credits: u32,
 ) -> (u64, mpsc::UnboundedReceiver<Outgoing>) {
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, mut rx) = mpsc::unbounded_channel();
     let pid = info.id.clone();
+    let reranks = info.role == Role::Reranker && info.backend == Backend::Local;
     let session = core
         .hello(
             Hello {
@@ -56,6 +57,10 @@ fn connect(
             tx,
         )
         .unwrap();
+    // A local reranker is checked on the probe pairs before it serves.
+    if reranks {
+        answer_probes(core, agent, session, &mut rx, 0);
+    }
     let pull = Pull {
         provider: pid,
         credits,
@@ -102,7 +107,7 @@ fn a_rerank_request_is_scored_by_the_scorer_of_its_first_lease_only() {
     let first = next_work(&mut a);
     // b has more credits, but the request is a's now.
     let (_, mut b) = connect(&mut core, "b", provider("r", Role::Reranker, "mb", 8), 4);
-    assert!(matches!(b.try_recv(), Ok(Outgoing::Frame(f)) if f.contains("welcome")));
+    // Its welcome went with the probe pairs' answer: nothing is left for it.
     assert!(b.try_recv().is_err(), "b got nothing of a's request");
     let lease = first["lease"].as_u64().unwrap();
     core.done(
@@ -157,10 +162,20 @@ fn answer_probes(
         let n = v["texts"].as_array().unwrap().len();
         let mut unit = vec![0.0f32; 2];
         unit[axis] = 1.0;
+        // A reranker's probe pairs: the same scores from every provider (one scorer).
+        let scores = v["query"].is_string().then(|| {
+            (0..n)
+                .map(|i| crate::protocol::Score {
+                    score: -(i as f32),
+                    probability: Some(1.0 / (1.0 + i as f32)),
+                })
+                .collect()
+        });
         let result = crate::protocol::ProbeResult {
             probe: v["probe"].as_str().unwrap().into(),
             provider: v["provider"].as_str().unwrap().into(),
-            vectors: Some(vec![unit; n]),
+            vectors: scores.is_none().then(|| vec![unit; n]),
+            scores,
             error: None,
         };
         core.probe_result(agent, session, result).unwrap();

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::ProjectLimits;
-use crate::histogram::{self, Histogram};
+use crate::metrics::histogram::{self, Histogram};
 
 /// Milliseconds in a UTC day.
 const DAY_MS: u64 = 86_400_000;
