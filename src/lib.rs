@@ -36,3 +36,4 @@ pub mod protocol;
 pub mod roles;
 pub mod secret;
 pub mod service;
+pub mod traces;

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use sha2::Digest;
+use tracing::Instrument;
 
 use super::provider::{BoxFuture, ChunkSink, Provider, ProviderFailure, WorkResult};
 use crate::cloud::error::CloudError;
@@ -80,12 +81,6 @@ fn failure(e: CloudError) -> ProviderFailure {
     }
 }
 
-/// The relevance probability as a logit, so cloud and local scores share one scale.
-fn logit(p: f32) -> f32 {
-    let p = p.clamp(1e-6, 1.0 - 1e-6);
-    (p / (1.0 - p)).ln()
-}
-
 impl Provider for CloudProvider {
     fn info(&self) -> ProviderInfo {
         self.info.clone()
@@ -97,50 +92,50 @@ impl Provider for CloudProvider {
 
     fn run(&self, input: WorkInput) -> BoxFuture<Result<WorkResult, ProviderFailure>> {
         let (route, client) = (self.route.clone(), self.client.clone());
-        Box::pin(async move {
-            match input {
-                WorkInput::Embed(e) => {
-                    let dimensions = e.dimensions;
-                    let texts = e.instructed_texts();
-                    let out = client
-                        .embed(&route, &texts, dimensions, None)
-                        .await
-                        .map_err(failure)?;
-                    Ok(WorkResult {
-                        output: WorkOutput::Embeddings(out.vectors),
-                        tokens: out.tokens,
-                        cost_usd: out.cost_usd,
-                    })
-                }
-                WorkInput::Rerank(r) => {
-                    let out = client
-                        .rerank(&route, &r.query, &r.documents)
-                        .await
-                        .map_err(failure)?;
-                    let scores = out
-                        .scores
-                        .into_iter()
-                        .map(|p| Score {
-                            score: logit(p),
-                            probability: Some(p),
+        Box::pin(
+            async move {
+                match input {
+                    WorkInput::Embed(e) => {
+                        let dimensions = e.dimensions;
+                        let texts = e.instructed_texts();
+                        let out = client
+                            .embed(&route, &texts, dimensions, None)
+                            .await
+                            .map_err(failure)?;
+                        Ok(WorkResult {
+                            output: WorkOutput::Embeddings(out.vectors),
+                            tokens: out.tokens,
+                            cost_usd: out.cost_usd,
                         })
-                        .collect();
-                    Ok(WorkResult {
-                        output: WorkOutput::Scores(scores),
-                        tokens: out.tokens,
-                        cost_usd: out.cost_usd,
-                    })
-                }
-                WorkInput::Chat(body) => {
-                    let out = client.chat(&route, body).await.map_err(failure)?;
-                    Ok(WorkResult {
-                        output: WorkOutput::Chat(out.response),
-                        tokens: out.tokens,
-                        cost_usd: out.cost_usd,
-                    })
+                    }
+                    WorkInput::Rerank(r) => {
+                        let out = client
+                            .rerank(&route, &r.query, &r.documents)
+                            .await
+                            .map_err(failure)?;
+                        let scores = out
+                            .scores
+                            .into_iter()
+                            .map(Score::from_probability)
+                            .collect();
+                        Ok(WorkResult {
+                            output: WorkOutput::Scores(scores),
+                            tokens: out.tokens,
+                            cost_usd: out.cost_usd,
+                        })
+                    }
+                    WorkInput::Chat(body) => {
+                        let out = client.chat(&route, body).await.map_err(failure)?;
+                        Ok(WorkResult {
+                            output: WorkOutput::Chat(out.response),
+                            tokens: out.tokens,
+                            cost_usd: out.cost_usd,
+                        })
+                    }
                 }
             }
-        })
+            .instrument(tracing::info_span!("cloud_call")),
+        )
     }
 
     fn run_streaming(
@@ -152,19 +147,22 @@ impl Provider for CloudProvider {
             return self.run(input);
         };
         let (route, client) = (self.route.clone(), self.client.clone());
-        Box::pin(async move {
-            let forward = |chunk| {
-                let _ = chunks.send(chunk);
-            };
-            let out = client
-                .chat_stream(&route, body, forward)
-                .await
-                .map_err(failure)?;
-            Ok(WorkResult {
-                output: WorkOutput::Chat(out.response),
-                tokens: out.tokens,
-                cost_usd: out.cost_usd,
-            })
-        })
+        Box::pin(
+            async move {
+                let forward = |chunk| {
+                    let _ = chunks.send(chunk);
+                };
+                let out = client
+                    .chat_stream(&route, body, forward)
+                    .await
+                    .map_err(failure)?;
+                Ok(WorkResult {
+                    output: WorkOutput::Chat(out.response),
+                    tokens: out.tokens,
+                    cost_usd: out.cost_usd,
+                })
+            }
+            .instrument(tracing::info_span!("cloud_call", stream = true)),
+        )
     }
 }

@@ -25,6 +25,7 @@ use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::protocol::frame::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::{self, Message};
+use tracing::Instrument;
 
 use super::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
 use super::{Agent, devices, hostname};
@@ -557,7 +558,12 @@ fn start_work(
     let call_timeout = work.call_timeout_ms.map(Duration::from_millis);
     let streaming = matches!(&work.input, WorkInput::Chat(body) if body.get("stream").and_then(serde_json::Value::as_bool) == Some(true));
     let (lease, frames) = (work.lease, tx.clone());
-    let handle = jobs.tasks.spawn(async move {
+    // One span per frame: a child of its first request's trace, linked to every request (and
+    // the engine's `tokenize` and `batch`, a cloud or server call, run inside it).
+    let span = tracing::info_span!("work", lease, provider = %info.id, role = %work.role, items);
+    crate::traces::join_requests(&span, &work.traces);
+    let handle = jobs.tasks.spawn(
+        async move {
         let started = Instant::now();
         let call = if streaming {
             stream_chunks(provider.as_ref(), work.input, lease, frames)
@@ -581,7 +587,9 @@ fn start_work(
             },
         };
         (result, started.elapsed().as_secs_f64() * 1000.0)
-    });
+        }
+        .instrument(span),
+    );
     jobs.running.insert(
         handle.id(),
         InFlight {

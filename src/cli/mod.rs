@@ -33,6 +33,11 @@ struct Cli {
     /// Log format on stderr: text for people, json for collectors; auto = text on a terminal.
     #[arg(long, value_enum, default_value_t = LogFormat::Auto, global = true)]
     log_format: LogFormat,
+    /// Export traces to this OpenTelemetry collector over OTLP/HTTP (protobuf), e.g.
+    /// http://127.0.0.1:4318: a hub's request spans (a client's `traceparent` is their parent)
+    /// and an agent's work spans, linked to the requests they served.
+    #[arg(long, global = true, env = "FANTOM_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -174,7 +179,12 @@ fn capped(target: &str) -> bool {
     })
 }
 
-fn init_logging(format: LogFormat) {
+/// Installs the log output and, with an OTLP endpoint, the trace exporter (returned, to be shut
+/// down at exit so the last spans are sent).
+fn init_logging(
+    format: LogFormat,
+    otlp: Option<(&str, &'static str)>,
+) -> Result<Option<crate::traces::Exporter>, String> {
     use tracing_subscriber::prelude::*;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -190,12 +200,21 @@ fn init_logging(format: LogFormat) {
         LogFormat::Auto => !std::io::stderr().is_terminal(),
     };
     let registry = tracing_subscriber::registry().with(cap).with(filter);
+    let (exporter, spans) = match otlp {
+        Some((endpoint, service)) => {
+            let (exporter, layer) = crate::traces::Exporter::new(endpoint, service)?;
+            (Some(exporter), Some(layer))
+        }
+        None => (None, None),
+    };
+    let registry = registry.with(spans);
     let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let _ = if json {
         registry.with(layer.json().flatten_event(true)).try_init()
     } else {
         registry.with(layer).try_init()
     };
+    Ok(exporter)
 }
 
 /// Parses the command line, runs the command, maps errors to exit codes (1: failure; `gate`:
@@ -226,7 +245,19 @@ pub fn main() -> ExitCode {
         }
         _ => {}
     }
-    init_logging(cli.log_format);
+    let service = match &cli.command {
+        Command::Hub(_) => "fantom-sidecar-hub",
+        Command::Agent(_) => "fantom-sidecar-agent",
+        _ => "fantom-sidecar",
+    };
+    let otlp = cli.otlp_endpoint.as_deref().map(|e| (e, service));
+    let exporter = match init_logging(cli.log_format, otlp) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -254,6 +285,10 @@ pub fn main() -> ExitCode {
         };
         done.map(|()| ExitCode::SUCCESS)
     });
+    drop(runtime);
+    if let Some(exporter) = exporter {
+        exporter.shutdown();
+    }
     match result {
         Ok(code) => code,
         Err(e) => {

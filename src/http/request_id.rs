@@ -4,7 +4,7 @@
 //! hub keeps it with the request it accepts, [`crate::hub::REQUEST_ID`], for the lines logged
 //! away from the handler); and the per-route latency histogram in `/metrics`
 //! (`fantom_http_request_duration_seconds{route, status}`; a streamed answer counts until its
-//! headers).
+//! headers). A client's `traceparent` is the parent of the request's span ([`crate::traces`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -121,6 +121,12 @@ pub async fn observe(
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
     let span = tracing::info_span!("request", request_id = %id, method = %request.method(), route = %route, project = tracing::field::Empty, sub_project = tracing::field::Empty);
+    // A client's W3C trace context is the parent of ours (exported with --otlp-endpoint).
+    let client_trace = request
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok());
+    crate::traces::adopt_parent(&span, client_trace);
     let mut response = crate::hub::REQUEST_ID
         .scope(id.clone(), next.run(request).instrument(span.clone()))
         .await;

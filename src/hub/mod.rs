@@ -298,6 +298,7 @@ impl Hub {
         };
         let give_up = tokio::time::Instant::now() + wait;
         let mut stream = stream;
+        let traceparent = crate::traces::traceparent(&tracing::Span::current()).map(Arc::from);
         loop {
             let attempt = {
                 let mut core = self.core();
@@ -312,7 +313,10 @@ impl Hub {
                             binding,
                             shape,
                             texts,
-                            current_request_id(),
+                            core::Origin {
+                                request_id: current_request_id(),
+                                traceparent: traceparent.clone(),
+                            },
                         )?;
                         if let Some(tx) = stream.take() {
                             core.stream_to(id, tx);

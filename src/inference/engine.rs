@@ -19,6 +19,7 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 use serde::Serialize;
 use tokio::sync::oneshot;
+use tracing::Instrument;
 
 use super::batch::{AttentionMode, PreparedBatch, RowInput};
 use super::batcher::{BatchBudget, BatchQueue};
@@ -447,9 +448,14 @@ impl Engine {
                 tokenizer.encode_texts(texts)
             }
         })
+        .instrument(tracing::info_span!("tokenize"))
         .await?;
         let tokens = inputs.iter().map(TokenizedInput::len).sum();
-        let value = self.vectors(inputs, opts.dimensions, opts.urgent).await?;
+        // Waiting for the engine's batch and the model's forward pass in it.
+        let value = self
+            .vectors(inputs, opts.dimensions, opts.urgent)
+            .instrument(tracing::info_span!("batch", tokens))
+            .await?;
         Ok(Counted { value, tokens })
     }
 
@@ -534,9 +540,12 @@ impl Engine {
         }
         check_texts(&documents)?;
         let tokenizer = self.inner.tokenizer.clone();
+        let tokenize = tracing::info_span!("tokenize");
         let inputs = match &self.inner.rerank_inputs {
             RerankInputs::Pairs => {
-                run_blocking(move || tokenizer.encode_pairs(&query, documents)).await?
+                run_blocking(move || tokenizer.encode_pairs(&query, documents))
+                    .instrument(tokenize)
+                    .await?
             }
             RerankInputs::ChatTemplate {
                 prefix,
@@ -551,7 +560,9 @@ impl Engine {
                     .map(|d| qwen3::rerank_body(&instruction, &query, d))
                     .collect();
                 let (prefix, suffix) = (prefix.clone(), suffix.clone());
-                run_blocking(move || tokenizer.encode_framed(&prefix, bodies, &suffix)).await?
+                run_blocking(move || tokenizer.encode_framed(&prefix, bodies, &suffix))
+                    .instrument(tokenize)
+                    .await?
             }
         };
         let sigmoid = self.inner.spec.score == ScoreActivation::Sigmoid;
@@ -564,6 +575,7 @@ impl Engine {
             + prefix.as_ref().map_or(0, |p| p.len());
         let value = self
             .submit_shared(inputs, prefix, opts.urgent)
+            .instrument(tracing::info_span!("batch", tokens))
             .await?
             .into_iter()
             .map(|row| match row {

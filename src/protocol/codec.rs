@@ -346,6 +346,7 @@ mod tests {
             deadline_ms: 1,
             call_timeout_ms: Some(60_000),
             class: WorkClass::Interactive,
+            traces: vec!["00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()],
         }));
         round_trip_hub(HubFrame::Work(Work {
             lease: 2,
@@ -359,6 +360,7 @@ mod tests {
             deadline_ms: 1,
             call_timeout_ms: Some(60_000),
             class: WorkClass::Batch,
+            traces: Vec::new(),
         }));
         round_trip_hub(HubFrame::Probe(Probe {
             probe: "p".into(),
@@ -384,11 +386,12 @@ mod tests {
             deadline_ms: 0,
             call_timeout_ms: None,
             class: WorkClass::Batch,
+            traces: Vec::new(),
         }));
         assert!(work.contains("\"op\":\"embed\",\"input\":{"), "{work}");
         assert!(
-            !work.contains("class"),
-            "batch is the default and is not sent: {work}"
+            !work.contains("class") && !work.contains("traces"),
+            "batch is the default and is not sent, nor an empty trace list: {work}"
         );
     }
 

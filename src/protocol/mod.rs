@@ -412,6 +412,10 @@ pub struct Work {
     /// work it grants ahead still holds for it).
     #[serde(default, skip_serializing_if = "WorkClass::is_batch")]
     pub class: WorkClass,
+    /// The W3C `traceparent` of each request whose items the frame carries (each once, at most
+    /// 64), when the hub exports traces: the agent's spans for the frame link to them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub traces: Vec<String>,
 }
 
 /// Which class of work a frame carries. Interactive work (queries, reranks, chats, or
@@ -537,6 +541,26 @@ pub struct Score {
     /// `sigmoid(score)` where the model defines one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub probability: Option<f32>,
+}
+
+impl Score {
+    /// A logit and its sigmoid.
+    pub fn from_logit(x: f32) -> Score {
+        Score {
+            score: x,
+            probability: Some(1.0 / (1.0 + (-x).exp())),
+        }
+    }
+
+    /// A probability (a cloud's or a fronted server's) with its logit beside it, so every
+    /// scorer's scores share one scale; finite at 0 and 1 (clamped a hair inside).
+    pub fn from_probability(p: f32) -> Score {
+        let clamped = p.clamp(1e-6, 1.0 - 1e-6);
+        Score {
+            score: (clamped / (1.0 - clamped)).ln(),
+            probability: Some(p),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -26,6 +26,7 @@ mod liveness;
 mod local_servers;
 mod masters;
 mod model_servers;
+mod otlp_receiver;
 mod projects;
 mod reconnect;
 mod relay;

@@ -5,6 +5,11 @@
 //! and the Grafana dashboard and alert rules in `monitoring/` are checked against what those
 //! scrapes hold (`tests/clients/telemetry_check.py`): a panel or rule naming a series or label
 //! that does not exist fails the test.
+//!
+//! Traces: a hub and an agent export to the in-repo OTLP receiver ([`crate::otlp_receiver`]); a
+//! client's request with a W3C `traceparent` yields one trace holding the hub's `request` span
+//! (the client's span its parent) and the agent's `work` span (its child, linked to it), with
+//! the engine's `tokenize` and `batch` inside.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -12,6 +17,7 @@ use std::process::Command;
 use serde_json::{Value, json};
 
 use crate::clients::clients_python;
+use crate::otlp_receiver::OtlpReceiver;
 use crate::support::*;
 
 /// `/metrics` as Prometheus asks for it (OpenMetrics first).
@@ -129,4 +135,89 @@ async fn metrics_parse_with_the_prometheus_client_and_the_dashboard_and_rules_na
         summary["families_scraped"].as_u64().unwrap() >= 40,
         "{summary}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_trace_holds_the_hubs_spans_and_the_agents_linked_to_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let receiver = OtlpReceiver::start().await;
+    // The batch processor sends every 100 ms (its default is 5 s).
+    let envs = [("OTEL_BSP_SCHEDULE_DELAY", "100")];
+    let hub = HubProc::start(
+        dir.path(),
+        None,
+        &["--otlp-endpoint", &receiver.url],
+        &envs,
+        "hub.log",
+    );
+    let agent_envs = [
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ("FANTOM_OTLP_ENDPOINT", receiver.url.as_str()),
+    ];
+    let _agent = start_agent(dir.path(), &hub, "gpu", &agent_envs);
+    let client_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let traceparent = format!("00-{client_trace}-{client_span}-01");
+    eventually("an embedding served under the client's trace", || async {
+        let r = hub
+            .http
+            .post(hub.url("/v1/embeddings"))
+            .header("traceparent", &traceparent)
+            .json(&json!({"model": "embedding", "input": ["trace me", "and me"]}))
+            .send()
+            .await
+            .unwrap();
+        (r.status() == 200).then_some(())
+    })
+    .await;
+
+    let request = receiver
+        .wait_for("the hub's request span in the client's trace", |spans| {
+            spans
+                .iter()
+                .find(|s| {
+                    s.service == "fantom-sidecar-hub"
+                        && s.name == "request"
+                        && s.trace_id == client_trace
+                        && s.parent_span_id == client_span
+                })
+                .cloned()
+        })
+        .await;
+    let work = receiver
+        .wait_for("the agent's work span linked to the request", |spans| {
+            spans
+                .iter()
+                .find(|s| {
+                    s.service == "fantom-sidecar-agent"
+                        && s.name == "work"
+                        && s.links
+                            .contains(&(client_trace.to_string(), request.span_id.clone()))
+                })
+                .cloned()
+        })
+        .await;
+    assert_eq!(
+        work.trace_id, client_trace,
+        "the agent's span joins the trace"
+    );
+    assert_eq!(work.parent_span_id, request.span_id);
+    let inside = receiver
+        .wait_for("the engine's spans inside the work span", |spans| {
+            let names: std::collections::BTreeSet<&str> = spans
+                .iter()
+                .filter(|s| s.parent_span_id == work.span_id)
+                .map(|s| s.name.as_str())
+                .collect();
+            (names.contains("tokenize") && names.contains("batch")).then_some(names.len())
+        })
+        .await;
+    assert!(inside >= 2);
+    // Nothing the agent did for this request left the trace: every span of the agent's that
+    // links to the request is in it.
+    for s in receiver.spans() {
+        if s.links.iter().any(|(t, _)| t == client_trace) {
+            assert_eq!(s.trace_id, client_trace, "{s:?}");
+        }
+    }
 }

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use tokio::sync::Notify;
+use tracing::Instrument;
 
 use super::api::ServerApi;
 use crate::agent::provider::{BoxFuture, ChunkSink, Provider, ProviderFailure, WorkResult};
@@ -138,7 +139,8 @@ impl Provider for ServerProvider {
                     })
                 }
             }
-        })
+        }
+        .instrument(tracing::info_span!("server_call", kind = kind.as_str())))
     }
 
     fn run_streaming(
@@ -151,20 +153,23 @@ impl Provider for ServerProvider {
         };
         let api = self.api.clone();
         let bell = self.check_now.clone();
-        Box::pin(async move {
-            let forward = |chunk| {
-                let _ = chunks.send(chunk);
-            };
-            let (response, tokens) = api
-                .chat_stream(body, forward)
-                .await
-                .map_err(|e| failure(&bell, &e))?;
-            Ok(WorkResult {
-                output: WorkOutput::Chat(response),
-                tokens,
-                cost_usd: None,
-            })
-        })
+        Box::pin(
+            async move {
+                let forward = |chunk| {
+                    let _ = chunks.send(chunk);
+                };
+                let (response, tokens) = api
+                    .chat_stream(body, forward)
+                    .await
+                    .map_err(|e| failure(&bell, &e))?;
+                Ok(WorkResult {
+                    output: WorkOutput::Chat(response),
+                    tokens,
+                    cost_usd: None,
+                })
+            }
+            .instrument(tracing::info_span!("server_call", stream = true)),
+        )
     }
 }
 

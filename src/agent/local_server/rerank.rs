@@ -118,10 +118,7 @@ impl ServerApi {
                 .filter(|x| x.is_finite())
                 .ok_or_else(|| self.bad(path, format!("score {index} is not a finite number")))?;
             let score = match scale {
-                Scale::Logit => Score {
-                    score: x as f32,
-                    probability: Some(sigmoid(x) as f32),
-                },
+                Scale::Logit => Score::from_logit(x as f32),
                 Scale::Probability => {
                     if !(0.0..=1.0).contains(&x) {
                         return Err(self.bad(
@@ -131,10 +128,7 @@ impl ServerApi {
                             ),
                         ));
                     }
-                    Score {
-                        score: logit(x) as f32,
-                        probability: Some(x as f32),
-                    }
+                    Score::from_probability(x as f32)
                 }
             };
             if out[index].replace(score).is_some() {
@@ -154,28 +148,4 @@ fn tokens(v: &Value) -> u64 {
         .or_else(|| v.pointer("/meta/billed_units/input_tokens"))
         .and_then(Value::as_u64)
         .unwrap_or(0)
-}
-
-fn sigmoid(x: f64) -> f64 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-/// The logit of a probability, finite at 0 and 1 (clamped a hair inside).
-fn logit(p: f64) -> f64 {
-    let p = p.clamp(1e-7, 1.0 - 1e-7);
-    (p / (1.0 - p)).ln()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn logit_and_sigmoid_invert_each_other_and_stay_finite() {
-        for p in [0.0, 0.01, 0.5, 0.9, 1.0] {
-            let x = logit(p);
-            assert!(x.is_finite());
-            assert!((sigmoid(x) - p).abs() < 1e-6, "{p}");
-        }
-    }
 }

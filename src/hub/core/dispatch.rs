@@ -313,8 +313,23 @@ impl Core {
             texts.insert(position, gate::measure::probe_text(probe).to_string());
             Canary { probe, position }
         });
+        // The trace contexts of the requests it serves (each once): the agent's spans link to them.
+        let mut traces: Vec<String> = Vec::new();
+        for item in &items {
+            let Some(tp) = self
+                .requests
+                .get(&item.request)
+                .and_then(|r| r.traceparent.as_deref())
+            else {
+                continue;
+            };
+            if traces.len() < crate::traces::MAX_FRAME_TRACES && !traces.iter().any(|t| t == tp) {
+                traces.push(tp.to_string());
+            }
+        }
         let frame = HubFrame::Work(Work {
             lease: lease_id,
+            traces,
             provider: pid.to_string(),
             role,
             input: shape.work_input(texts),

@@ -302,9 +302,20 @@ struct Pending {
     streamed: Option<Streamed>,
     /// The client's `X-Request-Id`, for the log lines about this request.
     request_id: Option<Arc<str>>,
+    /// The request span's W3C trace context (traces exported): work frames carry it.
+    pub(super) traceparent: Option<Arc<str>>,
     accepted_at: Instant,
     /// When its first item went out on a lease.
     first_lease_at: Option<Instant>,
+}
+
+/// Where an accepted request came from, for its log lines and its trace.
+#[derive(Clone, Debug, Default)]
+pub struct Origin {
+    /// The client's `X-Request-Id` (or ours).
+    pub request_id: Option<Arc<str>>,
+    /// The W3C `traceparent` of the request's span, when traces are exported.
+    pub traceparent: Option<Arc<str>>,
 }
 
 /// Where a streamed chat's chunks go (the client's SSE response).
@@ -511,7 +522,7 @@ impl Core {
         texts: Vec<String>,
     ) -> Result<Accepted, SubmitError> {
         let binding = self.admit(role, &shape)?;
-        self.enqueue(caller, role, binding, shape, texts, None)
+        self.enqueue(caller, role, binding, shape, texts, Origin::default())
     }
 
     /// What a request of `role` would be bound to, if something can serve it now.
@@ -552,7 +563,7 @@ impl Core {
         binding: Binding,
         shape: Shape,
         texts: Vec<String>,
-        request_id: Option<Arc<str>>,
+        origin: Origin,
     ) -> Result<Accepted, SubmitError> {
         let n = texts.len();
         let bytes = self.check_limits(&shape, &texts)?;
@@ -620,7 +631,8 @@ impl Core {
                 reply,
                 stream: None,
                 streamed: None,
-                request_id,
+                request_id: origin.request_id,
+                traceparent: origin.traceparent,
                 accepted_at: Instant::now(),
                 first_lease_at: None,
             },
