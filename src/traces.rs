@@ -45,12 +45,17 @@ impl Exporter {
         } else {
             format!("{base}/v1/traces")
         };
+        // What is echoed back: never a key-shaped part of what was typed.
+        let shown = crate::secret::redact(&url);
         let parsed =
-            reqwest::Url::parse(&url).map_err(|e| format!("--otlp-endpoint '{url}': {e}"))?;
+            reqwest::Url::parse(&url).map_err(|e| format!("--otlp-endpoint '{shown}': {e}"))?;
         if !matches!(parsed.scheme(), "http" | "https") {
             return Err(format!(
-                "--otlp-endpoint '{url}' must be http:// or https://"
+                "--otlp-endpoint '{shown}' must be http:// or https://"
             ));
+        }
+        if !parsed.username().is_empty() || parsed.password().is_some() {
+            return Err("--otlp-endpoint carries credentials: send traces to a collector on this host or network that needs none (credentials in a URL end up in process lists and logs)".into());
         }
         let client = reqwest::blocking::Client::builder()
             .timeout(std::time::Duration::from_secs(10))

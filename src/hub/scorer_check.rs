@@ -41,8 +41,10 @@ pub const TOLERANCE_LOGIT: f32 = 0.1;
 
 /// A probe not answered in this long failed.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(30);
-/// A failed probe is sent again after this long.
+/// A failed probe is sent again after this long, doubled for each failure in a row...
 const RETRY_AFTER: Duration = Duration::from_secs(10);
+/// ...up to this.
+const RETRY_AFTER_MAX: Duration = Duration::from_secs(300);
 
 /// A probe to send: `provider` is `agent/provider`.
 #[derive(Debug)]
@@ -63,6 +65,8 @@ enum Standing {
         claimed: Arc<ScorerRef>,
         error: String,
         retry_at: Instant,
+        /// Failures in a row (the retry's backoff).
+        failures: u32,
     },
     Checked {
         claimed: Arc<ScorerRef>,
@@ -110,6 +114,8 @@ pub struct ScorerCheckView {
 pub struct ScorerCheck {
     variants: BTreeMap<String, Vec<Variant>>,
     standings: BTreeMap<String, Standing>,
+    /// Failed probes in a row per provider (kept across its standings; a pass clears it).
+    failures: BTreeMap<String, u32>,
     next_probe: u64,
 }
 
@@ -224,6 +230,7 @@ impl ScorerCheck {
             tracing::warn!(provider = from, claimed = %claimed.id, scorer = %scorer.id, max_delta_to_claim = closest, founder = %variants[index].founder,
                 "a reranker disagrees with its claimed scorer on the probe pairs: it is a different scorer and never shares a ranking with it");
         }
+        self.failures.remove(from);
         self.standings.insert(
             from.to_string(),
             Standing::Checked {
@@ -236,13 +243,37 @@ impl ScorerCheck {
     }
 
     fn fail(&mut self, provider: &str, error: String, now: Instant) {
+        let before = self.failures.get(provider).copied().unwrap_or(0);
+        let failures = before.saturating_add(1);
+        self.failures.insert(provider.to_string(), failures);
+        let backoff = RETRY_AFTER
+            .saturating_mul(1 << before.min(5))
+            .min(RETRY_AFTER_MAX);
         if let Some(s) = self.standings.get_mut(provider) {
             *s = Standing::Failed {
                 claimed: s.claimed().clone(),
                 error,
-                retry_at: now + RETRY_AFTER,
+                retry_at: now + backoff,
+                failures,
             };
         }
+    }
+
+    /// A failed provider's error and how long until its next probe.
+    pub fn failed(&self, provider: &str, now: Instant) -> Option<(&str, Duration)> {
+        match self.standings.get(provider)? {
+            Standing::Failed {
+                error, retry_at, ..
+            } => Some((error, retry_at.saturating_duration_since(now))),
+            _ => None,
+        }
+    }
+
+    /// A new session of `agent` (its process restarted, or replaced a silent one): its
+    /// providers are probed again (a probe out to the old socket will never be answered).
+    pub fn agent_reconnected(&mut self, agent: &str) {
+        let prefix = format!("{agent}/");
+        self.standings.retain(|p, _| !p.starts_with(&prefix));
     }
 
     /// The scorer `provider` serves as, once checked.
@@ -267,9 +298,11 @@ impl ScorerCheck {
                 };
                 match s {
                     Standing::Probing { .. } => {}
-                    Standing::Failed { error, .. } => {
+                    Standing::Failed {
+                        error, failures, ..
+                    } => {
                         v.state = "failed";
-                        v.error = Some(error.clone());
+                        v.error = Some(format!("{error} ({failures} in a row)"));
                     }
                     Standing::Checked {
                         scorer, max_delta, ..
@@ -391,6 +424,16 @@ mod tests {
         assert!(fresh.scorer_of("a/r").is_none());
         assert_eq!(fresh.view()[0].state, "failed");
         assert!(fresh.tick(now, &cands[..1]).is_empty());
-        assert_eq!(fresh.tick(now + RETRY_AFTER, &cands[..1]).len(), 1);
+        let (error, wait) = fresh.failed("a/r", now).unwrap();
+        assert!(error.contains("0 scores"), "{error}");
+        assert_eq!(wait, RETRY_AFTER);
+        let again = fresh.tick(now + RETRY_AFTER, &cands[..1]);
+        assert_eq!(again.len(), 1);
+        // A second failure in a row waits twice as long.
+        assert!(fresh.on_answer(&again[0].probe, "a/r", Err("down".into()), now));
+        assert_eq!(fresh.failed("a/r", now).unwrap().1, RETRY_AFTER * 2);
+        // A new session of the agent is probed again at once.
+        fresh.agent_reconnected("a");
+        assert_eq!(fresh.tick(now, &cands[..1]).len(), 1);
     }
 }

@@ -56,6 +56,7 @@ impl ServerApi {
         } else {
             Scale::Probability
         };
+        let mut not_found = None;
         if !self.score_route.load(Ordering::Relaxed) {
             let path = "/v1/rerank";
             let body = json!({"model": model, "query": query, "documents": documents,
@@ -69,13 +70,33 @@ impl ServerApi {
                     let scores = self.scores(path, rows, n, "relevance_score", scale)?;
                     return Ok((scores, tokens(&v)));
                 }
-                Err(ServerError::Status { status: 404, .. }) => {
-                    tracing::info!(url = %self.base(), "no /v1/rerank here: scoring on /v1/score");
-                    self.score_route.store(true, Ordering::Relaxed);
-                }
+                Err(e @ ServerError::Status { status: 404, .. }) => not_found = Some(e),
                 Err(e) => return Err(e),
             }
         }
+        let scored = self.score(model, query, documents, scale).await;
+        match (not_found, scored) {
+            // Remembered only once /v1/score answered: a passing 404 (a restart under another
+            // name) never moves a server that has /v1/rerank off it for good.
+            (Some(_), Ok(answer)) => {
+                tracing::info!(url = %self.base(), "no /v1/rerank here: scoring on /v1/score");
+                self.score_route.store(true, Ordering::Relaxed);
+                Ok(answer)
+            }
+            (Some(rerank_404), Err(_)) => Err(rerank_404),
+            (None, scored) => scored,
+        }
+    }
+
+    /// vLLM's `/v1/score`.
+    async fn score(
+        &self,
+        model: &str,
+        query: &str,
+        documents: &[String],
+        scale: Scale,
+    ) -> Result<(Vec<Score>, u64), ServerError> {
+        let n = documents.len();
         let path = "/v1/score";
         let body = json!({"model": model, "text_1": query, "text_2": documents});
         let v = self.post(path, body).await?;

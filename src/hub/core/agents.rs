@@ -88,6 +88,7 @@ impl Core {
             self.requeue_session_leases(&hello.agent_id, old.session);
         }
         self.gate.agent_reconnected(&hello.agent_id);
+        self.scorer_check.agent_reconnected(&hello.agent_id);
         let session = self.next_session;
         self.next_session += 1;
         let welcome = HubFrame::Welcome(Welcome {

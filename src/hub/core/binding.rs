@@ -348,6 +348,17 @@ impl Core {
             return Some(Unfit::new(UnservableCode::NoEndpoint, why.clone()));
         }
         if p.claimed_scorer.is_some() && p.scorer.is_none() {
+            if let Some((error, wait)) = self.scorer_check.failed(&p.reference.provider, now) {
+                let mut unfit = Unfit::new(
+                    UnservableCode::Benched,
+                    format!(
+                        "its scorer check failed ({error}); probed again in {} s",
+                        wait.as_secs().max(1)
+                    ),
+                );
+                unfit.retry_after = Some(wait);
+                return Some(unfit);
+            }
             let mut unfit = Unfit::new(
                 UnservableCode::Probing,
                 "its scores are being checked on the probe pairs".into(),
@@ -412,7 +423,11 @@ impl Core {
                         o
                     }
                 };
-                if matches!(again, Outlook::Serve) {
+                // Another scorer serves now, or its scorer is gone for good and another will
+                // soon (a reranker being checked): scored again whole, untied, rather than failed.
+                let soon_elsewhere =
+                    matches!(outlook, Outlook::Never(_)) && matches!(again, Outlook::Soon(_));
+                if matches!(again, Outlook::Serve) || soon_elsewhere {
                     self.rescore_whole(id, &gone.id);
                     continue;
                 }

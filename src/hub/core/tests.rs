@@ -28,16 +28,28 @@ fn provider(id: &str, role: Role, model: &str, max_items: usize) -> ProviderInfo
     }
 }
 
-/// An agent with one provider and credits; its frames arrive on the receiver.
+/// An agent with one provider and credits; its frames arrive on the receiver (a local
+/// reranker's scorer-check probe answered alike for every provider).
 fn connect(
     core: &mut Core,
     agent: &str,
     info: ProviderInfo,
     credits: u32,
 ) -> (u64, mpsc::UnboundedReceiver<Outgoing>) {
+    connect_with(core, agent, info, credits, true)
+}
+
+fn connect_with(
+    core: &mut Core,
+    agent: &str,
+    info: ProviderInfo,
+    credits: u32,
+    answer_scorer_probe: bool,
+) -> (u64, mpsc::UnboundedReceiver<Outgoing>) {
     let (tx, mut rx) = mpsc::unbounded_channel();
     let pid = info.id.clone();
-    let reranks = info.role == Role::Reranker && info.backend == Backend::Local;
+    let reranks =
+        answer_scorer_probe && info.role == Role::Reranker && info.backend == Backend::Local;
     let session = core
         .hello(
             Hello {
@@ -890,4 +902,118 @@ fn a_stale_route_waits_for_its_config_only_until_the_agent_answers() {
         panic!("refused at once, not left waiting");
     };
     assert_eq!(u.code, UnservableCode::ConfigStale, "{}", u.message);
+}
+
+/// The scorer-check probe waiting on `rx`: its id.
+fn scorer_probe(rx: &mut mpsc::UnboundedReceiver<Outgoing>) -> String {
+    while let Ok(out) = rx.try_recv() {
+        if let Outgoing::Frame(text) = out {
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            if v["type"] == "probe" && v["query"].is_string() {
+                return v["probe"].as_str().unwrap().to_string();
+            }
+        }
+    }
+    panic!("no scorer probe")
+}
+
+#[test]
+fn a_reranker_that_fails_its_scorer_check_is_refused_at_once_with_the_reason() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (sa, mut a) = connect_with(
+        &mut core,
+        "a",
+        provider("r", Role::Reranker, "m", 8),
+        4,
+        false,
+    );
+    let probe = scorer_probe(&mut a);
+    let err = core.submit(Role::Reranker, rerank_shape(), vec!["d".into()]);
+    assert!(
+        matches!(&err, Err(SubmitError::NotYet(u)) if u.code == UnservableCode::Probing),
+        "being checked: wait ({err:?})"
+    );
+    let failed = crate::protocol::ProbeResult {
+        probe,
+        provider: "r".into(),
+        vectors: None,
+        scores: None,
+        error: Some("the server is out of memory".into()),
+    };
+    core.probe_result("a", sa, failed).unwrap();
+    match core.submit(Role::Reranker, rerank_shape(), vec!["d".into()]) {
+        Err(SubmitError::Unservable(u)) => {
+            assert_eq!(u.code, UnservableCode::Benched);
+            assert!(u.message.contains("out of memory"), "{}", u.message);
+            assert!(u.retry_after_s.is_some());
+        }
+        other => panic!("a failed check is no reason to wait: {other:?}"),
+    }
+}
+
+#[test]
+fn a_request_whose_scorer_leaves_waits_for_a_reranker_being_checked_rather_than_failing() {
+    let settings = HubSettings {
+        vanish_grace: std::time::Duration::ZERO,
+        ..HubSettings::default()
+    };
+    let mut core = Core::new(settings, CloudSettings::default());
+    let (sa, mut a) = connect(&mut core, "a", provider("r", Role::Reranker, "ma", 1), 1);
+    let docs: Vec<String> = (0..2).map(|i| format!("d{i}")).collect();
+    let (_, mut reply) = core.submit(Role::Reranker, rerank_shape(), docs).unwrap();
+    next_work(&mut a);
+    // Another scorer arrives, not checked yet; then the request's scorer leaves.
+    let (sb, mut b) = connect_with(
+        &mut core,
+        "b",
+        provider("r", Role::Reranker, "mb", 8),
+        4,
+        false,
+    );
+    let probe = scorer_probe(&mut b);
+    core.disconnect("a", sa);
+    assert!(
+        reply.try_recv().is_err(),
+        "not failed: it waits for b's check"
+    );
+    let checked = crate::protocol::ProbeResult {
+        probe,
+        provider: "r".into(),
+        vectors: None,
+        scores: Some(vec![
+            Score {
+                score: 0.0,
+                probability: Some(0.5),
+            };
+            crate::hub::scorer_check::PROBE_DOCUMENTS.len()
+        ]),
+        error: None,
+    };
+    core.probe_result("b", sb, checked).unwrap();
+    // The request, whole, in b's frames (one per credit it took).
+    let mut frames = Vec::new();
+    while let Ok(Outgoing::Frame(text)) = b.try_recv() {
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        if v["type"] == "work" {
+            frames.push(v);
+        }
+    }
+    assert!(!frames.is_empty(), "b took the request once checked");
+    for work in frames {
+        core.done(
+            "b",
+            sb,
+            Done {
+                lease: work["lease"].as_u64().unwrap(),
+                output: scores(&work, 0.6),
+                latency_ms: 1.0,
+                tokens: 1,
+                cost_usd: None,
+            },
+        )
+        .unwrap();
+    }
+    let done = reply.try_recv().unwrap().unwrap();
+    assert!(done.items.iter().all(|s| s.provider.agent == "b"));
+    assert!(done.scorer.unwrap().id.contains("mb"));
 }
