@@ -406,7 +406,8 @@ async fn a_width_no_provider_has_is_refused_at_once_with_the_reason() {
         .await;
     let took = started.elapsed();
     assert_eq!(code, 503, "{body}");
-    assert!(took < Duration::from_secs(2), "answered in {took:?}");
+    // At once, not after the admission wait (10 s): nothing can ever serve it.
+    assert!(took < Duration::from_secs(5), "answered in {took:?}");
     assert_eq!(body["error"]["code"], "gate_refused", "{body}");
     let message = body["error"]["message"].as_str().unwrap();
     assert!(

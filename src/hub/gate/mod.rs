@@ -235,6 +235,9 @@ pub struct VerdictEntry {
     pub reference: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checked_at_ms: Option<u64>,
+    /// Probe answers judged for this verdict (the first check and every sentinel re-probe;
+    /// probes that did not come back are not counted).
+    pub checks: u64,
     /// What caught a suspended provider: `sentinel` (a re-probe) or `canary` (a probe text
     /// inside its work).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -539,6 +542,7 @@ impl Gate {
                 evidence: None,
                 reference,
                 checked_at_ms: None,
+                checks: 0,
                 caught_by: None,
                 next_check: None,
                 sentinel_failures: 0,
@@ -580,6 +584,7 @@ impl Gate {
             evidence,
             reference,
             checked_at_ms: Some(now_ms()),
+            checks: 1,
             caught_by: None,
             next_check,
             sentinel_failures: 0,
@@ -683,6 +688,7 @@ impl Gate {
                     tracing::warn!(provider = %c.provider, reason = %why, "the reference is refused");
                     entry.verdict = Verdict::Refused { reason: why };
                     entry.checked_at_ms = Some(now_ms());
+                    entry.checks += 1;
                     return;
                 }
                 let created_ms = now_ms();
@@ -708,6 +714,7 @@ impl Gate {
                 });
                 entry.reference = "itself: the anchor of the space (dims and pin)".into();
                 entry.checked_at_ms = Some(now_ms());
+                entry.checks += 1;
                 entry.next_check = Some(now + self.settings.sentinel);
                 // The table's width may have changed while the probe was out: a space of
                 // another width is stored, but never the role's current one.
@@ -730,6 +737,7 @@ impl Gate {
                     judge(&s.fingerprint, &vectors, s.dims, self.settings.min_cosine)
                 };
                 entry.checked_at_ms = Some(now_ms());
+                entry.checks += 1;
                 match judgement {
                     Judgement::Pass { evidence } => {
                         entry.sentinel_failures = 0;

@@ -143,6 +143,10 @@ mod basics {
         assert!(g.serving_space(&cands[0]).is_none(), "suspended at once");
         let v = g.view(&BTreeMap::new());
         assert!(matches!(v.verdicts[0].verdict, Verdict::Suspended { .. }));
+        assert_eq!(
+            v.verdicts[0].checks, 2,
+            "the founding check and the re-probe"
+        );
     }
 
     #[test]
