@@ -4,6 +4,8 @@
 use std::net::SocketAddr;
 
 use fantom_sidecar::hub::core::HubSettings;
+use fantom_sidecar::hub::store::StateStore;
+use fantom_sidecar::hub::store::file::FileStore;
 use fantom_sidecar::hub::{Hub, HubOptions};
 use fantom_sidecar::secret::Secret;
 
@@ -20,7 +22,7 @@ pub fn start() -> BenchHub {
     let fleet_token = Secret::generate();
     let hub = Hub::open(HubOptions {
         settings: HubSettings::default(),
-        state_dir: state.path().to_path_buf(),
+        store: StateStore::File(FileStore::open(state.path()).expect("the state dir")),
         fleet_token: fleet_token.clone(),
         admin_token: Secret::generate(),
         client_token: None,

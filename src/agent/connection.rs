@@ -28,12 +28,13 @@ use tokio_tungstenite::tungstenite::{self, Message};
 use tracing::Instrument;
 
 use super::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
-use super::{Agent, devices, hostname};
+use super::{Agent, devices};
 use crate::protocol::codec::encode_agent;
 use crate::protocol::{
     self, AgentFrame, Chunk, Done, ErrorCode, Failed, FailureClass, Heartbeat, Hello, HubFrame,
     PROTOCOL_VERSION, ProviderInfo, Pull, Work, WorkInput,
 };
+use crate::service::host::hostname;
 
 /// Reconnect delays: full jitter over `min(CAP, BASE · 2^attempt)`.
 pub const BACKOFF_BASE: Duration = Duration::from_secs(1);

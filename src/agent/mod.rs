@@ -390,16 +390,6 @@ impl Agent {
     }
 }
 
-/// The host's name (for `hello`), from the kernel.
-pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "unknown-host".into())
-}
-
 /// The devices the providers run on, with memory where the backend can tell (host memory
 /// from `/proc/meminfo` for the CPU; CUDA memory is not reported by candle).
 pub fn devices(providers: &[Arc<dyn Provider>]) -> Vec<DeviceInfo> {

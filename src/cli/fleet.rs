@@ -26,6 +26,8 @@ use crate::fantom::slots::Slots;
 use crate::http::{self, TlsFiles};
 use crate::hub::core::HubSettings;
 use crate::hub::gate::GateSettings;
+use crate::hub::store::StateStore;
+use crate::hub::store::file::FileStore;
 use crate::hub::{Hub, HubOptions};
 use crate::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
 use crate::roles::Role;
@@ -283,10 +285,15 @@ fn bind(addr: SocketAddr, name: &str) -> anyhow::Result<std::net::TcpListener> {
     Ok(listener)
 }
 
-fn open_hub(args: &HubConfig) -> anyhow::Result<Hub> {
+/// Opens the hub's state store. First, before anything else: a second hub on a held state dir
+/// stops here, before it loads a model or generates or reads a token.
+fn open_store(args: &HubConfig) -> anyhow::Result<StateStore> {
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
-    std::fs::create_dir_all(&state_dir)
-        .with_context(|| format!("cannot create the state dir {}", state_dir.display()))?;
+    Ok(StateStore::File(FileStore::open(&state_dir)?))
+}
+
+fn open_hub(args: &HubConfig, store: StateStore) -> anyhow::Result<Hub> {
+    let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
     let (admin_token, admin_path) = tokens::load_or_generate(
         args.admin_token_file.as_deref(),
         credentials::ADMIN_TOKEN,
@@ -325,9 +332,10 @@ fn open_hub(args: &HubConfig) -> anyhow::Result<Hub> {
         );
     }
     let gate = GateSettings::from_config(args);
+    tracing::info!(store = %store.describe(), "hub state store");
     Ok(Hub::open(HubOptions {
         settings,
-        state_dir,
+        store,
         fleet_token,
         admin_token,
         client_token,
@@ -341,7 +349,7 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
     let _watchdog = notifier.spawn_watchdog();
     notifier.status("starting");
     let cfg = cmd.hub.resolve(Some(&cmd.tls))?;
-    let hub = open_hub(&cfg)?;
+    let hub = open_hub(&cfg, open_store(&cfg)?)?;
     let tls = match (cfg.tls_cert.clone(), cfg.tls_key.clone()) {
         (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
         _ => None,
@@ -534,7 +542,10 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
     let has_hub = cfg.hub_url.is_some();
     let agent = Agent::new(AgentOptions {
         hub_url: cfg.hub_url.clone(),
-        agent_id: cfg.agent_id.clone().unwrap_or_else(agent::hostname),
+        agent_id: cfg
+            .agent_id
+            .clone()
+            .unwrap_or_else(crate::service::host::hostname),
         fleet_token,
         ca_file: cfg.ca_file.clone(),
         drain_timeout: Duration::from_secs(cfg.drain_timeout_s.clamp(1, 3600)),
@@ -627,7 +638,10 @@ fn start_sidecar(
     if bound.ip().is_loopback() {
         tracing::warn!(http = %bound, "Fantom masters are configured but the agent's HTTP port listens on loopback only: masters cannot reach it (e.g. --http 0.0.0.0:8098)");
     }
-    let hostname = cfg.hostname.clone().unwrap_or_else(agent::hostname);
+    let hostname = cfg
+        .hostname
+        .clone()
+        .unwrap_or_else(crate::service::host::hostname);
     let ctx = RelayContext {
         agent_url: cfg
             .agent_url
@@ -721,6 +735,8 @@ async fn reload_on_hangup(
 pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
     let notifier = Notifier::from_env();
     let _watchdog = notifier.spawn_watchdog();
+    let hub_cfg = cmd.hub.resolve(None)?;
+    let store = open_store(&hub_cfg)?;
     notifier.status("loading models");
     let mut models = Vec::new();
     let embedder = cmd.model.choice();
@@ -750,8 +766,7 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
         );
     }
     let providers = agent::load_providers(&models).await?;
-    let hub_cfg = cmd.hub.resolve(None)?;
-    let hub = open_hub(&hub_cfg)?;
+    let hub = open_hub(&hub_cfg, store)?;
     // Ready once the roles it loads can serve (besides any the flags or the file name).
     hub.core()
         .settings
@@ -769,7 +784,7 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
     ));
     let agent = Agent::new(AgentOptions {
         hub_url: Some(format!("ws://{bound}/v1/agent")),
-        agent_id: cmd.agent_id.unwrap_or_else(agent::hostname),
+        agent_id: cmd.agent_id.unwrap_or_else(crate::service::host::hostname),
         fleet_token: hub.fleet_token().clone(),
         ca_file: None,
         drain_timeout: Duration::from_secs(30),

@@ -1,8 +1,8 @@
 //! The hub: the controller of the fleet. It owns the shared role queues, the requests (each
 //! bound to one space or scorer) and the leases ([`core`]), the agents' sockets ([`socket`]),
 //! the routing policy ([`policy`]), the global cloud budget ([`budget`]), the compatibility
-//! gate ([`gate`]), the safe persisted config ([`state`]) and the views of it all
-//! ([`status`]). HTTP front doors live in [`crate::http`]; they call the [`Hub`] handle.
+//! gate ([`gate`]), the safe persisted config ([`state`]) with the store that keeps it
+//! ([`store`]) and the views of it all ([`status`]). HTTP front doors live in [`crate::http`]; they call the [`Hub`] handle.
 //!
 //! State writes (a push, the budget override, a new space) run on a blocking thread under the
 //! writers' lock, to their end even if the caller goes away; readers clone the last state
@@ -21,8 +21,8 @@ pub mod scorer_check;
 pub mod socket;
 pub mod state;
 pub mod status;
+pub mod store;
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -31,6 +31,7 @@ use serde::Serialize;
 use self::core::{Completed, Core, HubSettings, RequestFailure, SubmitError};
 use self::queue::{RequestId, Shape};
 use self::state::{HubState, KeyRecord, StateError};
+use self::store::StateStore;
 use crate::config::push::{self, OpenRouterPush, PushRefused, RoleOutcome};
 use crate::roles::Role;
 use crate::secret::Secret;
@@ -38,7 +39,8 @@ use crate::secret::Secret;
 /// How a hub starts.
 pub struct HubOptions {
     pub settings: HubSettings,
-    pub state_dir: PathBuf,
+    /// Where the persisted state lives (opened, and locked, before anything else).
+    pub store: StateStore,
     pub fleet_token: Secret,
     pub admin_token: Secret,
     /// When set, client endpoints require a bearer token: this one (project `default`) or a
@@ -59,10 +61,10 @@ struct Inner {
     core: Mutex<Core>,
     /// The safe config as last written: readers clone it and never wait for a disk.
     state: Mutex<HubState>,
-    /// Serialises writers of the state file; its fsync runs on a blocking thread while held
+    /// Serialises writers of the state store; a save runs on a blocking thread while held
     /// (never the core lock, never `state`'s lock).
     state_writes: tokio::sync::Mutex<()>,
-    state_dir: PathBuf,
+    store: Arc<StateStore>,
     fleet_token: Secret,
     admin_token: Secret,
     client_token: Option<Secret>,
@@ -113,10 +115,7 @@ async fn to_the_end<T: Send + 'static>(
     match tokio::spawn(work).await {
         Ok(done) => Ok(done),
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(e) => Err(StateError::Write {
-            path: state::STATE_FILE.into(),
-            source: std::io::Error::other(e.to_string()),
-        }),
+        Err(e) => Err(StateError::Interrupted(e.to_string())),
     }
 }
 
@@ -184,9 +183,9 @@ pub(crate) fn now_ms() -> u64 {
 }
 
 impl Hub {
-    /// Opens the hub's state dir and builds the hub (no sockets yet).
+    /// Loads the state from the hub's store and builds the hub (no sockets yet).
     pub fn open(opts: HubOptions) -> Result<Self, StateError> {
-        let state = HubState::load(&opts.state_dir)?;
+        let state = opts.store.load()?;
         let mut core = Core::with_gate(
             opts.settings,
             state.cloud.clone(),
@@ -212,7 +211,7 @@ impl Hub {
                 core: Mutex::new(core),
                 state: Mutex::new(state),
                 state_writes: tokio::sync::Mutex::new(()),
-                state_dir: opts.state_dir,
+                store: Arc::new(opts.store),
                 fleet_token: opts.fleet_token,
                 admin_token: opts.admin_token,
                 client_token: opts.client_token,
@@ -420,16 +419,12 @@ impl Hub {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Writes `next` to the state file on a blocking thread; it is the state once written.
+    /// Writes `next` to the store on a blocking thread; it is the state once written.
     async fn persist(&self, next: HubState) -> Result<HubState, StateError> {
-        let dir = self.inner.state_dir.clone();
-        let path = dir.join(state::STATE_FILE);
-        tokio::task::spawn_blocking(move || next.save(&dir).map(|()| next))
+        let store = Arc::clone(&self.inner.store);
+        tokio::task::spawn_blocking(move || store.save(&next).map(|()| next))
             .await
-            .map_err(|e| StateError::Write {
-                path,
-                source: std::io::Error::other(e.to_string()),
-            })?
+            .map_err(|e| StateError::Interrupted(e.to_string()))?
     }
 
     /// Persists the vector spaces (a new one was fingerprinted).
@@ -514,7 +509,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let hub = Hub::open(HubOptions {
             settings: HubSettings::default(),
-            state_dir: dir.path().to_path_buf(),
+            store: StateStore::File(store::file::FileStore::open(dir.path()).unwrap()),
             fleet_token: Secret::new("fleet-token-for-tests"),
             admin_token: Secret::new("admin-token-for-tests"),
             client_token: None,
@@ -536,7 +531,7 @@ mod tests {
         a.unwrap();
         b.unwrap();
         assert_eq!(hub.state().budget_override, None);
-        let on_disk = HubState::load(dir.path()).unwrap();
+        let on_disk = store::file::read(dir.path()).unwrap();
         assert_eq!(on_disk.budget_override, None);
     }
 }

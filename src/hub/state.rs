@@ -1,16 +1,13 @@
 //! What the hub persists: only the safe config (models, pins, dims, policies, and that a key
 //! push happened, with its time, the config's revision and the key's generation id), the
-//! vector spaces, and the projects (settings, key digests, the day's cloud use). Written atomically (temp file, fsync, rename, fsync of the
-//! directory) so a crash leaves the old state or the new, never a torn file.
+//! vector spaces, and the projects (settings, key digests, the day's cloud use). Where it is
+//! kept, and how it is written, is the state store's ([`crate::hub::store`]).
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
 use crate::config::push::CloudSettings;
-
-pub const STATE_FILE: &str = "hub-state.json";
 
 /// That a key was pushed, never the key.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -68,75 +65,26 @@ pub enum StateError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "the state dir {dir} is held by another hub ({holder}); stop that hub, or give this one \
+         another --state-dir"
+    )]
+    Locked { dir: PathBuf, holder: String },
+    #[error("cannot lock the state dir ({path}): {source}")]
+    Lock {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the state write was interrupted: {0}")]
+    Interrupted(String),
 }
 
 impl HubState {
-    /// Reads the state file of `dir`; a missing file is a fresh hub.
-    pub fn load(dir: &Path) -> Result<Self, StateError> {
-        let path = dir.join(STATE_FILE);
-        let text = match std::fs::read_to_string(&path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Ok(Self {
-                    version: 1,
-                    ..Self::default()
-                });
-            }
-            Err(source) => return Err(StateError::Read { path, source }),
-        };
-        serde_json::from_str(&text).map_err(|e| StateError::Parse {
-            path,
-            message: e.to_string(),
-        })
-    }
-
-    /// Writes the state file of `dir` atomically.
-    pub fn save(&self, dir: &Path) -> Result<(), StateError> {
-        let path = dir.join(STATE_FILE);
-        let write = || -> std::io::Result<()> {
-            std::fs::create_dir_all(dir)?;
-            let tmp = dir.join(format!(".{STATE_FILE}.tmp"));
-            let mut file = std::fs::File::create(&tmp)?;
-            serde_json::to_writer_pretty(&mut file, self)?;
-            file.write_all(b"\n")?;
-            file.sync_all()?;
-            std::fs::rename(&tmp, &path)?;
-            std::fs::File::open(dir)?.sync_all()
-        };
-        write().map_err(|source| StateError::Write { path, source })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::push::{OpenRouterPush, merge};
-
-    #[test]
-    fn state_round_trips_and_a_fresh_dir_is_empty() {
-        let dir = tempfile::tempdir().unwrap();
-        assert_eq!(
-            HubState::load(dir.path()).unwrap().cloud,
-            CloudSettings::default()
-        );
-        let push: OpenRouterPush = serde_json::from_str(
-            r#"{"apiKey":"sk-or-v1-xyz","allowedModels":{"reranker":{"model":"qwen/qwen3-reranker-8b"}},"modeByRole":{"reranker":"cloud"}}"#,
-        )
-        .unwrap();
-        let mut state = HubState::load(dir.path()).unwrap();
-        merge(&mut state.cloud, false, &push).unwrap();
-        state.key = Some(KeyRecord {
-            pushed_at_ms: 1,
-            pushes: 1,
-        });
-        state.save(dir.path()).unwrap();
-        let text = std::fs::read_to_string(dir.path().join(STATE_FILE)).unwrap();
-        assert!(!text.contains("sk-or-v1-xyz"), "{text}");
-        assert_eq!(HubState::load(dir.path()).unwrap(), state);
-        std::fs::write(dir.path().join(STATE_FILE), "{").unwrap();
-        assert!(matches!(
-            HubState::load(dir.path()),
-            Err(StateError::Parse { .. })
-        ));
+    /// The state of a hub that never saved one.
+    pub fn fresh() -> Self {
+        Self {
+            version: 1,
+            ..Self::default()
+        }
     }
 }

@@ -35,6 +35,7 @@ mod seams;
 mod secrets;
 mod serve;
 mod service;
+mod state_store;
 mod telemetry;
 mod tls;
 mod upstream;

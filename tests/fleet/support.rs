@@ -136,6 +136,34 @@ impl Proc {
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+}
+
+/// Runs `fantom-sidecar args…` that should end by itself (bounded by [`PATIENCE`], killed
+/// past it): its exit status and stderr.
+pub fn run_to_exit(args: &[String], log: &Path) -> (ExitStatus, String) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).expect("log file"))
+        .spawn()
+        .expect("spawn fantom-sidecar");
+    let deadline = Instant::now() + PATIENCE;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("fantom-sidecar {args:?} did not exit");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, std::fs::read_to_string(log).unwrap_or_default())
 }
 
 impl Drop for Proc {
