@@ -20,15 +20,18 @@ pub struct BenchHub {
 pub fn start() -> BenchHub {
     let state = tempfile::tempdir().expect("a temp dir");
     let fleet_token = Secret::generate();
-    let hub = Hub::open(HubOptions {
-        settings: HubSettings::default(),
-        store: StateStore::File(FileStore::open(state.path()).expect("the state dir")),
-        fleet_token: fleet_token.clone(),
-        admin_token: Secret::generate(),
-        client_token: None,
-        require_project_key: false,
-        gate: Default::default(),
-    })
+    let hub = Hub::open(
+        HubOptions {
+            settings: HubSettings::default(),
+            store: StateStore::File(FileStore::open(state.path()).expect("the state dir")),
+            fleet_token: fleet_token.clone(),
+            admin_token: Secret::generate(),
+            client_token: None,
+            require_project_key: false,
+            gate: Default::default(),
+        },
+        fantom_sidecar::hub::state::HubState::fresh(),
+    )
     .expect("a hub");
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
     let addr = listener.local_addr().expect("its address");

@@ -12,6 +12,7 @@ use clap::Args;
 use tokio::sync::watch;
 
 use super::ModelArgs;
+use super::hub_etcd::{self, EtcdArgs};
 use super::reload;
 use crate::agent::local_server::LocalServers;
 use crate::agent::{self, Agent, AgentOptions};
@@ -167,6 +168,8 @@ pub struct HubCommand {
     hub: HubArgs,
     #[command(flatten)]
     tls: TlsArgs,
+    #[command(flatten)]
+    etcd: EtcdArgs,
 }
 
 #[derive(Args)]
@@ -292,7 +295,7 @@ fn open_store(args: &HubConfig) -> anyhow::Result<StateStore> {
     Ok(StateStore::File(FileStore::open(&state_dir)?))
 }
 
-fn open_hub(args: &HubConfig, store: StateStore) -> anyhow::Result<Hub> {
+async fn open_hub(args: &HubConfig, store: StateStore) -> anyhow::Result<Hub> {
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
     let (admin_token, admin_path) = tokens::load_or_generate(
         args.admin_token_file.as_deref(),
@@ -333,15 +336,19 @@ fn open_hub(args: &HubConfig, store: StateStore) -> anyhow::Result<Hub> {
     }
     let gate = GateSettings::from_config(args);
     tracing::info!(store = %store.describe(), "hub state store");
-    Ok(Hub::open(HubOptions {
-        settings,
-        store,
-        fleet_token,
-        admin_token,
-        client_token,
-        require_project_key: args.require_project_key,
-        gate,
-    })?)
+    let state = store.load().await?;
+    Ok(Hub::open(
+        HubOptions {
+            settings,
+            store,
+            fleet_token,
+            admin_token,
+            client_token,
+            require_project_key: args.require_project_key,
+            gate,
+        },
+        state,
+    )?)
 }
 
 pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
@@ -349,14 +356,32 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
     let _watchdog = notifier.spawn_watchdog();
     notifier.status("starting");
     let cfg = cmd.hub.resolve(Some(&cmd.tls))?;
-    let hub = open_hub(&cfg, open_store(&cfg)?)?;
     let tls = match (cfg.tls_cert.clone(), cfg.tls_key.clone()) {
         (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
         _ => None,
     };
-    let listener = bind(cfg.listen, "hub")?;
-    let _maintenance = hub.spawn_maintenance();
     let stop = shutdown_signal();
+    let (hub, listener, leading) = if cmd.etcd.enabled() {
+        // Every hub of the store holds the same tokens, from files: nothing is generated.
+        cmd.etcd
+            .check_tokens(cfg.admin_token_file.as_ref(), cfg.fleet_token_file.as_ref())?;
+        let listener = bind(cfg.listen, "hub")?;
+        notifier.status("standby: campaigning for the lead");
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://{}", listener.local_addr()?);
+        let Some((store, leading)) =
+            lead_behind_standby(&cmd.etcd, &listener, tls.clone(), url, stop.clone()).await?
+        else {
+            return Ok(());
+        };
+        hub_etcd::exit_when_deposed(leading.standing.clone());
+        (open_hub(&cfg, store).await?, listener, Some(leading))
+    } else {
+        // The state dir is locked before anything else; the tokens exist before the listener.
+        let hub = open_hub(&cfg, open_store(&cfg)?).await?;
+        (hub, bind(cfg.listen, "hub")?, None)
+    };
+    let _maintenance = hub.spawn_maintenance();
     let (status_task, reload_task) = supervise_hub(
         &notifier,
         &hub,
@@ -374,7 +399,35 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
     http::serve(listener, http::hub_router(hub.clone()), tls, shutdown).await?;
     reload_task.abort();
     let _ = status_task.await;
+    if let Some(leading) = leading {
+        leading.resign().await;
+    }
     Ok(())
+}
+
+/// Serves the standby surface on `listener` while campaigning; `None` when stopped first.
+async fn lead_behind_standby(
+    etcd: &EtcdArgs,
+    listener: &std::net::TcpListener,
+    tls: Option<TlsFiles>,
+    url: String,
+    stop: watch::Receiver<bool>,
+) -> anyhow::Result<Option<(crate::hub::store::StateStore, hub_etcd::Leading)>> {
+    let seen = http::standby::SeenLeader::default();
+    let (won_tx, won_rx) = watch::channel(false);
+    let standby = tokio::spawn(http::serve(
+        listener.try_clone()?,
+        http::standby::router(seen.clone()),
+        tls,
+        signalled(won_rx),
+    ));
+    let outcome = tokio::select! {
+        led = etcd.lead(url, seen) => Some(led),
+        () = signalled(stop) => None,
+    };
+    let _ = won_tx.send(true);
+    let _ = standby.await;
+    outcome.transpose()
 }
 
 /// `READY=1` with the hub's status line, then its `STATUS=` updates until `stop` (ending with
@@ -766,7 +819,7 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
         );
     }
     let providers = agent::load_providers(&models).await?;
-    let hub = open_hub(&hub_cfg, store)?;
+    let hub = open_hub(&hub_cfg, store).await?;
     // Ready once the roles it loads can serve (besides any the flags or the file name).
     hub.core()
         .settings

@@ -4,6 +4,7 @@
 mod bench;
 mod fleet;
 mod gate;
+mod hub_etcd;
 mod input;
 mod kernel_check;
 mod models;
@@ -62,7 +63,7 @@ enum Command {
     #[command(subcommand)]
     Models(models::ModelsCommand),
     /// The hub: shared role queues, the client/admin APIs and the agents' WebSocket endpoint.
-    Hub(fleet::HubCommand),
+    Hub(Box<fleet::HubCommand>),
     /// An agent: loads local models, dials the hub, pulls work.
     Agent(fleet::AgentCommand),
     /// Hub and one agent in one process: the default for a single machine.
@@ -277,7 +278,7 @@ pub fn main() -> ExitCode {
             Command::Rerank(args) => oneshot::rerank(args).await,
             Command::Models(cmd) => models::run(cmd).await,
             Command::Bench(args) => bench::run(args).await,
-            Command::Hub(cmd) => fleet::hub(cmd).await,
+            Command::Hub(cmd) => fleet::hub(*cmd).await,
             Command::Agent(cmd) => fleet::agent(cmd).await,
             Command::Serve(cmd) => fleet::serve(*cmd).await,
             Command::Projects(cmd) => projects::run(cmd).await,

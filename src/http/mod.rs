@@ -21,6 +21,7 @@ pub mod openapi;
 pub mod ops;
 pub mod projects_api;
 pub mod request_id;
+pub mod standby;
 pub mod tei_api;
 pub mod whole_number;
 

@@ -183,9 +183,8 @@ pub(crate) fn now_ms() -> u64 {
 }
 
 impl Hub {
-    /// Loads the state from the hub's store and builds the hub (no sockets yet).
-    pub fn open(opts: HubOptions) -> Result<Self, StateError> {
-        let state = opts.store.load()?;
+    /// Builds the hub on `state`, as its store loaded it (no sockets yet).
+    pub fn open(opts: HubOptions, state: HubState) -> Result<Self, StateError> {
         let mut core = Core::with_gate(
             opts.settings,
             state.cloud.clone(),
@@ -419,12 +418,10 @@ impl Hub {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Writes `next` to the store on a blocking thread; it is the state once written.
+    /// Writes `next` to the store; it is the state once written.
     async fn persist(&self, next: HubState) -> Result<HubState, StateError> {
-        let store = Arc::clone(&self.inner.store);
-        tokio::task::spawn_blocking(move || store.save(&next).map(|()| next))
-            .await
-            .map_err(|e| StateError::Interrupted(e.to_string()))?
+        self.inner.store.save(&next).await?;
+        Ok(next)
     }
 
     /// Persists the vector spaces (a new one was fingerprinted).
@@ -463,6 +460,11 @@ impl Hub {
         drop(core);
         tracing::info!(permits = ?permits, "budget override set");
         Ok(())
+    }
+
+    /// Where the state is kept.
+    pub fn store(&self) -> &StateStore {
+        &self.inner.store
     }
 
     /// The safe config as persisted.
@@ -507,15 +509,18 @@ mod tests {
     #[tokio::test]
     async fn status_and_the_config_never_wait_for_a_state_write_in_progress() {
         let dir = tempfile::tempdir().unwrap();
-        let hub = Hub::open(HubOptions {
-            settings: HubSettings::default(),
-            store: StateStore::File(store::file::FileStore::open(dir.path()).unwrap()),
-            fleet_token: Secret::new("fleet-token-for-tests"),
-            admin_token: Secret::new("admin-token-for-tests"),
-            client_token: None,
-            require_project_key: false,
-            gate: gate::GateSettings::default(),
-        })
+        let hub = Hub::open(
+            HubOptions {
+                settings: HubSettings::default(),
+                store: StateStore::File(store::file::FileStore::open(dir.path()).unwrap()),
+                fleet_token: Secret::new("fleet-token-for-tests"),
+                admin_token: Secret::new("admin-token-for-tests"),
+                client_token: None,
+                require_project_key: false,
+                gate: gate::GateSettings::default(),
+            },
+            HubState::fresh(),
+        )
         .unwrap();
         // A writer holds the state (its fsync under way on a blocking thread).
         let writing = hub.inner.state_writes.lock().await;

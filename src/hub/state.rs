@@ -77,6 +77,15 @@ pub enum StateError {
     },
     #[error("the state write was interrupted: {0}")]
     Interrupted(String),
+    #[error("the state store: {0}")]
+    Etcd(#[from] crate::hub::store::etcd::client::EtcdError),
+    #[error(
+        "this hub no longer leads (its epoch {epoch} is not the leader key's): the write was \
+         refused by etcd"
+    )]
+    Deposed { epoch: i64 },
+    #[error("the stored state at {at} is not valid: {message}")]
+    Corrupt { at: String, message: String },
 }
 
 impl HubState {

@@ -35,6 +35,8 @@ pub struct StatusView {
     pub scorers: Vec<super::scorer_check::ScorerCheckView>,
     /// Each project: settings and accounting (never a key).
     pub projects: Vec<super::project_admin::ProjectView>,
+    /// Where the state is kept and, with etcd, this hub's lead.
+    pub ha: super::store::HaView,
 }
 
 #[derive(Debug, Serialize)]
@@ -207,6 +209,7 @@ impl Hub {
             .collect();
         StatusView {
             projects,
+            ha: self.store().ha_view(),
             uptime_s: self.uptime().as_secs(),
             agents,
             sockets: core.sockets().clone(),

@@ -15,12 +15,12 @@ use crate::hub::state::{HubState, StateError};
 pub const STATE_FILE: &str = "hub-state.json";
 pub const LOCK_FILE: &str = "hub.lock";
 
-/// A state dir this process holds.
-#[derive(Debug)]
+/// A state dir this process holds (clones share the lock).
+#[derive(Clone, Debug)]
 pub struct FileStore {
     dir: PathBuf,
     /// Open for the hub's life: the lock lives as long as this descriptor.
-    _lock: File,
+    _lock: std::sync::Arc<File>,
 }
 
 impl FileStore {
@@ -71,7 +71,7 @@ impl FileStore {
         named.map_err(lock_error)?;
         Ok(Self {
             dir: dir.to_path_buf(),
-            _lock: lock,
+            _lock: std::sync::Arc::new(lock),
         })
     }
 

@@ -1,39 +1,89 @@
 //! The state store: where the hub keeps what it persists ([`HubState`]: the safe config, the
 //! vector spaces, the projects), behind one small interface that is the hub's only way to
-//! load and save it. One backend today: a file in the state dir, locked for one hub
-//! ([`file`]). Saving blocks on a disk, so it runs on a blocking thread; the hot dispatch path
-//! never calls the store.
+//! load and save it. Two backends: a file in the state dir, locked for one hub ([`file`]), and
+//! etcd, shared by hubs of which one leads and only the leader writes ([`etcd`]). The hot
+//! dispatch path never calls the store: saves run beside it, under the hub's writers' lock.
 
+pub mod etcd;
 pub mod file;
 
+use serde::Serialize;
+
 use crate::hub::state::{HubState, StateError};
+
+/// `/admin/status` → `ha`.
+#[derive(Clone, Debug, Serialize)]
+pub struct HaView {
+    /// `single` (a state file, one hub) or `leader` (etcd; a standby answers no status).
+    pub role: &'static str,
+    /// The store: a path, or etcd's endpoints and prefix (never a credential).
+    pub store: String,
+    /// With etcd: the leader key's creation revision this hub leads under.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<i64>,
+    /// With etcd: the lease's TTL.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_ttl_s: Option<u64>,
+}
 
 /// The hub's state store.
 #[derive(Debug)]
 pub enum StateStore {
     /// `hub-state.json` in a locked state dir (one hub).
     File(file::FileStore),
+    /// etcd, written by the leading hub.
+    Etcd(etcd::EtcdStore),
 }
 
 impl StateStore {
     /// The state as stored; a store that holds nothing yet is a fresh hub.
-    pub fn load(&self) -> Result<HubState, StateError> {
+    pub async fn load(&self) -> Result<HubState, StateError> {
         match self {
             StateStore::File(f) => f.load(),
+            StateStore::Etcd(e) => e.load().await,
         }
     }
 
-    /// Writes the whole state (blocking).
-    pub fn save(&self, state: &HubState) -> Result<(), StateError> {
+    /// Writes the state (the file on a blocking thread; etcd only the parts that changed).
+    pub async fn save(&self, state: &HubState) -> Result<(), StateError> {
         match self {
-            StateStore::File(f) => f.save(state),
+            StateStore::File(f) => {
+                let (f, state) = (f.clone(), state.clone());
+                tokio::task::spawn_blocking(move || f.save(&state))
+                    .await
+                    .map_err(|e| StateError::Interrupted(e.to_string()))?
+            }
+            StateStore::Etcd(e) => e.save(state).await,
         }
     }
 
-    /// What the store is, for logs and status (a path; never a credential).
+    pub fn ha_view(&self) -> HaView {
+        match self {
+            StateStore::File(_) => HaView {
+                role: "single",
+                store: self.describe(),
+                epoch: None,
+                lease_ttl_s: None,
+            },
+            StateStore::Etcd(e) => HaView {
+                role: "leader",
+                store: self.describe(),
+                epoch: Some(e.leadership().epoch),
+                lease_ttl_s: Some(e.leadership().ttl.as_secs()),
+            },
+        }
+    }
+
+    /// What the store is, for logs and status (a path or endpoints; never a credential).
     pub fn describe(&self) -> String {
         match self {
             StateStore::File(f) => format!("file {}", f.dir().join(file::STATE_FILE).display()),
+            StateStore::Etcd(e) => format!(
+                "etcd {} under {} (epoch {})",
+                e.client().endpoints().join(","),
+                e.prefix(),
+                e.leadership().epoch
+            ),
         }
     }
 }

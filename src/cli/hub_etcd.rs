@@ -1,0 +1,189 @@
+//! `hub --etcd-endpoints …`: the options of a hub that shares an etcd store with others, and
+//! its way to the lead: connect, serve the standby surface while another hub leads, win the
+//! election, open the etcd state store under this leader's epoch. A leader that is deposed
+//! (its lease not renewed within the deadline) exits at once with status 75, so it grants and
+//! writes nothing more; its service manager starts it again as a candidate.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use tokio::sync::watch;
+
+use crate::config::tokens;
+use crate::hub::store::StateStore;
+use crate::hub::store::etcd::EtcdStore;
+use crate::hub::store::etcd::client::{EtcdClient, EtcdOptions};
+use crate::hub::store::etcd::election::{self, LeaderRecord, Standing};
+use crate::service::credentials;
+
+/// Exit status of a deposed leader (EX_TEMPFAIL: start it again).
+pub const DEPOSED_EXIT: i32 = 75;
+
+#[derive(Args, Clone, Debug)]
+pub struct EtcdArgs {
+    /// etcd client URLs, comma-separated: the hubs given the same endpoints and prefix elect one
+    /// leader and keep their state there (the state dir's file is not used).
+    #[arg(long, env = "FANTOM_ETCD_ENDPOINTS", value_delimiter = ',')]
+    etcd_endpoints: Vec<String>,
+    /// The key prefix of this fleet's hubs in etcd.
+    #[arg(long, env = "FANTOM_ETCD_PREFIX", default_value = "/fantom-sidecar")]
+    etcd_prefix: String,
+    /// A CA bundle (PEM) that signed etcd's certificates (`https://` endpoints).
+    #[arg(long)]
+    etcd_ca_file: Option<PathBuf>,
+    /// A client certificate (PEM) for etcd's `--client-cert-auth`, with --etcd-key-file.
+    #[arg(long)]
+    etcd_cert_file: Option<PathBuf>,
+    #[arg(long)]
+    etcd_key_file: Option<PathBuf>,
+    /// An etcd user (with --etcd-password-file).
+    #[arg(long, env = "FANTOM_ETCD_USER")]
+    etcd_user: Option<String>,
+    /// A file holding the etcd user's password.
+    #[arg(long)]
+    etcd_password_file: Option<PathBuf>,
+    /// The leader's lease in seconds: a standby takes over about this long after the leader's
+    /// machine vanished (at once when its process ends cleanly).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(2..=60))]
+    leader_ttl_s: u64,
+    /// How agents, clients and the other hubs reach this hub [default: http(s)://<--listen>].
+    #[arg(long, env = "FANTOM_ADVERTISE_URL")]
+    advertise_url: Option<String>,
+}
+
+/// A hub that leads: what it needs to keep leading.
+pub struct Leading {
+    /// Turns `Deposed` the moment the leader must stop.
+    pub standing: watch::Receiver<Standing>,
+    client: Arc<EtcdClient>,
+    lease: i64,
+    stop_renewing: watch::Sender<bool>,
+}
+
+impl Leading {
+    /// Ends the lease (a clean exit: a standby takes over at once, not after the TTL).
+    pub async fn resign(self) {
+        let _ = self.stop_renewing.send(true);
+        if let Err(e) = self.client.revoke(self.lease).await {
+            tracing::warn!(error = %e, "the leader's lease could not be revoked; it expires by itself");
+        }
+    }
+}
+
+impl EtcdArgs {
+    pub fn enabled(&self) -> bool {
+        !self.etcd_endpoints.is_empty()
+    }
+
+    /// With etcd every hub of a store must hold the same tokens, so none is generated.
+    pub fn check_tokens(
+        &self,
+        admin: Option<&PathBuf>,
+        fleet: Option<&PathBuf>,
+    ) -> anyhow::Result<()> {
+        let given = |file: Option<&PathBuf>, credential: &str| {
+            file.is_some() || credentials::path(credential).is_some()
+        };
+        if !given(admin, credentials::ADMIN_TOKEN) || !given(fleet, credentials::FLEET_TOKEN) {
+            anyhow::bail!(
+                "with --etcd-endpoints every hub of the store must use the same tokens, so none \
+                 is generated: give --admin-token-file and --fleet-token-file (or the systemd \
+                 credentials admin-token and fleet-token), the same files on every hub"
+            );
+        }
+        Ok(())
+    }
+
+    fn client(&self) -> anyhow::Result<EtcdClient> {
+        let password = self
+            .etcd_password_file
+            .as_deref()
+            .map(tokens::read_token_file)
+            .transpose()
+            .context("the etcd password")?;
+        Ok(EtcdClient::new(&EtcdOptions {
+            endpoints: self.etcd_endpoints.clone(),
+            ca_file: self.etcd_ca_file.clone(),
+            cert_file: self.etcd_cert_file.clone(),
+            key_file: self.etcd_key_file.clone(),
+            user: self.etcd_user.clone(),
+            password,
+            timeout: Duration::from_secs(2),
+            retry_for: Duration::from_secs(5),
+        })?)
+    }
+
+    fn prefix(&self) -> String {
+        let p = self.etcd_prefix.trim_end_matches('/');
+        if p.starts_with('/') {
+            p.to_string()
+        } else {
+            format!("/{p}")
+        }
+    }
+
+    /// Campaigns until this hub leads, telling `seen` each leader while it waits; then opens
+    /// the store under this leader's epoch and keeps the lease renewed.
+    pub async fn lead(
+        &self,
+        listen_url: String,
+        seen: crate::http::standby::SeenLeader,
+    ) -> anyhow::Result<(StateStore, Leading)> {
+        let client = Arc::new(self.client()?);
+        let prefix = self.prefix();
+        let me = LeaderRecord {
+            url: self.advertise_url.clone().unwrap_or(listen_url),
+            process: format!(
+                "pid {} on {}",
+                std::process::id(),
+                crate::service::host::hostname()
+            ),
+            since_ms: crate::hub::now_ms(),
+        };
+        tracing::info!(endpoints = %client.endpoints().join(","), prefix = %prefix, url = %me.url, "campaigning for the hub's lead");
+        let ttl = Duration::from_secs(self.leader_ttl_s);
+        let leadership = election::campaign(&client, &prefix, &me, ttl, |leader| {
+            tracing::info!(leader = %leader.url, process = %leader.process, "standby: another hub leads");
+            *seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(leader.clone());
+        })
+        .await
+        .context("the election")?;
+        tracing::info!(
+            epoch = leadership.epoch,
+            ttl_s = ttl.as_secs(),
+            "this hub leads"
+        );
+        let (stop_renewing, stop_rx) = watch::channel(false);
+        let standing = election::keep(Arc::clone(&client), &leadership, stop_rx);
+        let lease = leadership.lease;
+        let store = StateStore::Etcd(EtcdStore::new(Arc::clone(&client), &prefix, leadership));
+        Ok((
+            store,
+            Leading {
+                standing,
+                client,
+                lease,
+                stop_renewing,
+            },
+        ))
+    }
+}
+
+/// Exits the process the moment the leader is deposed: nothing it would still do (a cloud
+/// grant, a store write) is safe once another hub may lead.
+pub fn exit_when_deposed(mut standing: watch::Receiver<Standing>) {
+    tokio::spawn(async move {
+        loop {
+            if let Standing::Deposed { why } = &*standing.borrow_and_update() {
+                tracing::error!(why = %why, "this hub no longer leads; exiting so that it grants and writes nothing more");
+                std::process::exit(DEPOSED_EXIT);
+            }
+            if standing.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+}

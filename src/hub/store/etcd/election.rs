@@ -1,0 +1,198 @@
+//! One leader among the hubs of a store: each campaigns by creating the leader key under a
+//! lease of its own (`<prefix>/leader`, a transaction that succeeds only while the key does
+//! not exist). The winner's **epoch** is the key's creation revision: every write it makes
+//! checks that the key still has it, so a deposed leader's late write fails in etcd itself.
+//!
+//! The leader renews its lease every fifth of the TTL. If no renewal has succeeded within the
+//! **deadline** (two thirds of the TTL, counted from the moment the last successful renewal was
+//! sent), it counts itself deposed at once, before etcd can expire the lease and let another
+//! hub win: that gap is what keeps two leaders from granting at the same time. Losers wait,
+//! reading the key, and campaign again when it is gone.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::client::{Compare, EtcdClient, EtcdError, Op};
+
+/// Who leads (the leader key's value).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LeaderRecord {
+    /// How hubs, agents and clients reach it (`--advertise-url`).
+    pub url: String,
+    /// `pid N on host`.
+    pub process: String,
+    /// When it won (ms since the Unix epoch).
+    pub since_ms: u64,
+}
+
+/// This hub leads.
+#[derive(Debug)]
+pub struct Leadership {
+    /// The leader key's creation revision.
+    pub epoch: i64,
+    pub lease: i64,
+    pub ttl: Duration,
+    /// The leader key's full name.
+    pub key: String,
+}
+
+impl Leadership {
+    /// A condition every write of this leader carries.
+    pub fn guard(&self) -> Compare {
+        Compare::CreateRevision {
+            key: self.key.clone(),
+            revision: self.epoch,
+        }
+    }
+
+    /// The renewal deadline: past it without a renewal, the leader stops.
+    pub fn deadline(&self) -> Duration {
+        self.ttl * 2 / 3
+    }
+}
+
+/// Where this leader stands, as the renewal task sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Standing {
+    Leading,
+    /// No renewal within the deadline, or the lease is gone: stop granting and writing now.
+    Deposed {
+        why: String,
+    },
+}
+
+pub fn leader_key(prefix: &str) -> String {
+    format!("{prefix}/leader")
+}
+
+/// The leader now, if any (for a standby's answers and status).
+pub async fn current_leader(
+    client: &EtcdClient,
+    prefix: &str,
+) -> Result<Option<(LeaderRecord, i64)>, EtcdError> {
+    Ok(client
+        .get(&leader_key(prefix))
+        .await?
+        .and_then(|kv| Some((serde_json::from_slice(&kv.value).ok()?, kv.create_revision))))
+}
+
+/// Campaigns until this hub leads: `waiting` is told each leader seen while it waits.
+pub async fn campaign(
+    client: &EtcdClient,
+    prefix: &str,
+    me: &LeaderRecord,
+    ttl: Duration,
+    mut waiting: impl FnMut(&LeaderRecord),
+) -> Result<Leadership, EtcdError> {
+    let key = leader_key(prefix);
+    let ttl_s = ttl.as_secs().max(1) as i64;
+    let value = serde_json::to_vec(me).unwrap_or_default();
+    let mut seen: Option<i64> = None;
+    loop {
+        let lease = client.grant(ttl_s).await?;
+        let outcome = client
+            .txn(
+                &[Compare::CreateRevision {
+                    key: key.clone(),
+                    revision: 0,
+                }],
+                &[Op::Put {
+                    key: key.clone(),
+                    value: value.clone(),
+                    lease: Some(lease.id),
+                }],
+                &[Op::Get { key: key.clone() }],
+            )
+            .await;
+        let outcome = match outcome {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = client.revoke(lease.id).await;
+                return Err(e);
+            }
+        };
+        if outcome.succeeded {
+            return Ok(Leadership {
+                epoch: outcome.revision,
+                lease: lease.id,
+                ttl: Duration::from_secs(ttl_s as u64),
+                key,
+            });
+        }
+        let _ = client.revoke(lease.id).await;
+        // Someone leads: wait for its key to go (expired or revoked), then try again.
+        if let Some(kv) = outcome.read.first()
+            && seen != Some(kv.create_revision)
+        {
+            seen = Some(kv.create_revision);
+            if let Ok(leader) = serde_json::from_slice::<LeaderRecord>(&kv.value) {
+                waiting(&leader);
+            }
+        }
+        loop {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            match client.get(&key).await {
+                Ok(None) => break,
+                Ok(Some(kv)) if Some(kv.create_revision) != seen => break,
+                Ok(Some(_)) => {}
+                Err(e) => tracing::warn!(error = %e, "a standby cannot read the leader key"),
+            }
+        }
+    }
+}
+
+/// Renews the lease until the leader is deposed or `stop` fires; the standing is sent on the
+/// returned channel the moment it changes.
+pub fn keep(
+    client: Arc<EtcdClient>,
+    leadership: &Leadership,
+    mut stop: watch::Receiver<bool>,
+) -> watch::Receiver<Standing> {
+    let (tx, rx) = watch::channel(Standing::Leading);
+    let (lease, ttl, deadline) = (leadership.lease, leadership.ttl, leadership.deadline());
+    tokio::spawn(async move {
+        let every = ttl / 5;
+        let mut renewed_at = Instant::now();
+        loop {
+            let sent = Instant::now();
+            let renewal = tokio::select! {
+                r = client.keep_alive(lease) => Some(r),
+                () = tokio::time::sleep_until(renewed_at + deadline) => None,
+                _ = stop.changed() => return,
+            };
+            match renewal {
+                Some(Ok(Some(_))) => renewed_at = sent,
+                Some(Ok(None)) => {
+                    let _ = tx.send(Standing::Deposed {
+                        why: "the leader's lease is gone".into(),
+                    });
+                    return;
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "the leader's lease was not renewed");
+                }
+                None => {}
+            }
+            if Instant::now() >= renewed_at + deadline {
+                let _ = tx.send(Standing::Deposed {
+                    why: format!(
+                        "no lease renewal within {} ms (the TTL is {} s)",
+                        deadline.as_millis(),
+                        ttl.as_secs()
+                    ),
+                });
+                return;
+            }
+            let next = (sent + every).min(renewed_at + deadline);
+            tokio::select! {
+                () = tokio::time::sleep_until(next) => {}
+                _ = stop.changed() => return,
+            }
+        }
+    });
+    rx
+}

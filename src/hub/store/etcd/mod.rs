@@ -1,0 +1,266 @@
+//! The etcd backend of the state store, for hubs that share one store (`--etcd-endpoints`):
+//! the hub's state in etcd under a prefix, written only by the leader ([`election`]) and
+//! only while it leads (every write is a transaction that checks the leader key's epoch).
+//!
+//! etcd caps a request at 1.5 MiB and a fingerprint can be close to that, so the state is kept
+//! in parts (`config`, each space, `projects`, `usage`), each stored by digest:
+//! `<prefix>/blob/<part>/<sha256>/<n>` holds its chunks (512 KiB at most, a transaction
+//! each), and `<prefix>/state/<part>` names the digest, the chunk count and the length. A part
+//! is written only when its digest changed; its chunks go first and its name last, so a reader
+//! sees the old part or the new, whole and checked against its digest, never a mix.
+
+pub mod client;
+pub mod election;
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use self::client::{EtcdClient, Op};
+use self::election::Leadership;
+use crate::hub::state::{HubState, StateError};
+
+/// Chunks of a part: well under etcd's request cap, with room for the transaction around it.
+const CHUNK_BYTES: usize = 512 * 1024;
+
+/// A part's name record.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct PartRecord {
+    sha256: String,
+    chunks: usize,
+    bytes: usize,
+}
+
+/// The store of the leading hub.
+#[derive(Debug)]
+pub struct EtcdStore {
+    client: std::sync::Arc<EtcdClient>,
+    prefix: String,
+    leadership: Leadership,
+    /// The digest of each part as stored (what a save compares with).
+    stored: tokio::sync::Mutex<BTreeMap<String, String>>,
+}
+
+impl EtcdStore {
+    pub fn new(client: std::sync::Arc<EtcdClient>, prefix: &str, leadership: Leadership) -> Self {
+        Self {
+            client,
+            prefix: prefix.trim_end_matches('/').to_string(),
+            leadership,
+            stored: tokio::sync::Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    pub fn leadership(&self) -> &Leadership {
+        &self.leadership
+    }
+
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    pub fn client(&self) -> &std::sync::Arc<EtcdClient> {
+        &self.client
+    }
+
+    fn state_key(&self, part: &str) -> String {
+        format!("{}/state/{part}", self.prefix)
+    }
+
+    fn blob_prefix(&self, part: &str, sha256: &str) -> String {
+        format!("{}/blob/{part}/{sha256}/", self.prefix)
+    }
+
+    /// The state as stored (a store that holds none yet: a fresh hub).
+    pub async fn load(&self) -> Result<HubState, StateError> {
+        let names = self.client.get_prefix(&self.state_key("")).await?;
+        let mut parts = BTreeMap::new();
+        let mut stored = BTreeMap::new();
+        for kv in names {
+            let part = kv.key[self.state_key("").len()..].to_string();
+            let record: PartRecord =
+                serde_json::from_slice(&kv.value).map_err(|e| StateError::Corrupt {
+                    at: kv.key.clone(),
+                    message: e.to_string(),
+                })?;
+            let chunks = self
+                .client
+                .get_prefix(&self.blob_prefix(&part, &record.sha256))
+                .await?;
+            let bytes: Vec<u8> = chunks.into_iter().flat_map(|kv| kv.value).collect();
+            if bytes.len() != record.bytes || sha256_hex(&bytes) != record.sha256 {
+                return Err(StateError::Corrupt {
+                    at: kv.key.clone(),
+                    message: format!(
+                        "its chunks ({} bytes) do not match the digest it names",
+                        bytes.len()
+                    ),
+                });
+            }
+            stored.insert(part.clone(), record.sha256);
+            parts.insert(part, bytes);
+        }
+        let state = join(&parts).map_err(|message| StateError::Corrupt {
+            at: self.state_key(""),
+            message,
+        })?;
+        *self.stored.lock().await = stored;
+        Ok(state)
+    }
+
+    /// Writes the parts that changed, each guarded by this leader's epoch.
+    pub async fn save(&self, state: &HubState) -> Result<(), StateError> {
+        let parts = split(state);
+        let mut stored = self.stored.lock().await;
+        for (part, bytes) in &parts {
+            let sha256 = sha256_hex(bytes);
+            let old = stored.get(part).cloned();
+            if old.as_deref() == Some(sha256.as_str()) {
+                continue;
+            }
+            let blob = self.blob_prefix(part, &sha256);
+            let chunks: Vec<&[u8]> = if bytes.is_empty() {
+                Vec::new()
+            } else {
+                bytes.chunks(CHUNK_BYTES).collect()
+            };
+            for (n, chunk) in chunks.iter().enumerate() {
+                self.guarded(&[Op::Put {
+                    key: format!("{blob}{n:05}"),
+                    value: chunk.to_vec(),
+                    lease: None,
+                }])
+                .await?;
+            }
+            let record = PartRecord {
+                sha256: sha256.clone(),
+                chunks: chunks.len(),
+                bytes: bytes.len(),
+            };
+            let mut ops = vec![Op::Put {
+                key: self.state_key(part),
+                value: serde_json::to_vec(&record).unwrap_or_default(),
+                lease: None,
+            }];
+            if let Some(old) = &old {
+                ops.push(Op::DeletePrefix {
+                    prefix: self.blob_prefix(part, old),
+                });
+            }
+            self.guarded(&ops).await?;
+            stored.insert(part.clone(), sha256);
+        }
+        let gone: Vec<(String, String)> = stored
+            .iter()
+            .filter(|(part, _)| !parts.contains_key(*part))
+            .map(|(p, s)| (p.clone(), s.clone()))
+            .collect();
+        for (part, sha256) in gone {
+            self.guarded(&[
+                Op::Delete {
+                    key: self.state_key(&part),
+                },
+                Op::DeletePrefix {
+                    prefix: self.blob_prefix(&part, &sha256),
+                },
+            ])
+            .await?;
+            stored.remove(&part);
+        }
+        Ok(())
+    }
+
+    /// One transaction that applies only while this hub still leads.
+    async fn guarded(&self, ops: &[Op]) -> Result<(), StateError> {
+        let outcome = self
+            .client
+            .txn(&[self.leadership.guard()], ops, &[])
+            .await?;
+        if outcome.succeeded {
+            Ok(())
+        } else {
+            Err(StateError::Deposed {
+                epoch: self.leadership.epoch,
+            })
+        }
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The state in parts: `config` (all but the spaces and projects), `space/<id>` each,
+/// `projects`, `usage` (the last two only when not empty).
+fn split(state: &HubState) -> BTreeMap<String, Vec<u8>> {
+    let mut parts = BTreeMap::new();
+    let config = HubState {
+        spaces: BTreeMap::new(),
+        projects: BTreeMap::new(),
+        project_usage: BTreeMap::new(),
+        ..state.clone()
+    };
+    parts.insert(
+        "config".to_string(),
+        serde_json::to_vec(&config).unwrap_or_default(),
+    );
+    for (id, space) in &state.spaces {
+        parts.insert(
+            format!("space/{id}"),
+            serde_json::to_vec(space).unwrap_or_default(),
+        );
+    }
+    if !state.projects.is_empty() {
+        parts.insert(
+            "projects".to_string(),
+            serde_json::to_vec(&state.projects).unwrap_or_default(),
+        );
+    }
+    if !state.project_usage.is_empty() {
+        parts.insert(
+            "usage".to_string(),
+            serde_json::to_vec(&state.project_usage).unwrap_or_default(),
+        );
+    }
+    parts
+}
+
+/// The parts put back together (none: a fresh hub).
+fn join(parts: &BTreeMap<String, Vec<u8>>) -> Result<HubState, String> {
+    let mut state = match parts.get("config") {
+        Some(bytes) => serde_json::from_slice(bytes).map_err(|e| format!("config: {e}"))?,
+        None => HubState::fresh(),
+    };
+    for (part, bytes) in parts {
+        if let Some(id) = part.strip_prefix("space/") {
+            let space = serde_json::from_slice(bytes).map_err(|e| format!("{part}: {e}"))?;
+            state.spaces.insert(id.to_string(), space);
+        } else if part == "projects" {
+            state.projects = serde_json::from_slice(bytes).map_err(|e| format!("{part}: {e}"))?;
+        } else if part == "usage" {
+            state.project_usage =
+                serde_json::from_slice(bytes).map_err(|e| format!("{part}: {e}"))?;
+        }
+    }
+    Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_put_back_together_are_the_state() {
+        let mut state = HubState::fresh();
+        state.config_revision = 7;
+        state.budget_override = Some(3);
+        let parts = split(&state);
+        assert_eq!(parts.keys().collect::<Vec<_>>(), ["config"]);
+        assert_eq!(join(&parts).unwrap(), state);
+        assert_eq!(join(&BTreeMap::new()).unwrap(), HubState::fresh());
+    }
+}

@@ -1,0 +1,209 @@
+//! A real three-member etcd cluster on loopback for the HA tests: Debian's `etcd` binary
+//! (`etcd-server`: installed by `.ci/run`; without it, the package is fetched with
+//! `apt-get download` and unpacked into `.cache/etcd`, no root needed), each member in a
+//! temporary dir on ports it was given, started and killed by the test (dropped: all killed).
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::support::{PATIENCE, free_port};
+
+/// The `etcd` binary: on the PATH, else Debian's package unpacked into `.cache/etcd`.
+fn etcd_binary() -> std::path::PathBuf {
+    static BINARY: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BINARY
+        .get_or_init(|| {
+            let on_path = Command::new("etcd")
+                .arg("--version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if on_path {
+                return "etcd".into();
+            }
+            let cache = Path::new(env!("CARGO_MANIFEST_DIR")).join(".cache/etcd");
+            let unpacked = cache.join("root/usr/bin/etcd");
+            if unpacked.exists() {
+                return unpacked;
+            }
+            std::fs::create_dir_all(&cache).unwrap();
+            let fetched = Command::new("apt-get")
+                .args(["download", "etcd-server"])
+                .current_dir(&cache)
+                .status()
+                .is_ok_and(|s| s.success());
+            let deb = std::fs::read_dir(&cache)
+                .unwrap()
+                .filter_map(Result::ok)
+                .map(|e| e.path())
+                .find(|p| p.extension().is_some_and(|x| x == "deb"));
+            let Some(deb) = deb.filter(|_| fetched) else {
+                panic!(
+                    "no etcd: install Debian's etcd-server (`apt-get install etcd-server`; .ci/run \
+                     does), or let `apt-get download etcd-server` work (run `apt-get update`)"
+                );
+            };
+            let unpacked_ok = Command::new("dpkg-deb")
+                .arg("-x")
+                .arg(&deb)
+                .arg(cache.join("root"))
+                .status()
+                .is_ok_and(|s| s.success());
+            assert!(
+                unpacked_ok && unpacked.exists(),
+                "cannot unpack {}",
+                deb.display()
+            );
+            unpacked
+        })
+        .clone()
+}
+
+pub struct Member {
+    pub name: String,
+    pub client_url: String,
+    child: Option<Child>,
+}
+
+pub struct Cluster {
+    pub members: Vec<Member>,
+}
+
+impl Cluster {
+    /// Starts three members under `dir` and waits (bounded) until each reports healthy.
+    pub async fn start(dir: &Path) -> Cluster {
+        let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+        let initial: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+            .collect();
+        let token = format!("fantom-test-{}", std::process::id());
+        let mut members = Vec::new();
+        for (i, (client, peer)) in ports.iter().enumerate() {
+            let name = format!("m{i}");
+            let data = dir.join(&name);
+            let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+            let child = Command::new(etcd_binary())
+                .args([
+                    "--name",
+                    &name,
+                    "--data-dir",
+                    &data.display().to_string(),
+                    "--listen-client-urls",
+                    &format!("http://127.0.0.1:{client}"),
+                    "--advertise-client-urls",
+                    &format!("http://127.0.0.1:{client}"),
+                    "--listen-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-advertise-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-cluster",
+                    &initial.join(","),
+                    "--initial-cluster-state",
+                    "new",
+                    "--initial-cluster-token",
+                    &token,
+                ])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap_or_else(|e| panic!("cannot run etcd: {e}"));
+            members.push(Member {
+                name,
+                client_url: format!("http://127.0.0.1:{client}"),
+                child: Some(child),
+            });
+        }
+        let cluster = Cluster { members };
+        for m in &cluster.members {
+            cluster.wait_healthy(m, dir).await;
+        }
+        cluster
+    }
+
+    async fn wait_healthy(&self, m: &Member, dir: &Path) {
+        let http = reqwest::Client::new();
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let healthy = match http
+                .get(format!("{}/health", m.client_url))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+            {
+                Ok(r) => r
+                    .json::<serde_json::Value>()
+                    .await
+                    .is_ok_and(|v| v["health"] == "true"),
+                Err(_) => false,
+            };
+            if healthy {
+                return;
+            }
+            if Instant::now() >= deadline {
+                let log = std::fs::read_to_string(dir.join(format!("{}.log", m.name)))
+                    .unwrap_or_default();
+                panic!("etcd member {} never became healthy:\n{log}", m.name);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The client URLs, comma-separated (what `--etcd-endpoints` takes).
+    pub fn endpoints(&self) -> String {
+        self.members
+            .iter()
+            .map(|m| m.client_url.clone())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The member that is etcd's own Raft leader now (bounded wait for one to be elected).
+    pub async fn raft_leader(&self) -> usize {
+        let http = reqwest::Client::new();
+        crate::support::eventually("an etcd Raft leader", || async {
+            for (i, m) in self.members.iter().enumerate() {
+                if m.child.is_none() {
+                    continue;
+                }
+                let Ok(r) = http
+                    .post(format!("{}/v3/maintenance/status", m.client_url))
+                    .json(&serde_json::json!({}))
+                    .timeout(Duration::from_secs(2))
+                    .send()
+                    .await
+                else {
+                    continue;
+                };
+                let Ok(v) = r.json::<serde_json::Value>().await else {
+                    continue;
+                };
+                if v["leader"].is_string() && v["leader"] == v["header"]["member_id"] {
+                    return Some(i);
+                }
+            }
+            None
+        })
+        .await
+    }
+
+    /// SIGKILL one member.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.members[i].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+    }
+}

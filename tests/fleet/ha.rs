@@ -1,0 +1,238 @@
+//! Hubs that share a three-member etcd (real `etcd` processes on loopback): one leads, the
+//! other stands by and takes over with the state when the leader dies; etcd's own Raft leader
+//! dying moves no hub; a stopped leader that wakes up after its deadline is deposed and exits.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::etcd_cluster::Cluster;
+use crate::support::{HubProc, eventually};
+
+/// The default lease: etcd's own Raft election (about a second) fits in its deadline.
+const TTL_S: u64 = 5;
+
+/// A hub on `cluster`, in `dir/<name>`, with the tokens every hub of the store shares.
+fn etcd_hub(dir: &Path, name: &str, cluster: &Cluster) -> HubProc {
+    let home = dir.join(name);
+    let state = home.join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    std::fs::write(state.join("admin.token"), "ha-admin-token-for-tests").unwrap();
+    std::fs::write(state.join("fleet.token"), "ha-fleet-token-for-tests").unwrap();
+    let (admin, fleet) = (
+        state.join("admin.token").display().to_string(),
+        state.join("fleet.token").display().to_string(),
+    );
+    let ttl = TTL_S.to_string();
+    let endpoints = cluster.endpoints();
+    let args = [
+        "--etcd-endpoints",
+        endpoints.as_str(),
+        "--leader-ttl-s",
+        ttl.as_str(),
+        "--admin-token-file",
+        admin.as_str(),
+        "--fleet-token-file",
+        fleet.as_str(),
+    ];
+    HubProc::start(&home, None, &args, &[], "hub.log")
+}
+
+/// Waits until `hub` leads (its admin API answers).
+async fn leads(hub: &HubProc) {
+    eventually("the hub leads", || async {
+        let r = hub
+            .http
+            .get(hub.url("/admin/status"))
+            .bearer_auth(&hub.admin)
+            .send()
+            .await
+            .ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await
+}
+
+/// The leader a standby names on `/health`.
+async fn standby_of(hub: &HubProc) -> String {
+    eventually("the standby names its leader", || async {
+        let (code, body) = hub.get("/health").await;
+        (code == 200 && body["status"] == "standby")
+            .then(|| body["leader"].as_str().map(String::from))
+            .flatten()
+    })
+    .await
+}
+
+async fn set_budget(hub: &HubProc, permits: u32) -> (u16, Value) {
+    let r = hub
+        .http
+        .post(hub.url("/admin/budget"))
+        .bearer_auth(&hub.admin)
+        .json(&json!({"permits": permits}))
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standby_takes_over_with_the_state_when_the_leader_is_killed() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = Cluster::start(dir.path()).await;
+    let mut a = etcd_hub(dir.path(), "a", &cluster);
+    leads(&a).await;
+    let b = etcd_hub(dir.path(), "b", &cluster);
+    let a_url = format!("http://{}", a.proc.addr);
+    assert_eq!(standby_of(&b).await, a_url);
+    // A standby serves nothing, and says where the leader is.
+    let (code, body) = b
+        .post(
+            "/v1/embeddings",
+            &json!({"model": "embedding", "input": ["x"]}),
+        )
+        .await;
+    assert_eq!(code, 503, "{body}");
+    assert_eq!(body["error"]["code"], "standby", "{body}");
+    assert_eq!(body["error"]["leader"], a_url.as_str(), "{body}");
+    let (code, _) = b.get("/ready").await;
+    assert_eq!(code, 503);
+
+    let (code, body) = set_budget(&a, 3).await;
+    assert_eq!(code, 200, "{body}");
+
+    a.proc.kill();
+    let killed = Instant::now();
+    leads(&b).await;
+    let took = killed.elapsed();
+    assert!(
+        took < Duration::from_secs(TTL_S + 5),
+        "the standby led {took:?} after the kill (TTL {TTL_S} s)"
+    );
+    let budget = b.status().await["budget"].clone();
+    assert_eq!(
+        budget["override_permits"], 3,
+        "the state came from etcd: {budget}"
+    );
+
+    // The old leader, started again, stands by behind the new one.
+    let a2 = etcd_hub(dir.path(), "a2", &cluster);
+    assert_eq!(standby_of(&a2).await, format!("http://{}", b.proc.addr));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcds_raft_leader_dying_moves_no_hub_and_a_stopped_leader_wakes_deposed_and_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cluster = Cluster::start(dir.path()).await;
+    let mut a = etcd_hub(dir.path(), "a", &cluster);
+    leads(&a).await;
+    let b = etcd_hub(dir.path(), "b", &cluster);
+    standby_of(&b).await;
+
+    // etcd's own Raft leader dies: its members elect another within the hub's deadline, the
+    // client moves to a live endpoint, and no hub fails over.
+    let raft_leader = cluster.raft_leader().await;
+    cluster.kill(raft_leader);
+    let (code, body) = set_budget(&a, 5).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(standby_of(&b).await, format!("http://{}", a.proc.addr));
+
+    // Stopped well past its deadline, the leader loses the lease; the standby takes over.
+    a.proc.signal("STOP");
+    leads(&b).await;
+    a.proc.signal("CONT");
+    let status = a.proc.wait_exit();
+    assert_eq!(status.code(), Some(75), "a deposed leader exits with 75");
+    let log = std::fs::read_to_string(&a.proc.log).unwrap();
+    assert!(log.contains("this hub no longer leads"), "{log}");
+    let budget = b.status().await["budget"].clone();
+    assert_eq!(budget["override_permits"], 5, "{budget}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_etcd_store_keeps_a_large_state_in_checked_chunks_and_refuses_a_deposed_writer() {
+    use std::sync::Arc;
+
+    use fantom_sidecar::hub::gate::Space;
+    use fantom_sidecar::hub::state::{HubState, StateError};
+    use fantom_sidecar::hub::store::etcd::EtcdStore;
+    use fantom_sidecar::hub::store::etcd::client::{EtcdClient, EtcdOptions};
+    use fantom_sidecar::hub::store::etcd::election::{LeaderRecord, Leadership, campaign};
+    use fantom_sidecar::roles::Role;
+
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = Cluster::start(dir.path()).await;
+    let client = Arc::new(
+        EtcdClient::new(&EtcdOptions {
+            endpoints: cluster.endpoints().split(',').map(String::from).collect(),
+            ca_file: None,
+            cert_file: None,
+            key_file: None,
+            user: None,
+            password: None,
+            timeout: Duration::from_secs(2),
+            retry_for: Duration::from_secs(5),
+        })
+        .unwrap(),
+    );
+    let me = LeaderRecord {
+        url: "http://hub-1".into(),
+        process: "test".into(),
+        since_ms: 0,
+    };
+    let ttl = Duration::from_secs(TTL_S);
+    let first = campaign(&client, "/t", &me, ttl, |_| {}).await.unwrap();
+    let (epoch, lease) = (first.epoch, first.lease);
+    let store = EtcdStore::new(Arc::clone(&client), "/t", first);
+    assert_eq!(
+        store.load().await.unwrap(),
+        HubState::fresh(),
+        "an empty store"
+    );
+
+    // A fingerprint past etcd's 1.5 MiB request cap.
+    let mut state = HubState::fresh();
+    state.config_revision = 9;
+    let fingerprint: Vec<Vec<f32>> = (0..48)
+        .map(|i| (0..4096).map(|j| ((i * 4096 + j) as f32).sin()).collect())
+        .collect();
+    let space = Space {
+        role: Role::Embedding,
+        model: "m".into(),
+        dims: 4096,
+        encoder: "a/embedding m@1".into(),
+        cloud_reference: false,
+        fingerprint,
+        created_ms: 1,
+        probe_set: "p".into(),
+        generation: 1,
+    };
+    state.spaces.insert(space.id(), space);
+    assert!(serde_json::to_vec(&state).unwrap().len() > 1_600_000);
+    store.save(&state).await.unwrap();
+    let chunks = client.get_prefix("/t/blob/").await.unwrap();
+    assert!(chunks.len() > 3, "{} chunks", chunks.len());
+    let reader = EtcdStore::new(
+        Arc::clone(&client),
+        "/t",
+        Leadership {
+            epoch,
+            lease,
+            ttl,
+            key: "/t/leader".into(),
+        },
+    );
+    assert_eq!(reader.load().await.unwrap(), state, "read back whole");
+
+    // Another hub leads now: the first one's late write is refused by etcd itself.
+    client.revoke(lease).await.unwrap();
+    let second = campaign(&client, "/t", &me, ttl, |_| {}).await.unwrap();
+    assert!(second.epoch > epoch);
+    let mut late = state.clone();
+    late.config_revision = 10;
+    let refused = store.save(&late).await.unwrap_err();
+    assert!(matches!(refused, StateError::Deposed { .. }), "{refused}");
+    let now = EtcdStore::new(Arc::clone(&client), "/t", second);
+    assert_eq!(now.load().await.unwrap().config_revision, 9);
+}
