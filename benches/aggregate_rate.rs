@@ -66,7 +66,7 @@ fn start_agent(
     url: &str,
 ) {
     let agent = Agent::new(AgentOptions {
-        hub_url: Some(format!("ws://{hub_addr}/v1/agent")),
+        hub_urls: vec![format!("ws://{hub_addr}/v1/agent")],
         agent_id: id.into(),
         fleet_token: token.clone(),
         ca_file: None,

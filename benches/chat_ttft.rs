@@ -81,7 +81,7 @@ fn main() {
         let bench_hub = inprocess_hub::start();
         let (hub, addr): (_, SocketAddr) = (bench_hub.hub.clone(), bench_hub.addr);
         let agent = Agent::new(AgentOptions {
-            hub_url: Some(format!("ws://{addr}/v1/agent")),
+            hub_urls: vec![format!("ws://{addr}/v1/agent")],
             agent_id: "ttft".into(),
             fleet_token: bench_hub.fleet_token.clone(),
             ca_file: None,

@@ -52,7 +52,7 @@ fn start(rt: &Runtime) -> Fleet {
         let direct_addr = start_direct();
         for i in 0..2 {
             let agent = Agent::new(AgentOptions {
-                hub_url: Some(format!("ws://{hub_addr}/v1/agent")),
+                hub_urls: vec![format!("ws://{hub_addr}/v1/agent")],
                 agent_id: format!("bench-{i}"),
                 fleet_token: fleet_token.clone(),
                 ca_file: None,

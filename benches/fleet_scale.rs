@@ -173,7 +173,7 @@ impl Fleet {
     async fn grow(&mut self, client: &reqwest::Client, hub: &HubProcess, n: usize) {
         while self.stops.len() < n {
             let agent = Agent::new(AgentOptions {
-                hub_url: Some(format!("ws://{}/v1/agent", hub.addr)),
+                hub_urls: vec![format!("ws://{}/v1/agent", hub.addr)],
                 agent_id: format!("scale-{}", self.next_id),
                 fleet_token: hub.fleet_token.clone(),
                 ca_file: None,

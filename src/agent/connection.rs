@@ -67,6 +67,9 @@ enum SessionEnd {
 #[error("the hub refused this agent: {0}")]
 pub struct Refused(pub String);
 
+/// How soon an agent dials again when only standby hubs answered (an election is under way).
+const STANDBY_REDIAL: Duration = Duration::from_millis(500);
+
 pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Result<(), Refused> {
     let mut attempt = 0u32;
     loop {
@@ -78,6 +81,7 @@ pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Resu
             _ = shutdown.changed() => return Ok(()),
         };
         agent.note_dial();
+        let mut electing = false;
         match dialled {
             Ok(ws) => {
                 let welcomed_before = agent.sessions();
@@ -96,11 +100,17 @@ pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Resu
                 }
             }
             Err(e) => {
-                tracing::warn!(hub = ?agent.opts.hub_url, error = %e, "cannot connect to the hub")
+                electing = e.downcast_ref::<ElectionUnderWay>().is_some();
+                tracing::warn!(hubs = ?agent.opts.hub_urls, error = %e, "cannot connect to the hub")
             }
         }
-        let delay = backoff_delay(attempt, &mut rand::rng());
-        attempt = attempt.saturating_add(1);
+        let delay = if electing {
+            STANDBY_REDIAL
+        } else {
+            let delay = backoff_delay(attempt, &mut rand::rng());
+            attempt = attempt.saturating_add(1);
+            delay
+        };
         tracing::info!(
             delay_ms = delay.as_millis() as u64,
             attempt,
@@ -113,11 +123,104 @@ pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Resu
     }
 }
 
-/// Dials the hub with the fleet token (marked sensitive: never in logs or debug output).
+/// Dials the hubs of `hub_urls` until one welcomes the upgrade: first the last that did (or
+/// the leader a standby named), then the others in turn. A standby refuses with the leader's
+/// address; it is dialled next only when it is one of `hub_urls` (the fleet token never goes
+/// where a hub merely points).
 async fn dial(agent: &Agent) -> anyhow::Result<WsStream> {
-    let Some(hub_url) = agent.opts.hub_url.as_deref() else {
+    let hubs = &agent.opts.hub_urls;
+    if hubs.is_empty() {
         anyhow::bail!("no hub_url configured");
+    }
+    let first = agent.hub_at.load(Ordering::Relaxed) % hubs.len();
+    let mut order: Vec<usize> = (0..hubs.len()).map(|i| (first + i) % hubs.len()).collect();
+    let mut tried = Vec::new();
+    let mut last = None;
+    let mut standby_seen = false;
+    while let Some(at) = order.first().copied() {
+        order.retain(|i| *i != at);
+        tried.push(at);
+        match dial_one(agent, &hubs[at]).await {
+            Ok(ws) => {
+                agent.hub_at.store(at, Ordering::Relaxed);
+                return Ok(ws);
+            }
+            Err(DialError::Standby { leader }) => {
+                standby_seen = true;
+                let next = leader.as_deref().and_then(|l| same_hub_in(hubs, l));
+                match next {
+                    Some(j) if !tried.contains(&j) => {
+                        tracing::info!(standby = %hubs[at], leader = %hubs[j], "a standby hub named the leader; dialling it");
+                        order.retain(|i| *i != j);
+                        order.insert(0, j);
+                    }
+                    Some(_) => {}
+                    None => {
+                        if let Some(l) = &leader {
+                            tracing::warn!(standby = %hubs[at], leader = %l, "a standby hub named a leader that is not in hub_urls; not following it");
+                        }
+                    }
+                }
+                last = Some(anyhow::anyhow!(
+                    "{} is a standby (the leader: {})",
+                    hubs[at],
+                    leader.as_deref().unwrap_or("none yet")
+                ));
+            }
+            Err(DialError::Other(e)) => {
+                if hubs.len() > 1 {
+                    tracing::warn!(hub = %hubs[at], error = %e, "cannot connect to this hub; trying the next");
+                }
+                last = Some(e);
+            }
+        }
+    }
+    let last = last.unwrap_or_else(|| anyhow::anyhow!("no hub answered"));
+    if standby_seen {
+        return Err(ElectionUnderWay(last.to_string()).into());
+    }
+    Err(last)
+}
+
+/// No hub welcomed the agent, but a standby answered: the hubs are up and one will lead
+/// within seconds, so the agent dials again soon instead of backing off.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct ElectionUnderWay(String);
+
+enum DialError {
+    /// A standby hub refused the upgrade, naming the leader (an `http(s)://` base) if any.
+    Standby {
+        leader: Option<String>,
+    },
+    Other(anyhow::Error),
+}
+
+impl<E: Into<anyhow::Error>> From<E> for DialError {
+    fn from(e: E) -> Self {
+        DialError::Other(e.into())
+    }
+}
+
+/// The index of the hub in `hubs` that `leader` (`http(s)://host:port`) names: the same
+/// host and port, `ws` for `http` and `wss` for `https`.
+fn same_hub_in(hubs: &[String], leader: &str) -> Option<usize> {
+    let leader = reqwest::Url::parse(leader).ok()?;
+    let scheme = match leader.scheme() {
+        "http" => "ws",
+        "https" => "wss",
+        _ => return None,
     };
+    hubs.iter().position(|h| {
+        reqwest::Url::parse(h).is_ok_and(|h| {
+            h.scheme() == scheme
+                && h.host_str() == leader.host_str()
+                && h.port_or_known_default() == leader.port_or_known_default()
+        })
+    })
+}
+
+async fn dial_one(agent: &Agent, hub_url: &str) -> Result<WsStream, DialError> {
     let mut request = hub_url.into_client_request()?;
     let mut auth = HeaderValue::from_str(&format!("Bearer {}", agent.opts.fleet_token.expose()))?;
     auth.set_sensitive(true);
@@ -137,13 +240,24 @@ async fn dial(agent: &Agent) -> anyhow::Result<WsStream> {
     let (ws, _) = match tokio::time::timeout(Duration::from_secs(10), dial).await {
         Ok(Ok(ok)) => ok,
         Ok(Err(tungstenite::Error::Http(response))) => {
-            anyhow::bail!(
+            let body: Option<serde_json::Value> = response
+                .body()
+                .as_deref()
+                .and_then(|b| serde_json::from_slice(b).ok());
+            if let Some(error) = body.as_ref().map(|b| &b["error"])
+                && error["code"] == "standby"
+            {
+                return Err(DialError::Standby {
+                    leader: error["leader"].as_str().map(String::from),
+                });
+            }
+            return Err(DialError::Other(anyhow::anyhow!(
                 "the hub answered {} (is the fleet token right?)",
                 response.status()
-            )
+            )));
         }
         Ok(Err(e)) => return Err(e.into()),
-        Err(_) => anyhow::bail!("no answer within 10 s"),
+        Err(_) => return Err(DialError::Other(anyhow::anyhow!("no answer within 10 s"))),
     };
     Ok(ws)
 }
@@ -276,7 +390,13 @@ async fn session(
     };
     agent.sessions.fetch_add(1, Ordering::Relaxed);
     agent.connected.store(true, Ordering::Relaxed);
-    tracing::info!(session = welcome.session, hub = ?agent.opts.hub_url, "connected to the hub");
+    let hub = agent
+        .opts
+        .hub_urls
+        .get(agent.hub_at.load(Ordering::Relaxed))
+        .cloned()
+        .unwrap_or_default();
+    tracing::info!(session = welcome.session, hub = %hub, "connected to the hub");
     let mut grants = Grants::default();
     for p in &providers {
         let id = p.info().id;

@@ -36,9 +36,9 @@ use crate::secret::Secret;
 
 /// How an agent runs.
 pub struct AgentOptions {
-    /// `ws://` or `wss://` URL of the hub's `/v1/agent`; `None`: no hub session (an agent
-    /// that serves Fantom masters only).
-    pub hub_url: Option<String>,
+    /// `ws://` or `wss://` URLs of the hubs' `/v1/agent` (one hub, or the hubs of one etcd
+    /// store); empty: no hub session (an agent that serves Fantom masters only).
+    pub hub_urls: Vec<String>,
     pub agent_id: String,
     pub fleet_token: Secret,
     /// A PEM CA bundle to trust for `wss://` instead of the system roots.
@@ -84,6 +84,9 @@ pub struct Agent {
     connected: AtomicBool,
     /// Hub dials attempted (connected or not): `READY=1` waits for the first.
     dials: watch::Sender<u64>,
+    /// The hub of `hub_urls` dialled first: the last that welcomed this agent, or the leader
+    /// a standby named.
+    hub_at: std::sync::atomic::AtomicUsize,
     sessions: AtomicU64,
     /// Random per process: tells the hub a reconnect of this process from another process
     /// claiming the same id.
@@ -120,6 +123,7 @@ impl Agent {
             cloud: Mutex::new(PushedConfig::default()),
             connected: AtomicBool::new(false),
             dials: watch::channel(0).0,
+            hub_at: std::sync::atomic::AtomicUsize::new(0),
             sessions: AtomicU64::new(0),
             instance: format!("{:016x}", rand::random::<u64>()),
         })
@@ -150,7 +154,7 @@ impl Agent {
 
     /// Whether this agent has a hub to dial at all.
     pub fn has_hub(&self) -> bool {
-        self.opts.hub_url.is_some()
+        !self.opts.hub_urls.is_empty()
     }
 
     /// One more hub dial was attempted.
@@ -377,7 +381,7 @@ impl Agent {
         self: Arc<Self>,
         mut shutdown: watch::Receiver<bool>,
     ) -> Result<(), connection::Refused> {
-        if self.opts.hub_url.is_none() {
+        if self.opts.hub_urls.is_empty() {
             let _ = shutdown.wait_for(|stop| *stop).await;
             return Ok(());
         }

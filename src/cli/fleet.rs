@@ -555,7 +555,8 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
     let _watchdog = notifier.spawn_watchdog();
     notifier.status("loading models");
     let cfg = AgentConfig::load(&cmd.config)?;
-    let fleet_token = match &cfg.hub_url {
+    let hubs = cfg.hubs();
+    let fleet_token = match hubs.first() {
         Some(_) => tokens::optional(
             cfg.fleet_token_file.as_deref(),
             cfg.fleet_token_env.as_deref(),
@@ -576,7 +577,7 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
             "no local models: this agent serves cloud routes only, once a push gives it a key"
         );
     }
-    if cfg.hub_url.is_none() {
+    if hubs.is_empty() {
         tracing::info!("no hub_url: no hub session, Fantom masters only");
     }
     let cloud = cloud_options(
@@ -592,9 +593,9 @@ pub async fn agent(cmd: AgentCommand) -> anyhow::Result<()> {
     )?);
     servers.start(&stop).await;
     notifier.status("models loaded; connecting");
-    let has_hub = cfg.hub_url.is_some();
+    let has_hub = !hubs.is_empty();
     let agent = Agent::new(AgentOptions {
-        hub_url: cfg.hub_url.clone(),
+        hub_urls: hubs,
         agent_id: cfg
             .agent_id
             .clone()
@@ -836,7 +837,7 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
         signalled(stop.clone()),
     ));
     let agent = Agent::new(AgentOptions {
-        hub_url: Some(format!("ws://{bound}/v1/agent")),
+        hub_urls: vec![format!("ws://{bound}/v1/agent")],
         agent_id: cmd.agent_id.unwrap_or_else(crate::service::host::hostname),
         fleet_token: hub.fleet_token().clone(),
         ca_file: None,

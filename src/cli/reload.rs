@@ -112,8 +112,9 @@ pub fn reload_agent(
         Err(e) => return ReloadReport::failed(e.to_string()),
     };
     let mut report = ReloadReport::default();
-    let fixed: [(&str, bool); 12] = [
+    let fixed: [(&str, bool); 13] = [
         ("hub_url", current.hub_url != new.hub_url),
+        ("hub_urls", current.hub_urls != new.hub_urls),
         ("agent_id", current.agent_id != new.agent_id),
         ("agent_url", current.agent_url != new.agent_url),
         ("hostname", current.hostname != new.hostname),

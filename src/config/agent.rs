@@ -1,9 +1,11 @@
 //! The agent's TOML file: which hub and which Fantom masters, who it is, its tokens' sources,
 //! and the local models it serves, one `[[models]]` table per model (each serving one or more
-//! roles). At least one of `hub_url` and a `[[fantom_master]]` table must be set.
+//! roles). At least one of `hub_url` (or `hub_urls`) and a `[[fantom_master]]` table must be
+//! set.
 //!
 //! ```toml
 //! hub_url = "ws://hub.internal:8090/v1/agent"   # optional with a [[fantom_master]]
+//! # hub_urls = ["ws://hub-1:8090/v1/agent", "ws://hub-2:8090/v1/agent"]   # hubs on one etcd
 //! agent_id = "gpu-1"                       # default: the hostname
 //! fleet_token_file = "/etc/fantom-sidecar/fleet.token"   # or fleet_token_env = "FANTOM_FLEET_TOKEN"
 //!
@@ -53,9 +55,14 @@ use crate::secret::Secret;
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentConfig {
-    /// `ws://` or `wss://` URL of the hub's agent endpoint; no hub session without it.
+    /// `ws://` or `wss://` URL of the hub's agent endpoint; no hub session without it (or
+    /// `hub_urls`).
     #[serde(default)]
     pub hub_url: Option<String>,
+    /// Every hub of a store on etcd (`hub_url` may name one of them too): the agent dials the
+    /// one that leads, and follows a standby's pointer only to an address in this list.
+    #[serde(default)]
+    pub hub_urls: Vec<String>,
     /// The agent's HTTP base as masters reach it (`register.agentUrl`); default
     /// `http://<hostname>:<--http port>`.
     #[serde(default)]
@@ -174,6 +181,17 @@ pub enum AgentConfigError {
 }
 
 impl AgentConfig {
+    /// The hubs to dial: `hub_url`, then `hub_urls`, each once.
+    pub fn hubs(&self) -> Vec<String> {
+        let mut hubs: Vec<String> = Vec::new();
+        for url in self.hub_url.iter().chain(&self.hub_urls) {
+            if !hubs.contains(url) {
+                hubs.push(url.clone());
+            }
+        }
+        hubs
+    }
+
     pub fn load(path: &Path) -> Result<Self, AgentConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| AgentConfigError::Read {
             path: path.to_path_buf(),
@@ -210,12 +228,12 @@ impl AgentConfig {
                 cfg.fantom_masters.push(master);
             }
         }
-        if let Some(hub_url) = &cfg.hub_url
-            && !(hub_url.starts_with("ws://") || hub_url.starts_with("wss://"))
-        {
-            return Err(format!(
-                "hub_url '{hub_url}' must start with ws:// or wss://"
-            ));
+        for hub_url in cfg.hubs() {
+            if !(hub_url.starts_with("ws://") || hub_url.starts_with("wss://")) {
+                return Err(format!(
+                    "hub_url '{hub_url}' must start with ws:// or wss://"
+                ));
+            }
         }
         for (role, port) in &cfg.role_ports {
             if *port == 0 {
@@ -231,8 +249,10 @@ impl AgentConfig {
                 ));
             }
         }
-        if cfg.hub_url.is_none() && cfg.fantom_masters.is_empty() {
-            return Err("set hub_url, or at least one [[fantom_master]] table".into());
+        if cfg.hubs().is_empty() && cfg.fantom_masters.is_empty() {
+            return Err(
+                "set hub_url (or hub_urls), or at least one [[fantom_master]] table".into(),
+            );
         }
         if let Some(url) = &cfg.agent_url
             && !is_http(url)

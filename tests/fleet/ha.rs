@@ -236,3 +236,56 @@ async fn the_etcd_store_keeps_a_large_state_in_checked_chunks_and_refuses_a_depo
     let now = EtcdStore::new(Arc::clone(&client), "/t", second);
     assert_eq!(now.load().await.unwrap().config_revision, 9);
 }
+
+/// Embeds `text` through `hub`, retrying (bounded) while it cannot serve yet, as a client
+/// that retries does: the space id of the vector.
+async fn embed_retrying(hub: &HubProc, text: &str) -> String {
+    eventually("an embedding", || async {
+        let r = hub
+            .http
+            .post(hub.url("/v1/embeddings"))
+            .json(&json!({"model": "embedding", "input": [text]}))
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .ok()?;
+        if r.status() != 200 {
+            return None;
+        }
+        let body: Value = r.json().await.ok()?;
+        body["data"][0]["space"]["id"].as_str().map(String::from)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_follows_the_leader_it_is_pointed_to_and_the_next_after_a_kill() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = Cluster::start(dir.path()).await;
+    let mut a = etcd_hub(dir.path(), "a", &cluster);
+    leads(&a).await;
+    let b = etcd_hub(dir.path(), "b", &cluster);
+    standby_of(&b).await;
+    // The standby is listed first: it refuses the upgrade naming the leader, which is listed.
+    let body = format!(
+        "hub_urls = [\"{}\"]\n{}",
+        a.ws_url(),
+        crate::support::minilm_models_toml()
+    );
+    let _gpu =
+        crate::support::start_agent_toml(dir.path(), &b.ws_url(), &a.fleet_file, "gpu", &body, &[]);
+    a.wait_for_agent("gpu").await;
+    let space = embed_retrying(&a, "before the kill").await;
+    assert_eq!(space, "embedding:all-minilm-l6-v2:384");
+
+    a.proc.kill();
+    leads(&b).await;
+    b.wait_for_agent("gpu").await;
+    assert_eq!(
+        embed_retrying(&b, "after the kill").await,
+        space,
+        "the space founded before the kill"
+    );
+    let log = std::fs::read_to_string(dir.path().join("gpu.log")).unwrap();
+    assert!(log.contains("a standby hub named the leader"), "{log}");
+}
