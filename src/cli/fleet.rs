@@ -417,7 +417,7 @@ async fn lead_behind_standby(
     let (won_tx, won_rx) = watch::channel(false);
     let standby = tokio::spawn(http::serve(
         listener.try_clone()?,
-        http::standby::router(seen.clone()),
+        http::standby::router(seen.clone(), won_rx.clone()),
         tls,
         signalled(won_rx),
     ));
@@ -425,8 +425,16 @@ async fn lead_behind_standby(
         led = etcd.lead(url, seen) => Some(led),
         () = signalled(stop) => None,
     };
+    // Forwards in flight end at once (503: send it again), idle connections close; a
+    // connection that still lingers after that is cut.
     let _ = won_tx.send(true);
-    let _ = standby.await;
+    let abort = standby.abort_handle();
+    if tokio::time::timeout(Duration::from_secs(5), standby)
+        .await
+        .is_err()
+    {
+        abort.abort();
+    }
     outcome.transpose()
 }
 

@@ -1,5 +1,6 @@
 //! Hubs that share a three-member etcd (real `etcd` processes on loopback): one leads, the
-//! other stands by and takes over with the state when the leader dies; etcd's own Raft leader
+//! other stands by (forwarding clients to the leader, pointing agents at it) and takes over
+//! with the state when the leader dies; etcd's own Raft leader
 //! dying moves no hub; a stopped leader that wakes up after its deadline is deposed and exits.
 
 use std::path::Path;
@@ -42,14 +43,16 @@ fn etcd_hub(dir: &Path, name: &str, cluster: &Cluster) -> HubProc {
 /// Waits until `hub` leads (its admin API answers).
 async fn leads(hub: &HubProc) {
     eventually("the hub leads", || async {
+        // Bounded: a standby forwards to a leader that may be stopped.
         let r = hub
             .http
             .get(hub.url("/admin/status"))
             .bearer_auth(&hub.admin)
+            .timeout(Duration::from_secs(5))
             .send()
             .await
             .ok()?;
-        (r.status() == 200).then_some(())
+        (r.status() == 200 && r.headers().get("x-fantom-forwarded-by").is_none()).then_some(())
     })
     .await
 }
@@ -57,47 +60,66 @@ async fn leads(hub: &HubProc) {
 /// The leader a standby names on `/health`.
 async fn standby_of(hub: &HubProc) -> String {
     eventually("the standby names its leader", || async {
-        let (code, body) = hub.get("/health").await;
-        (code == 200 && body["status"] == "standby")
+        let r = hub
+            .http
+            .get(hub.url("/health"))
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .ok()?;
+        let body: Value = r.json().await.ok()?;
+        (body["status"] == "standby")
             .then(|| body["leader"].as_str().map(String::from))
             .flatten()
     })
     .await
 }
 
+/// Hub `a`, leading, and hub `b`, standing by behind it.
+async fn leader_and_standby(dir: &Path, cluster: &Cluster) -> (HubProc, HubProc) {
+    let a = etcd_hub(dir, "a", cluster);
+    leads(&a).await;
+    let b = etcd_hub(dir, "b", cluster);
+    assert_eq!(standby_of(&b).await, format!("http://{}", a.proc.addr));
+    (a, b)
+}
+
 async fn set_budget(hub: &HubProc, permits: u32) -> (u16, Value) {
-    let r = hub
-        .http
-        .post(hub.url("/admin/budget"))
-        .bearer_auth(&hub.admin)
-        .json(&json!({"permits": permits}))
-        .send()
+    hub.post_admin("/admin/budget", &json!({"permits": permits}))
         .await
-        .unwrap();
-    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_standby_takes_over_with_the_state_when_the_leader_is_killed() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = Cluster::start(dir.path()).await;
-    let mut a = etcd_hub(dir.path(), "a", &cluster);
-    leads(&a).await;
-    let b = etcd_hub(dir.path(), "b", &cluster);
+    let (mut a, b) = leader_and_standby(dir.path(), &cluster).await;
     let a_url = format!("http://{}", a.proc.addr);
-    assert_eq!(standby_of(&b).await, a_url);
-    // A standby serves nothing, and says where the leader is.
-    let (code, body) = b
-        .post(
-            "/v1/embeddings",
-            &json!({"model": "embedding", "input": ["x"]}),
-        )
-        .await;
+    // A standby forwards a client's request to the leader and streams its answer back.
+    let via = |hub: &HubProc| {
+        let (http, url) = (hub.http.clone(), hub.url("/v1/models"));
+        async move {
+            let r = http.get(url).send().await.unwrap();
+            let forwarded = r.headers().get("x-fantom-forwarded-by").cloned();
+            (
+                r.status().as_u16(),
+                forwarded,
+                r.json::<Value>().await.unwrap(),
+            )
+        }
+    };
+    let (direct, through) = (via(&a).await, via(&b).await);
+    assert_eq!(direct.0, 200, "{direct:?}");
+    assert_eq!((through.0, &through.2), (200, &direct.2), "{through:?}");
+    assert_eq!(through.1.unwrap(), "standby");
+    assert!(direct.1.is_none());
+    // But it is not ready, and it never takes an agent's socket.
+    let (code, _) = b.get("/ready").await;
+    assert_eq!(code, 503);
+    let (code, body) = b.get("/v1/agent").await;
     assert_eq!(code, 503, "{body}");
     assert_eq!(body["error"]["code"], "standby", "{body}");
     assert_eq!(body["error"]["leader"], a_url.as_str(), "{body}");
-    let (code, _) = b.get("/ready").await;
-    assert_eq!(code, 503);
 
     let (code, body) = set_budget(&a, 3).await;
     assert_eq!(code, 200, "{body}");
@@ -125,10 +147,7 @@ async fn the_standby_takes_over_with_the_state_when_the_leader_is_killed() {
 async fn etcds_raft_leader_dying_moves_no_hub_and_a_stopped_leader_wakes_deposed_and_exits() {
     let dir = tempfile::tempdir().unwrap();
     let mut cluster = Cluster::start(dir.path()).await;
-    let mut a = etcd_hub(dir.path(), "a", &cluster);
-    leads(&a).await;
-    let b = etcd_hub(dir.path(), "b", &cluster);
-    standby_of(&b).await;
+    let (mut a, b) = leader_and_standby(dir.path(), &cluster).await;
 
     // etcd's own Raft leader dies: its members elect another within the hub's deadline, the
     // client moves to a live endpoint, and no hub fails over.
@@ -262,10 +281,7 @@ async fn embed_retrying(hub: &HubProc, text: &str) -> String {
 async fn an_agent_follows_the_leader_it_is_pointed_to_and_the_next_after_a_kill() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = Cluster::start(dir.path()).await;
-    let mut a = etcd_hub(dir.path(), "a", &cluster);
-    leads(&a).await;
-    let b = etcd_hub(dir.path(), "b", &cluster);
-    standby_of(&b).await;
+    let (mut a, b) = leader_and_standby(dir.path(), &cluster).await;
     // The standby is listed first: it refuses the upgrade naming the leader, which is listed.
     let body = format!(
         "hub_urls = [\"{}\"]\n{}",
@@ -277,6 +293,11 @@ async fn an_agent_follows_the_leader_it_is_pointed_to_and_the_next_after_a_kill(
     a.wait_for_agent("gpu").await;
     let space = embed_retrying(&a, "before the kill").await;
     assert_eq!(space, "embedding:all-minilm-l6-v2:384");
+    assert_eq!(
+        embed_retrying(&b, "through the standby").await,
+        space,
+        "forwarded to the leader"
+    );
 
     a.proc.kill();
     leads(&b).await;

@@ -483,15 +483,10 @@ pub fn chat(content: &str, stream: bool) -> Value {
 
 /// Sets the budget override (permits; `null` clears it).
 async fn budget_override(hub: &HubProc, permits: Value) {
-    let r = hub
-        .http
-        .post(hub.url("/admin/budget"))
-        .bearer_auth(&hub.admin)
-        .json(&json!({"permits": permits}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
+    let (code, body) = hub
+        .post_admin("/admin/budget", &json!({"permits": permits}))
+        .await;
+    assert_eq!(code, 200, "{body}");
 }
 
 /// Five chats at once behind one permit: all fail with `code` within seconds, after `calls`

@@ -647,13 +647,19 @@ async fn fronted_rerankers_claiming_one_scorer_are_checked_and_one_that_disagree
         }
     }
 
-    // Without the disagreeing one, the two that agree share each ranking.
+    // Without the disagreeing one, the two that agree share the rankings: each is their
+    // scorer's, and the frames of one ranking go to both (one frame at a time each).
     agents[2].kill();
-    eventually("the disagreeing reranker gone", || async {
-        let s = hub.status().await;
-        (s["scorers"].as_array()?.len() == 2).then_some(())
-    })
+    eventually(
+        "the disagreeing reranker gone, the two others checked",
+        || async {
+            let s = hub.status().await;
+            let list = s["scorers"].as_array()?.clone();
+            (list.len() == 2 && list.iter().all(|v| v["state"] == "checked")).then_some(())
+        },
+    )
     .await;
+    let mut shared = 0;
     for _ in 0..3 {
         let body = rank().await;
         assert_eq!(body["scorer"]["id"], of("tei")["scorer"], "{body}");
@@ -663,10 +669,15 @@ async fn fronted_rerankers_claiming_one_scorer_are_checked_and_one_that_disagree
             .iter()
             .map(|r| r["provenance"]["provider"].as_str().unwrap())
             .collect();
-        assert_eq!(
-            providers.into_iter().collect::<Vec<_>>(),
-            ["score-only/server:reranker", "tei/server:reranker"],
-            "one scorer, two servers, one ranking"
+        assert!(
+            providers
+                .iter()
+                .all(|p| ["score-only/server:reranker", "tei/server:reranker"].contains(p)),
+            "{providers:?}"
         );
+        if providers.len() == 2 {
+            shared += 1;
+        }
     }
+    assert!(shared > 0, "one scorer, two servers, one ranking");
 }
