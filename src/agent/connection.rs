@@ -146,8 +146,10 @@ async fn dial(agent: &Agent) -> anyhow::Result<WsStream> {
                 return Ok(ws);
             }
             Err(DialError::Standby { leader }) => {
-                standby_seen = true;
                 let next = leader.as_deref().and_then(|l| same_hub_in(hubs, l));
+                // Redial soon only while a leader this agent may dial is coming: none named
+                // yet (an election), or one of its own hubs.
+                standby_seen |= leader.is_none() || next.is_some();
                 match next {
                     Some(j) if !tried.contains(&j) => {
                         tracing::info!(standby = %hubs[at], leader = %hubs[j], "a standby hub named the leader; dialling it");

@@ -361,14 +361,18 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
         _ => None,
     };
     let stop = shutdown_signal();
+    // SIGHUP is ours before any READY=1 (a standby's too) says a reload may be asked for.
+    let hangups = reload::Hangups::listen();
     let (hub, listener, leading) = if cmd.etcd.enabled() {
         // Every hub of the store holds the same tokens, from files: nothing is generated.
         cmd.etcd
             .check_tokens(cfg.admin_token_file.as_ref(), cfg.fleet_token_file.as_ref())?;
         let listener = bind(cfg.listen, "hub")?;
-        notifier.status("standby: campaigning for the lead");
         let scheme = if tls.is_some() { "https" } else { "http" };
         let url = format!("{scheme}://{}", listener.local_addr()?);
+        cmd.etcd.check_advertised(listener.local_addr()?)?;
+        // Up and answering (as a standby) is what systemd waits for; leading may take long.
+        notifier.ready("standby: campaigning for the lead");
         let Some((store, leading)) =
             lead_behind_standby(&cmd.etcd, &listener, tls.clone(), url, stop.clone()).await?
         else {
@@ -386,6 +390,7 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
         &notifier,
         &hub,
         &stop,
+        hangups,
         cmd.hub.clone(),
         Some(cmd.tls.clone()),
         cfg,
@@ -440,16 +445,16 @@ async fn lead_behind_standby(
 
 /// `READY=1` with the hub's status line, then its `STATUS=` updates until `stop` (ending with
 /// `STOPPING=1`) and SIGHUP reloads of its settings: the two tasks.
+#[allow(clippy::too_many_arguments)]
 fn supervise_hub(
     notifier: &Notifier,
     hub: &Hub,
     stop: &watch::Receiver<bool>,
+    hangups: reload::Hangups,
     args: HubArgs,
     tls: Option<TlsArgs>,
     running: HubConfig,
 ) -> (tokio::task::JoinHandle<()>, tokio::task::JoinHandle<()>) {
-    // SIGHUP is ours before READY=1 says a reload may be asked for.
-    let hangups = reload::Hangups::listen();
     notifier.ready(&hub_status_line(hub));
     let status_task = {
         let hub = hub.clone();
@@ -866,8 +871,17 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
     }
     let run = tokio::spawn(agent.clone().run(stop.clone()));
     agent.first_dial(FIRST_DIAL_WAIT).await;
-    let (status_task, reload_task) =
-        supervise_hub(&notifier, &hub, &stop, cmd.hub.clone(), None, hub_cfg);
+    // SIGHUP is ours before READY=1 says a reload may be asked for.
+    let hangups = reload::Hangups::listen();
+    let (status_task, reload_task) = supervise_hub(
+        &notifier,
+        &hub,
+        &stop,
+        hangups,
+        cmd.hub.clone(),
+        None,
+        hub_cfg,
+    );
     run.await.context("the agent task panicked")??;
     reload_task.abort();
     let _ = status_task.await;

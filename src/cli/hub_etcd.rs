@@ -97,6 +97,18 @@ impl EtcdArgs {
         Ok(())
     }
 
+    /// Other hubs forward clients to the advertised address: an unspecified one (`0.0.0.0`)
+    /// reaches nobody, so `--advertise-url` is then required.
+    pub fn check_advertised(&self, bound: std::net::SocketAddr) -> anyhow::Result<()> {
+        if self.advertise_url.is_none() && bound.ip().is_unspecified() {
+            anyhow::bail!(
+                "the hub listens on {bound}, which other hubs cannot dial: give --advertise-url \
+                 (the address the other hubs, agents and clients reach this one at)"
+            );
+        }
+        Ok(())
+    }
+
     fn client(&self) -> anyhow::Result<EtcdClient> {
         let password = self
             .etcd_password_file
@@ -157,9 +169,21 @@ impl EtcdArgs {
             "this hub leads"
         );
         let (stop_renewing, stop_rx) = watch::channel(false);
-        let standing = election::keep(Arc::clone(&client), &leadership, stop_rx);
+        let (standing_tx, standing) = watch::channel(Standing::Leading);
+        let standing_tx = Arc::new(standing_tx);
+        election::keep(
+            Arc::clone(&client),
+            &leadership,
+            stop_rx,
+            Arc::clone(&standing_tx),
+        );
         let lease = leadership.lease;
-        let store = StateStore::Etcd(EtcdStore::new(Arc::clone(&client), &prefix, leadership));
+        let store = StateStore::Etcd(EtcdStore::new(
+            Arc::clone(&client),
+            &prefix,
+            leadership,
+            standing_tx,
+        ));
         Ok((
             store,
             Leading {

@@ -44,6 +44,7 @@ struct Standby {
 /// The standby surface; `won` turns true when this hub leads.
 pub fn router(leader: SeenLeader, won: watch::Receiver<bool>) -> Router {
     let http = reqwest::Client::builder()
+        .no_proxy()
         .connect_timeout(Duration::from_secs(5))
         .redirect(reqwest::redirect::Policy::none())
         .build()
@@ -93,6 +94,9 @@ fn refuse(s: &Standby, message: String) -> Response {
     response
 }
 
+/// Marks a forwarded request (to the leader) and its answer (to the client).
+const FORWARDED_BY: HeaderName = HeaderName::from_static("x-fantom-forwarded-by");
+
 /// Why a forward in flight ended: this hub leads now.
 const WON: &str = "this hub was a standby and leads now; send the request again";
 
@@ -131,6 +135,16 @@ async fn forward(State(s): State<Standby>, request: Request) -> Response {
         );
     };
     let (parts, body) = request.into_parts();
+    // A forwarded request reaching a standby again would go round (a leader advertised at an
+    // address that is this hub's own, say): one hop only.
+    if parts.headers.contains_key(FORWARDED_BY) {
+        return refuse(
+            &s,
+            format!(
+                "a request forwarded to the leader {leader} reached a standby: check the leader's --advertise-url"
+            ),
+        );
+    }
     let path = parts
         .uri
         .path_and_query()
@@ -148,6 +162,7 @@ async fn forward(State(s): State<Standby>, request: Request) -> Response {
     };
     let mut headers = HeaderMap::new();
     copy_headers(&parts.headers, &mut headers);
+    headers.insert(FORWARDED_BY, HeaderValue::from_static("standby"));
     let send = s
         .http
         .request(parts.method.clone(), format!("{leader}{path}"))
@@ -174,10 +189,7 @@ async fn forward(State(s): State<Standby>, request: Request) -> Response {
     let mut response = Response::builder().status(upstream.status());
     if let Some(h) = response.headers_mut() {
         copy_headers(upstream.headers(), h);
-        h.insert(
-            HeaderName::from_static("x-fantom-forwarded-by"),
-            HeaderValue::from_static("standby"),
-        );
+        h.insert(FORWARDED_BY, HeaderValue::from_static("standby"));
     }
     // The answer streams back chunk by chunk as the leader sends it (a chat's events too).
     let stream = futures_util::stream::unfold(Some((upstream, won)), |state| async move {

@@ -113,6 +113,16 @@ async fn the_standby_takes_over_with_the_state_when_the_leader_is_killed() {
     assert_eq!((through.0, &through.2), (200, &direct.2), "{through:?}");
     assert_eq!(through.1.unwrap(), "standby");
     assert!(direct.1.is_none());
+    // A request that was forwarded already is never forwarded again (no loop through a
+    // leader advertised at a standby's own address).
+    let r = b
+        .http
+        .get(b.url("/v1/models"))
+        .header("x-fantom-forwarded-by", "standby")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
     // But it is not ready, and it never takes an agent's socket.
     let (code, _) = b.get("/ready").await;
     assert_eq!(code, 503);
@@ -177,7 +187,9 @@ async fn the_etcd_store_keeps_a_large_state_in_checked_chunks_and_refuses_a_depo
     use fantom_sidecar::hub::state::{HubState, StateError};
     use fantom_sidecar::hub::store::etcd::EtcdStore;
     use fantom_sidecar::hub::store::etcd::client::{EtcdClient, EtcdOptions};
-    use fantom_sidecar::hub::store::etcd::election::{LeaderRecord, Leadership, campaign};
+    use fantom_sidecar::hub::store::etcd::election::{
+        LeaderRecord, Leadership, Standing, campaign,
+    };
     use fantom_sidecar::roles::Role;
 
     let dir = tempfile::tempdir().unwrap();
@@ -200,10 +212,14 @@ async fn the_etcd_store_keeps_a_large_state_in_checked_chunks_and_refuses_a_depo
         process: "test".into(),
         since_ms: 0,
     };
-    let ttl = Duration::from_secs(TTL_S);
+    // Nothing renews these leases here: long enough for a busy machine.
+    let ttl = Duration::from_secs(60);
+    let standing = || Arc::new(tokio::sync::watch::channel(Standing::Leading).0);
     let first = campaign(&client, "/t", &me, ttl, |_| {}).await.unwrap();
     let (epoch, lease) = (first.epoch, first.lease);
-    let store = EtcdStore::new(Arc::clone(&client), "/t", first);
+    let deposed = standing();
+    let mut deposed_rx = deposed.subscribe();
+    let store = EtcdStore::new(Arc::clone(&client), "/t", first, Arc::clone(&deposed));
     assert_eq!(
         store.load().await.unwrap(),
         HubState::fresh(),
@@ -240,7 +256,9 @@ async fn the_etcd_store_keeps_a_large_state_in_checked_chunks_and_refuses_a_depo
             lease,
             ttl,
             key: "/t/leader".into(),
+            granted_at: tokio::time::Instant::now(),
         },
+        standing(),
     );
     assert_eq!(reader.load().await.unwrap(), state, "read back whole");
 
@@ -252,7 +270,11 @@ async fn the_etcd_store_keeps_a_large_state_in_checked_chunks_and_refuses_a_depo
     late.config_revision = 10;
     let refused = store.save(&late).await.unwrap_err();
     assert!(matches!(refused, StateError::Deposed { .. }), "{refused}");
-    let now = EtcdStore::new(Arc::clone(&client), "/t", second);
+    assert!(
+        matches!(*deposed_rx.borrow_and_update(), Standing::Deposed { .. }),
+        "a refused write deposes the leader at once"
+    );
+    let now = EtcdStore::new(Arc::clone(&client), "/t", second, standing());
     assert_eq!(now.load().await.unwrap().config_revision, 9);
 }
 

@@ -148,6 +148,7 @@ impl EtcdClient {
             endpoints.push(shown.as_str().trim_end_matches('/').to_string());
         }
         let mut builder = reqwest::Client::builder()
+            .no_proxy()
             .timeout(opts.timeout)
             .connect_timeout(opts.timeout)
             .pool_idle_timeout(Duration::from_secs(30));
@@ -269,8 +270,23 @@ impl EtcdClient {
                     continue;
                 }
             };
-            if let Some(message) = answer.get("error").and_then(Value::as_str) {
-                let code = answer.get("code").and_then(Value::as_i64).unwrap_or(0);
+            // A unary call's error is `{"error": "…", "code": N}`; a streaming call's (lease
+            // keepalive) is `{"error": {"grpc_code": N, "message": "…"}}`, with HTTP 200.
+            let failure = match answer.get("error") {
+                Some(Value::String(m)) => Some((
+                    m.clone(),
+                    answer.get("code").and_then(Value::as_i64).unwrap_or(0),
+                )),
+                Some(Value::Object(o)) => Some((
+                    o.get("message")
+                        .and_then(Value::as_str)
+                        .unwrap_or("an error without a message")
+                        .to_string(),
+                    o.get("grpc_code").and_then(Value::as_i64).unwrap_or(0),
+                )),
+                _ => None,
+            };
+            if let Some((message, code)) = failure {
                 // 14 Unavailable, 4 DeadlineExceeded: this member cannot serve it now (no
                 // leader, stopping, partitioned); another may.
                 if code == 14 || code == 4 || status.is_server_error() && code == 0 {
@@ -279,7 +295,7 @@ impl EtcdClient {
                 }
                 return Err(EtcdError::Refused {
                     call: name,
-                    message: message.to_string(),
+                    message,
                 });
             }
             if !status.is_success() {

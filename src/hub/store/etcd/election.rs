@@ -38,6 +38,8 @@ pub struct Leadership {
     pub ttl: Duration,
     /// The leader key's full name.
     pub key: String,
+    /// When the lease was asked for (sent): the deadline counts from here until a renewal.
+    pub granted_at: Instant,
 }
 
 impl Leadership {
@@ -93,7 +95,15 @@ pub async fn campaign(
     let value = serde_json::to_vec(me).unwrap_or_default();
     let mut seen: Option<i64> = None;
     loop {
-        let lease = client.grant(ttl_s).await?;
+        // etcd counts the lease from its grant: so does the deadline.
+        let granted_at = Instant::now();
+        let lease = match client.grant(ttl_s).await {
+            Ok(lease) => lease,
+            Err(e) => {
+                wait_out_or_fail(e).await?;
+                continue;
+            }
+        };
         let outcome = client
             .txn(
                 &[Compare::CreateRevision {
@@ -112,16 +122,36 @@ pub async fn campaign(
             Ok(o) => o,
             Err(e) => {
                 let _ = client.revoke(lease.id).await;
-                return Err(e);
+                wait_out_or_fail(e).await?;
+                continue;
             }
         };
-        if outcome.succeeded {
-            return Ok(Leadership {
-                epoch: outcome.revision,
+        // A transaction that timed out may have been applied all the same, and its retry then
+        // finds this hub's own key: that is a win too.
+        let won = if outcome.succeeded {
+            Some(outcome.revision)
+        } else {
+            outcome
+                .read
+                .first()
+                .filter(|kv| kv.lease == lease.id)
+                .map(|kv| kv.create_revision)
+        };
+        if let Some(epoch) = won {
+            let leadership = Leadership {
+                epoch,
                 lease: lease.id,
                 ttl: Duration::from_secs(ttl_s as u64),
-                key,
-            });
+                key: key.clone(),
+                granted_at,
+            };
+            if Instant::now() < granted_at + leadership.deadline() {
+                return Ok(leadership);
+            }
+            // Won too slowly to be sure of the lease: let it go and campaign again.
+            tracing::warn!("the election took past the renewal deadline; campaigning again");
+            let _ = client.revoke(lease.id).await;
+            continue;
         }
         let _ = client.revoke(lease.id).await;
         // Someone leads: wait for its key to go (expired or revoked), then try again.
@@ -145,18 +175,37 @@ pub async fn campaign(
     }
 }
 
-/// Renews the lease until the leader is deposed or `stop` fires; the standing is sent on the
-/// returned channel the moment it changes.
+/// An error a campaign outlives (etcd unreachable for now: tried again in a second), or one
+/// it cannot (refused: a wrong password, no permission), returned.
+async fn wait_out_or_fail(e: EtcdError) -> Result<(), EtcdError> {
+    match e {
+        EtcdError::Unavailable { .. } => {
+            tracing::warn!(error = %e, "a candidate cannot reach etcd; trying again");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            Ok(())
+        }
+        other => Err(other),
+    }
+}
+
+/// Renews the lease until the leader is deposed or `stop` fires; `standing` turns
+/// `Deposed` the moment a renewal misses the deadline or the lease is gone (the store sets it
+/// too, when etcd refuses a write under this epoch).
 pub fn keep(
     client: Arc<EtcdClient>,
     leadership: &Leadership,
     mut stop: watch::Receiver<bool>,
-) -> watch::Receiver<Standing> {
-    let (tx, rx) = watch::channel(Standing::Leading);
-    let (lease, ttl, deadline) = (leadership.lease, leadership.ttl, leadership.deadline());
+    tx: Arc<watch::Sender<Standing>>,
+) {
+    let (lease, ttl, deadline, granted_at) = (
+        leadership.lease,
+        leadership.ttl,
+        leadership.deadline(),
+        leadership.granted_at,
+    );
     tokio::spawn(async move {
         let every = ttl / 5;
-        let mut renewed_at = Instant::now();
+        let mut renewed_at = granted_at;
         loop {
             let sent = Instant::now();
             let renewal = tokio::select! {
@@ -194,5 +243,4 @@ pub fn keep(
             }
         }
     });
-    rx
 }

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use self::client::{EtcdClient, Op};
-use self::election::Leadership;
+use self::election::{Leadership, Standing};
 use crate::hub::state::{HubState, StateError};
 
 /// Chunks of a part: well under etcd's request cap, with room for the transaction around it.
@@ -38,16 +38,24 @@ pub struct EtcdStore {
     client: std::sync::Arc<EtcdClient>,
     prefix: String,
     leadership: Leadership,
+    /// Set `Deposed` when etcd refuses a write under this epoch: the leader stops at once.
+    standing: std::sync::Arc<tokio::sync::watch::Sender<Standing>>,
     /// The digest of each part as stored (what a save compares with).
     stored: tokio::sync::Mutex<BTreeMap<String, String>>,
 }
 
 impl EtcdStore {
-    pub fn new(client: std::sync::Arc<EtcdClient>, prefix: &str, leadership: Leadership) -> Self {
+    pub fn new(
+        client: std::sync::Arc<EtcdClient>,
+        prefix: &str,
+        leadership: Leadership,
+        standing: std::sync::Arc<tokio::sync::watch::Sender<Standing>>,
+    ) -> Self {
         Self {
             client,
             prefix: prefix.trim_end_matches('/').to_string(),
             leadership,
+            standing,
             stored: tokio::sync::Mutex::new(BTreeMap::new()),
         }
     }
@@ -180,6 +188,12 @@ impl EtcdStore {
         if outcome.succeeded {
             Ok(())
         } else {
+            self.standing.send_replace(Standing::Deposed {
+                why: format!(
+                    "etcd refused a write under epoch {}: the leader key is no longer this hub's",
+                    self.leadership.epoch
+                ),
+            });
             Err(StateError::Deposed {
                 epoch: self.leadership.epoch,
             })
