@@ -390,6 +390,23 @@ async fn session(
         Ok(None) => return end(tx, writer, "the hub closed the socket".into()).await,
         Err(_) => return end(tx, writer, "no welcome within 10 s".into()).await,
     };
+    if let Some(epoch) = welcome.epoch {
+        let seen = agent.hub_epoch.fetch_max(epoch, Ordering::SeqCst);
+        if epoch < seen {
+            // A deposed leader that has not noticed yet: nothing of it is taken; the next
+            // dial starts at the next hub.
+            agent.hub_at.fetch_add(1, Ordering::Relaxed);
+            return end(
+                tx,
+                writer,
+                format!(
+                    "the hub welcomed this agent under epoch {epoch}, older than epoch {seen} \
+                     seen before: a deposed leader; dialling the others"
+                ),
+            )
+            .await;
+        }
+    }
     agent.sessions.fetch_add(1, Ordering::Relaxed);
     agent.connected.store(true, Ordering::Relaxed);
     let hub = agent

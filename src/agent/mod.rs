@@ -87,6 +87,8 @@ pub struct Agent {
     /// The hub of `hub_urls` dialled first: the last that welcomed this agent, or the leader
     /// a standby named.
     hub_at: std::sync::atomic::AtomicUsize,
+    /// The highest leader epoch a hub welcomed this agent under (0: none yet).
+    hub_epoch: std::sync::atomic::AtomicI64,
     sessions: AtomicU64,
     /// Random per process: tells the hub a reconnect of this process from another process
     /// claiming the same id.
@@ -124,6 +126,7 @@ impl Agent {
             connected: AtomicBool::new(false),
             dials: watch::channel(0).0,
             hub_at: std::sync::atomic::AtomicUsize::new(0),
+            hub_epoch: std::sync::atomic::AtomicI64::new(0),
             sessions: AtomicU64::new(0),
             instance: format!("{:016x}", rand::random::<u64>()),
         })

@@ -1,8 +1,10 @@
 //! `hub --etcd-endpoints …`: the options of a hub that shares an etcd store with others, and
 //! its way to the lead: connect, serve the standby surface while another hub leads, win the
-//! election, open the etcd state store under this leader's epoch. A leader that is deposed
-//! (its lease not renewed within the deadline) exits at once with status 75, so it grants and
-//! writes nothing more; its service manager starts it again as a candidate.
+//! election, open the etcd state store under this leader's epoch. A leader past its renewal
+//! deadline is fenced (see [`crate::hub::store::fence`]); one that is deposed (its lease gone,
+//! or a write refused under its epoch) exits at once with status 75, so it grants and writes
+//! nothing more; its service manager starts it again as a candidate. Also
+//! `migrate-state`: a single hub's state dir copied into an empty etcd store, once.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -18,6 +20,16 @@ use crate::hub::store::etcd::EtcdStore;
 use crate::hub::store::etcd::client::{EtcdClient, EtcdOptions};
 use crate::hub::store::etcd::election::{self, LeaderRecord, Standing};
 use crate::service::credentials;
+
+/// `migrate-state`: copies a single hub's state into etcd, once, with every hub stopped.
+#[derive(Args, Clone, Debug)]
+pub struct MigrateArgs {
+    /// The single hub's state dir (locked while copying: its hub must be stopped).
+    #[arg(long)]
+    state_dir: PathBuf,
+    #[command(flatten)]
+    etcd: EtcdArgs,
+}
 
 /// Exit status of a deposed leader (EX_TEMPFAIL: start it again).
 pub const DEPOSED_EXIT: i32 = 75;
@@ -196,14 +208,123 @@ impl EtcdArgs {
     }
 }
 
-/// Exits the process the moment the leader is deposed: nothing it would still do (a cloud
-/// grant, a store write) is safe once another hub may lead.
+/// Copies the state file of `args.state_dir` into an empty etcd store: it takes the lead for
+/// the copy (so no hub writes beside it), refuses a store that already holds a state or has a
+/// leader, and gives the lead back at once.
+pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
+    use crate::hub::store::file::FileStore;
+    let etcd = &args.etcd;
+    if !etcd.enabled() {
+        anyhow::bail!("give --etcd-endpoints: the etcd store to copy the state into");
+    }
+    // The dir is locked: a hub still running on it is named, and nothing is copied.
+    let file = FileStore::open(&args.state_dir)?;
+    let state = file.load()?;
+    let client = Arc::new(etcd.client()?);
+    let prefix = etcd.prefix();
+    if let Some((leader, _)) = election::current_leader(&client, &prefix).await? {
+        anyhow::bail!(
+            "a hub leads the etcd store under {prefix} ({} at {}): stop every hub of the store \
+             before migrating",
+            leader.process,
+            leader.url
+        );
+    }
+    if !client
+        .get_prefix(&format!("{prefix}/state/"))
+        .await?
+        .is_empty()
+    {
+        anyhow::bail!(
+            "the etcd store under {prefix} already holds a hub state: it is not overwritten \
+             (give another --etcd-prefix, or delete that prefix with etcdctl if it is unused)"
+        );
+    }
+    let me = LeaderRecord {
+        url: "migrate-state".into(),
+        process: format!(
+            "pid {} on {} (migrate-state)",
+            std::process::id(),
+            crate::service::host::hostname()
+        ),
+        since_ms: crate::hub::now_ms(),
+    };
+    let ttl = Duration::from_secs(etcd.leader_ttl_s.max(10));
+    let leadership = tokio::time::timeout(
+        Duration::from_secs(30),
+        election::campaign(&client, &prefix, &me, ttl, |leader| {
+            tracing::warn!(leader = %leader.url, "a hub took the lead while migrating");
+        }),
+    )
+    .await
+    .context("a hub holds the lead of the etcd store: stop every hub before migrating")?
+    .context("the election")?;
+    let lease = leadership.lease;
+    let (standing_tx, _standing) = watch::channel(Standing::Leading);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    election::keep(
+        Arc::clone(&client),
+        &leadership,
+        stop_rx,
+        Arc::new(standing_tx.clone()),
+    );
+    let store = EtcdStore::new(
+        Arc::clone(&client),
+        &prefix,
+        leadership,
+        Arc::new(standing_tx),
+    );
+    let saved = store.save(&state).await;
+    let _ = stop_tx.send(true);
+    let _ = client.revoke(lease).await;
+    saved.context("writing the state into etcd")?;
+    let tokens: Vec<String> = ["admin.token", "fleet.token", "client.token"]
+        .iter()
+        .map(|f| args.state_dir.join(f))
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    println!(
+        "copied {} into etcd under {prefix}: config revision {}, {} space(s), {} project(s)",
+        file.dir()
+            .join(crate::hub::store::file::STATE_FILE)
+            .display(),
+        state.config_revision,
+        state.spaces.len(),
+        state.projects.len()
+    );
+    if !tokens.is_empty() {
+        println!(
+            "the tokens stay files ({}): give every hub of the store the same ones with \
+             --admin-token-file and --fleet-token-file (--client-token-file)",
+            tokens.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Follows the leader's standing: logs a fence closing and lifting (the fence itself is
+/// checked by everything a leader alone may do), and exits the process the moment the leader
+/// is deposed: nothing it would still do is safe once another hub may lead, and its agents'
+/// sockets close with it, so they redial the hub that leads now.
 pub fn exit_when_deposed(mut standing: watch::Receiver<Standing>) {
     tokio::spawn(async move {
+        let mut was_fenced = false;
         loop {
-            if let Standing::Deposed { why } = &*standing.borrow_and_update() {
-                tracing::error!(why = %why, "this hub no longer leads; exiting so that it grants and writes nothing more");
-                std::process::exit(DEPOSED_EXIT);
+            match &*standing.borrow_and_update() {
+                Standing::Deposed { why } => {
+                    tracing::error!(why = %why, "this hub no longer leads; exiting so that it grants and writes nothing more");
+                    std::process::exit(DEPOSED_EXIT);
+                }
+                Standing::Fenced { why } => {
+                    was_fenced = true;
+                    tracing::error!(why = %why, "fenced: no cloud permits, new spaces, passing verdicts or state writes until etcd answers; local work that passes goes on");
+                }
+                Standing::Leading if was_fenced => {
+                    was_fenced = false;
+                    tracing::info!("etcd renewed the lead again: the fence is lifted");
+                }
+                Standing::Leading => {}
             }
             if standing.changed().await.is_err() {
                 return;

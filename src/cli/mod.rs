@@ -68,6 +68,9 @@ enum Command {
     Agent(fleet::AgentCommand),
     /// Hub and one agent in one process: the default for a single machine.
     Serve(Box<fleet::ServeCommand>),
+    /// Copy a single hub's state dir into an empty etcd store (once, with every hub stopped),
+    /// for hubs that then share it (`hub --etcd-endpoints`).
+    MigrateState(Box<hub_etcd::MigrateArgs>),
     /// Compare two embedding routes on the gate's probe texts (exit 0 pass, 1 refused, 2 error).
     Gate(gate::GateCommand),
     /// The hub's projects: keys, weights and limits (through its admin API).
@@ -282,6 +285,7 @@ pub fn main() -> ExitCode {
             Command::Agent(cmd) => fleet::agent(cmd).await,
             Command::Serve(cmd) => fleet::serve(*cmd).await,
             Command::Projects(cmd) => projects::run(cmd).await,
+            Command::MigrateState(args) => hub_etcd::migrate(*args).await,
             Command::Completions { .. } | Command::Man => Ok(()),
         };
         done.map(|()| ExitCode::SUCCESS)

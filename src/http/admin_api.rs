@@ -91,11 +91,7 @@ pub async fn post_config(
             "push_refused",
             e.to_string(),
         )),
-        Err(PushError::State(e)) => Err(ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "state_write",
-            e.to_string(),
-        )),
+        Err(PushError::State(e)) => Err(ApiError::state_write(&e)),
     }
 }
 
@@ -128,13 +124,9 @@ pub async fn post_budget(
             ));
         }
     };
-    hub.set_budget_override(permits).await.map_err(|e| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "state_write",
-            e.to_string(),
-        )
-    })?;
+    hub.set_budget_override(permits)
+        .await
+        .map_err(|e| ApiError::state_write(&e))?;
     Ok(Json(
         json!({ "override": permits, "budget": hub.status().budget }),
     ))

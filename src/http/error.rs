@@ -32,6 +32,32 @@ impl ApiError {
         }
     }
 
+    /// The state store did not take a write: 503 with `Retry-After` while a leader on etcd is
+    /// fenced (the write can succeed once etcd answers), 409 once it no longer leads (send it
+    /// to the hub that leads), else 500.
+    pub fn state_write(e: &crate::hub::state::StateError) -> Self {
+        use crate::hub::state::StateError;
+        match e {
+            StateError::Fenced(_) | StateError::Etcd(_) => {
+                let mut err = Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store_unreachable",
+                    e.to_string(),
+                );
+                err.retry_after_s = Some(5);
+                err
+            }
+            StateError::Deposed { .. } => {
+                Self::new(StatusCode::CONFLICT, "not_leader", e.to_string())
+            }
+            _ => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "state_write",
+                e.to_string(),
+            ),
+        }
+    }
+
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
     }

@@ -66,6 +66,10 @@ pub struct Readiness {
     /// Why there is no role yet.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub message: Option<&'static str>,
+    /// A leader on etcd that cannot renew its lead: why no cloud work, new space or config
+    /// write goes through (roles served locally stay ready).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store: Option<String>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -112,6 +116,13 @@ pub async fn ready(State(hub): State<Hub>) -> (StatusCode, Json<Readiness>) {
     let message = roles.is_empty().then_some(
         "no role yet: no agent is connected, no cloud route is configured, and no ready_roles are set",
     );
+    // A fenced leader still serves local work that passes: it says why nothing else moves.
+    let store = hub
+        .store()
+        .fence()
+        .check(std::time::Instant::now())
+        .err()
+        .map(|f| f.0);
     let status = if all {
         StatusCode::OK
     } else {
@@ -121,6 +132,7 @@ pub async fn ready(State(hub): State<Hub>) -> (StatusCode, Json<Readiness>) {
         status: if all { "ready" } else { "not_ready" },
         roles,
         message,
+        store,
     };
     (status, Json(body))
 }

@@ -81,9 +81,7 @@ fn refused(e: ProjectError) -> ApiError {
             ApiError::new(StatusCode::NOT_FOUND, "project_not_found", message)
         }
         ProjectError::Default(_) => ApiError::new(StatusCode::CONFLICT, "default_project", message),
-        ProjectError::State(_) => {
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "state_write", message)
-        }
+        ProjectError::State(e) => ApiError::state_write(&e),
     }
 }
 

@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::protocol::{AccountLimits, LimitKind};
 
@@ -352,6 +352,61 @@ pub struct Budget {
     last_discovery: Option<Instant>,
     discover_sent: Option<Instant>,
     granted: u64,
+    /// When this hub took the lead over a shared store: the old leader's starts are unknown,
+    /// so the RPM window counts as full until a window has passed since.
+    took_over: Option<Instant>,
+}
+
+/// What the budget learned, as a shared store keeps it (checkpointed every few seconds, never
+/// per call): a hub that takes the lead starts from it instead of from nothing.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BudgetCheckpoint {
+    /// The key generation it was learned under: another key's account is not this one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_generation: Option<String>,
+    pub account: AccountLimits,
+    pub latency_ewma_ms: f64,
+    pub global: LimiterCheckpoint,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub routes: BTreeMap<String, LimiterCheckpoint>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_rejected: Option<String>,
+}
+
+/// One scope's learned limit.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LimiterCheckpoint {
+    pub limit: u32,
+    /// The limit a 429 came at, while it is remembered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_bad: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_ewma_ms: Option<f64>,
+}
+
+impl LimiterCheckpoint {
+    fn of(l: &Limiter) -> Self {
+        Self {
+            limit: l.limit,
+            last_bad: l.last_bad.map(|(bad, _)| bad),
+            // Whole milliseconds: a checkpoint changes when something was learnt, not per call.
+            latency_ewma_ms: l.latency_ewma_ms.map(f64::round),
+        }
+    }
+
+    /// Laid over a fresh limiter: a remembered wall counts from now (a halving just happened,
+    /// as far as the ramp can tell), so the new leader does not walk into it again.
+    fn restore(&self, l: &mut Limiter, now: Instant) {
+        l.limit = self.limit.max(1);
+        l.latency_ewma_ms = self.latency_ewma_ms.filter(|v| v.is_finite() && *v >= 0.0);
+        if let Some(bad) = self.last_bad {
+            l.last_bad = Some((bad, now));
+            l.halved_to = l.limit;
+            l.last_halving = Some(now);
+        }
+    }
 }
 
 impl Budget {
@@ -370,8 +425,58 @@ impl Budget {
             last_discovery: None,
             discover_sent: None,
             granted: 0,
+            took_over: None,
             settings,
         }
+    }
+
+    /// What it learned, for a shared store.
+    pub fn checkpoint(&self, key_generation: Option<&str>) -> BudgetCheckpoint {
+        BudgetCheckpoint {
+            key_generation: key_generation.map(str::to_string),
+            account: AccountLimits {
+                error: None,
+                ..self.account.clone()
+            },
+            latency_ewma_ms: self.latency_ewma_ms.round(),
+            global: LimiterCheckpoint::of(&self.global),
+            routes: self
+                .routes
+                .iter()
+                .map(|(r, l)| (r.clone(), LimiterCheckpoint::of(l)))
+                .collect(),
+            stopped: self.stopped.clone(),
+            key_rejected: self.key_rejected.clone(),
+        }
+    }
+
+    /// A hub takes the lead over a shared store: it starts from what the last leader learned
+    /// (when it was learned under the key this hub holds), and counts the RPM window as full
+    /// until one window has passed, since the last leader's starts were never checkpointed.
+    pub fn take_over(
+        &mut self,
+        checkpoint: Option<&BudgetCheckpoint>,
+        key_generation: Option<&str>,
+        now: Instant,
+    ) {
+        self.took_over = Some(now);
+        let Some(cp) = checkpoint.filter(|c| c.key_generation.as_deref() == key_generation) else {
+            return;
+        };
+        self.account = cp.account.clone();
+        self.last_discovery = Some(now);
+        if cp.latency_ewma_ms.is_finite() && cp.latency_ewma_ms > 0.0 {
+            self.latency_ewma_ms = cp.latency_ewma_ms;
+        }
+        self.stopped = cp.stopped.clone();
+        self.key_rejected = cp.key_rejected.clone();
+        cp.global.restore(&mut self.global, now);
+        for (route, l) in &cp.routes {
+            let mut limiter = Limiter::new(l.limit, self.settings.backoff_initial, now);
+            l.restore(&mut limiter, now);
+            self.routes.insert(route.clone(), limiter);
+        }
+        self.tick(now);
     }
 
     /// The RPM the budget believes, if any (absent, `-1` and implausibly low ones are not).
@@ -466,7 +571,10 @@ impl Budget {
             });
         }
         if let Some(rpm) = self.trusted_rpm()
-            && self.starts.len() as f64 >= rpm.floor()
+            && (self.starts.len() as f64 >= rpm.floor()
+                || self
+                    .took_over
+                    .is_some_and(|t| now.saturating_duration_since(t) < self.settings.rpm_window))
         {
             return Some(Hold::RpmWindow { rpm: rpm as u32 });
         }
@@ -863,6 +971,56 @@ mod tests {
             take(&mut b, "r", 1, t);
             b.release("r", Outcome::Other, t);
         }
+    }
+
+    #[test]
+    fn a_new_leader_starts_from_the_checkpoint_and_counts_the_rpm_window_full() {
+        // What the last leader learned: a funded 600/min account, calls of about 450 ms, a
+        // platform 429 with 9 in flight.
+        let (mut old, t) = budget();
+        old.set_account(account(Some(600.0), Some(true)), t);
+        for _ in 0..60 {
+            take(&mut old, "r", 1, t);
+            old.release("r", Outcome::Success { latency_ms: 450.0 }, t);
+        }
+        take(&mut old, "r", 9, t);
+        let wall = old.limit();
+        let limited = Outcome::Limited {
+            kind: LimitKind::Platform,
+            retry_after: None,
+        };
+        old.release("r", limited, t);
+        let cp = old.checkpoint(Some("kg-1"));
+        assert_eq!(cp.global.last_bad, Some(wall));
+        assert!(old.limit() < wall);
+        let json = serde_json::to_string(&cp).unwrap();
+        assert_eq!(serde_json::from_str::<BudgetCheckpoint>(&json).unwrap(), cp);
+
+        let (mut new, t1) = budget();
+        new.take_over(Some(&cp), Some("kg-1"), t1);
+        assert_eq!(new.trusted_rpm(), Some(600.0), "the account came with it");
+        assert_eq!(
+            new.limit(),
+            old.limit(),
+            "the halved limit, not the default"
+        );
+        assert_eq!(
+            new.global.known_good(),
+            Some(wall - 1),
+            "the wall is remembered"
+        );
+        // The old leader's starts are unknown: no cloud permit for one RPM window.
+        assert_eq!(new.check("r", t1), Some(Hold::RpmWindow { rpm: 600 }));
+        assert!(new.check("r", t1 + 59 * S).is_some());
+        assert!(new.try_acquire("r", t1 + 60 * S));
+
+        // A checkpoint of another key's account is not taken; the window is full all the same.
+        let (mut other, t2) = budget();
+        other.take_over(Some(&cp), Some("kg-2"), t2);
+        assert_eq!(other.trusted_rpm(), None);
+        assert_eq!(other.limit(), 4);
+        // Without a trusted RPM there is no window to count full.
+        assert!(other.try_acquire("r", t2));
     }
 
     #[test]

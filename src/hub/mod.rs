@@ -11,6 +11,7 @@
 pub mod budget;
 pub mod core;
 pub mod gate;
+mod handover;
 mod metrics;
 pub mod policy;
 pub mod project_admin;
@@ -72,6 +73,8 @@ struct Inner {
     started: Instant,
     /// When the projects' day usage was last checkpointed (ms since the epoch).
     usage_saved_ms: std::sync::atomic::AtomicU64,
+    /// When the handover (verdicts, the budget's window) was last checkpointed.
+    handover_saved_ms: std::sync::atomic::AtomicU64,
 }
 
 /// Why a client request did not complete.
@@ -192,6 +195,11 @@ impl Hub {
             state.spaces.clone(),
         );
         core.projects = projects::Projects::new(state.projects.clone(), &state.project_usage);
+        core.fence = opts.store.fence();
+        core.epoch = opts.store.ha_view().epoch;
+        if opts.store.is_shared() {
+            handover::take_over(&mut core, &state, Instant::now());
+        }
         if state.budget_override.is_some() {
             core.budget
                 .set_override(state.budget_override, Instant::now());
@@ -217,6 +225,7 @@ impl Hub {
                 require_project_key: opts.require_project_key,
                 started: Instant::now(),
                 usage_saved_ms: std::sync::atomic::AtomicU64::new(now_ms()),
+                handover_saved_ms: std::sync::atomic::AtomicU64::new(0),
             }),
         })
     }
@@ -426,6 +435,11 @@ impl Hub {
 
     /// Persists the vector spaces (a new one was fingerprinted).
     async fn save_spaces(&self, spaces: std::collections::BTreeMap<String, gate::Space>) {
+        if self.inner.store.fence().check(Instant::now()).is_err() {
+            // Fenced: written when etcd answers again (the fence logs why, once).
+            self.core().gate.mark_dirty();
+            return;
+        }
         let _writing = self.inner.state_writes.lock().await;
         let mut next = self.state();
         next.spaces = spaces;
@@ -495,6 +509,7 @@ impl Hub {
                     hub.save_spaces(spaces).await;
                 }
                 hub.checkpoint_usage_if_due().await;
+                hub.checkpoint_handover_if_due().await;
                 // A provider whose bench or pause ended gets work without waiting for a pull.
                 hub.core().dispatch_all();
             }

@@ -49,6 +49,13 @@ pub struct HubState {
     /// Each project's cloud use today (UTC), checkpointed: allowances survive a restart.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub project_usage: std::collections::BTreeMap<String, crate::hub::projects::usage::DayUsage>,
+    /// Hubs on etcd only: the gate's settled verdicts, handed to the next leader (a hub on a
+    /// state file probes again after a restart, as it always did).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub verdicts: std::collections::BTreeMap<String, crate::hub::gate::StoredVerdict>,
+    /// Hubs on etcd only: what the cloud budget learned, handed to the next leader.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::hub::budget::BudgetCheckpoint>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +91,8 @@ pub enum StateError {
          refused by etcd"
     )]
     Deposed { epoch: i64 },
+    #[error("the state store cannot be written now: {0}")]
+    Fenced(String),
     #[error("the stored state at {at} is not valid: {message}")]
     Corrupt { at: String, message: String },
 }

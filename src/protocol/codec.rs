@@ -327,6 +327,7 @@ mod tests {
             heartbeat_interval_ms: 5000,
             lease_ms: 120_000,
             pings: true,
+            epoch: Some(42),
         }));
         round_trip_hub(HubFrame::Error {
             message: "no".into(),

@@ -367,6 +367,11 @@ pub struct Welcome {
     /// dead socket. (Absent from hubs of older builds, which do not ping.)
     #[serde(default)]
     pub pings: bool,
+    /// A hub that leads on etcd: its epoch (the leader key's creation revision). An agent
+    /// that has seen a higher one refuses this hub: it is a deposed leader that has not yet
+    /// noticed. (Absent from a hub on a state file, and from older builds.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<i64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -191,6 +191,38 @@ impl Cluster {
         .await
     }
 
+    /// Whether `key` exists (read through a running member's JSON gateway).
+    pub async fn has_key(&self, key: &str) -> bool {
+        use base64::Engine as _;
+        let b64 = base64::engine::general_purpose::STANDARD.encode(key);
+        let http = reqwest::Client::new();
+        for m in self.members.iter().filter(|m| m.child.is_some()) {
+            let Ok(r) = http
+                .post(format!("{}/v3/kv/range", m.client_url))
+                .json(&serde_json::json!({"key": b64, "count_only": true}))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+            else {
+                continue;
+            };
+            if let Ok(v) = r.json::<serde_json::Value>().await {
+                return v["count"].as_str().is_some_and(|c| c != "0");
+            }
+        }
+        false
+    }
+
+    /// Sends a signal (`STOP`, `CONT`) to a running member.
+    pub fn signal(&self, i: usize, name: &str) {
+        let child = self.members[i].child.as_ref().expect("running");
+        let sent = Command::new("kill")
+            .args([format!("-{name}"), child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(sent.success(), "kill -{name} failed");
+    }
+
     /// SIGKILL one member.
     pub fn kill(&mut self, i: usize) {
         if let Some(mut c) = self.members[i].child.take() {

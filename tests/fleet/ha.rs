@@ -15,7 +15,7 @@ use crate::support::{HubProc, eventually};
 const TTL_S: u64 = 5;
 
 /// A hub on `cluster`, in `dir/<name>`, with the tokens every hub of the store shares.
-fn etcd_hub(dir: &Path, name: &str, cluster: &Cluster) -> HubProc {
+pub(crate) fn etcd_hub(dir: &Path, name: &str, cluster: &Cluster) -> HubProc {
     let home = dir.join(name);
     let state = home.join("state");
     std::fs::create_dir_all(&state).unwrap();
@@ -41,7 +41,7 @@ fn etcd_hub(dir: &Path, name: &str, cluster: &Cluster) -> HubProc {
 }
 
 /// Waits until `hub` leads (its admin API answers).
-async fn leads(hub: &HubProc) {
+pub(crate) async fn leads(hub: &HubProc) {
     eventually("the hub leads", || async {
         // Bounded: a standby forwards to a leader that may be stopped.
         let r = hub
@@ -58,7 +58,7 @@ async fn leads(hub: &HubProc) {
 }
 
 /// The leader a standby names on `/health`.
-async fn standby_of(hub: &HubProc) -> String {
+pub(crate) async fn standby_of(hub: &HubProc) -> String {
     eventually("the standby names its leader", || async {
         let r = hub
             .http
@@ -76,7 +76,7 @@ async fn standby_of(hub: &HubProc) -> String {
 }
 
 /// Hub `a`, leading, and hub `b`, standing by behind it.
-async fn leader_and_standby(dir: &Path, cluster: &Cluster) -> (HubProc, HubProc) {
+pub(crate) async fn leader_and_standby(dir: &Path, cluster: &Cluster) -> (HubProc, HubProc) {
     let a = etcd_hub(dir, "a", cluster);
     leads(&a).await;
     let b = etcd_hub(dir, "b", cluster);
@@ -257,6 +257,7 @@ async fn the_etcd_store_keeps_a_large_state_in_checked_chunks_and_refuses_a_depo
             ttl,
             key: "/t/leader".into(),
             granted_at: tokio::time::Instant::now(),
+            fence: fantom_sidecar::hub::store::fence::Fence::leased(Instant::now() + ttl),
         },
         standing(),
     );
@@ -280,7 +281,7 @@ async fn the_etcd_store_keeps_a_large_state_in_checked_chunks_and_refuses_a_depo
 
 /// Embeds `text` through `hub`, retrying (bounded) while it cannot serve yet, as a client
 /// that retries does: the space id of the vector.
-async fn embed_retrying(hub: &HubProc, text: &str) -> String {
+pub(crate) async fn embed_retrying(hub: &HubProc, text: &str) -> String {
     eventually("an embedding", || async {
         let r = hub
             .http

@@ -21,6 +21,7 @@ mod fantom_master;
 mod first_run;
 mod gate;
 mod ha;
+mod ha_degraded;
 mod integrity;
 mod kill;
 mod leases;

@@ -93,6 +93,7 @@ impl Core {
         self.next_session += 1;
         let welcome = HubFrame::Welcome(Welcome {
             session,
+            epoch: self.epoch,
             protocol_version: PROTOCOL_VERSION,
             heartbeat_interval_ms: self.settings.heartbeat_interval.as_millis() as u64,
             lease_ms: self
@@ -313,6 +314,11 @@ impl Core {
     /// scorer check's round first.
     pub fn gate_tick(&mut self, now: Instant) {
         self.scorer_tick(now);
+        // A fenced leader founds no space and judges no one (another hub may lead by now);
+        // the verdicts it holds stand, and canaries still suspend.
+        if self.fence.check(now).is_err() {
+            return;
+        }
         let candidates: Vec<Candidate> = self
             .agents
             .values()
@@ -433,10 +439,14 @@ impl Core {
             (None, None) => Err("probe_result has neither vectors nor error".into()),
         };
         let from = format!("{agent}/{}", result.provider);
-        if !self
-            .gate
-            .on_answer(&result.probe, &from, answer, Instant::now())
-        {
+        let now = Instant::now();
+        // Fenced, an answer may only keep or suspend a verdict (a sentinel's); one that could
+        // found a space or pass a provider counts as a probe that failed, asked again later.
+        let answer = match self.fence.check(now) {
+            Err(fenced) if !self.gate.only_keeps_or_suspends(&result.probe) => Err(fenced.0),
+            _ => answer,
+        };
+        if !self.gate.on_answer(&result.probe, &from, answer, now) {
             return Err(format!(
                 "probe '{}' was not asked of '{}'",
                 result.probe, result.provider

@@ -75,6 +75,8 @@ pub enum UnservableCode {
     Benched,
     /// A hard 402 stopped cloud work (credits, key limit).
     CloudStopped,
+    /// A leader on etcd cannot renew its lead: no cloud permit is granted until it can.
+    StoreUnreachable,
     /// OpenRouter refused the key.
     CloudRefused,
     /// No endpoint matches the pinned upstream.
@@ -93,6 +95,7 @@ impl UnservableCode {
             UnservableCode::GateRefused => "gate_refused",
             UnservableCode::Benched => "provider_benched",
             UnservableCode::CloudStopped => "cloud_stopped",
+            UnservableCode::StoreUnreachable => "store_unreachable",
             UnservableCode::CloudRefused => "cloud_refused",
             UnservableCode::NoEndpoint => "no_endpoint",
             UnservableCode::SpaceChanged => "space_changed",
@@ -106,12 +109,13 @@ impl UnservableCode {
             UnservableCode::SpaceChanged => 0,
             UnservableCode::CloudStopped => 1,
             UnservableCode::CloudRefused => 2,
-            UnservableCode::NoEndpoint => 3,
-            UnservableCode::GateRefused => 4,
-            UnservableCode::Benched => 5,
-            UnservableCode::ConfigStale => 6,
-            UnservableCode::Probing => 7,
-            UnservableCode::NoProvider => 8,
+            UnservableCode::StoreUnreachable => 3,
+            UnservableCode::NoEndpoint => 4,
+            UnservableCode::GateRefused => 5,
+            UnservableCode::Benched => 6,
+            UnservableCode::ConfigStale => 7,
+            UnservableCode::Probing => 8,
+            UnservableCode::NoProvider => 9,
         }
     }
 }
@@ -342,6 +346,11 @@ impl Core {
             }
             if let Some(why) = self.budget.key_rejected() {
                 return Some(Unfit::new(UnservableCode::CloudRefused, why.to_string()));
+            }
+            if let Err(fenced) = self.fence.check(now) {
+                let mut unfit = Unfit::new(UnservableCode::StoreUnreachable, fenced.0);
+                unfit.retry_after = Some(std::time::Duration::from_secs(5));
+                return Some(unfit);
             }
         }
         if let Some(why) = &p.refused {

@@ -101,7 +101,7 @@ impl Core {
                 }
                 // Cloud providers also need a permit of the global budget.
                 if let Some(route) = &p.route
-                    && self.budget.check(route, now).is_some()
+                    && (self.fence.check(now).is_err() || self.budget.check(route, now).is_some())
                 {
                     continue;
                 }
@@ -292,7 +292,7 @@ impl Core {
             .is_some_and(|c| self.gate.carries_canary(c));
         // The permit last, once there is work to hold it (the check in `best_pick` passed).
         if let Some(route) = &permit
-            && !self.budget.try_acquire(route, now)
+            && (self.fence.check(now).is_err() || !self.budget.try_acquire(route, now))
         {
             self.requeue(role, items, false, "no budget permit");
             return;

@@ -436,6 +436,11 @@ pub struct Core {
     pub scorer_check: crate::hub::scorer_check::ScorerCheck,
     /// The projects, their settings and their live accounting.
     pub projects: Projects,
+    /// Closed while a leader on etcd cannot renew its lead: no cloud permits, no founding, no
+    /// passing verdicts (never closed on a state file).
+    pub fence: crate::hub::store::fence::Fence,
+    /// The epoch this hub leads under on etcd (sent in `welcome`).
+    pub epoch: Option<i64>,
     queues: BTreeMap<Role, RoleQueue>,
     requests: HashMap<RequestId, Pending>,
     /// Input bytes of every accepted request not yet answered.
@@ -481,6 +486,8 @@ impl Core {
             gate: Gate::new(gate, spaces),
             scorer_check: Default::default(),
             projects: Projects::default(),
+            fence: Default::default(),
+            epoch: None,
             queues,
             requests: HashMap::new(),
             held_bytes: 0,

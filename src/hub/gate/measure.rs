@@ -93,7 +93,7 @@ pub fn probe_set_id() -> String {
 }
 
 /// How two encoders compare on the probe set.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct Evidence {
     /// Cosine of each probe's two vectors, in probe order.
     pub cosines: Vec<f64>,

@@ -21,8 +21,10 @@
 //! every embedding lease.
 
 pub mod measure;
+mod stored;
 mod view;
 
+pub use self::stored::StoredVerdict;
 pub use self::view::{GateView, SpaceView};
 
 use std::collections::{BTreeMap, HashMap};
@@ -200,7 +202,7 @@ pub fn verdict_key(c: &Candidate, space: &str) -> String {
 }
 
 /// Where a provider stands.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "state", rename_all = "snake_case")]
 pub enum Verdict {
     /// No answer yet (refused until it passes).
@@ -631,6 +633,14 @@ impl Gate {
         let answer = answer.map_err(|e| crate::cloud::error::truncate_chars(&e, 500));
         self.on_result(probe, answer, now);
         true
+    }
+
+    /// Whether `probe` is a sentinel's re-probe: its answer can keep a verdict or suspend it,
+    /// never found a space or pass anyone new.
+    pub fn only_keeps_or_suspends(&self, probe: &str) -> bool {
+        self.pending
+            .get(probe)
+            .is_some_and(|p| p.purpose == Purpose::Sentinel)
     }
 
     /// The outcome of a probe (vectors, or why there are none).

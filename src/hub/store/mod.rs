@@ -5,6 +5,7 @@
 //! dispatch path never calls the store: saves run beside it, under the hub's writers' lock.
 
 pub mod etcd;
+pub mod fence;
 pub mod file;
 
 use serde::Serialize;
@@ -24,6 +25,10 @@ pub struct HaView {
     /// With etcd: the lease's TTL.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_ttl_s: Option<u64>,
+    /// With etcd, while the leader cannot renew its lead: why it grants and writes nothing
+    /// (local work that passes goes on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fenced: Option<String>,
 }
 
 /// The hub's state store.
@@ -57,6 +62,20 @@ impl StateStore {
         }
     }
 
+    /// Whether other hubs share the store (etcd): a leader then hands its verdicts and the
+    /// budget's window to the next.
+    pub fn is_shared(&self) -> bool {
+        matches!(self, StateStore::Etcd(_))
+    }
+
+    /// What everything only a leader may do checks (never closed for a state file).
+    pub fn fence(&self) -> fence::Fence {
+        match self {
+            StateStore::File(_) => fence::Fence::open(),
+            StateStore::Etcd(e) => e.leadership().fence.clone(),
+        }
+    }
+
     pub fn ha_view(&self) -> HaView {
         match self {
             StateStore::File(_) => HaView {
@@ -64,12 +83,18 @@ impl StateStore {
                 store: self.describe(),
                 epoch: None,
                 lease_ttl_s: None,
+                fenced: None,
             },
             StateStore::Etcd(e) => HaView {
                 role: "leader",
                 store: self.describe(),
                 epoch: Some(e.leadership().epoch),
                 lease_ttl_s: Some(e.leadership().ttl.as_secs()),
+                fenced: self
+                    .fence()
+                    .check(std::time::Instant::now())
+                    .err()
+                    .map(|f| f.0),
             },
         }
     }

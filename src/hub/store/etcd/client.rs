@@ -64,6 +64,8 @@ pub struct Kv {
 pub enum Compare {
     /// The key's creation revision is this (0: the key does not exist).
     CreateRevision { key: String, revision: i64 },
+    /// The key's last modification is this revision (0: the key does not exist).
+    ModRevision { key: String, revision: i64 },
 }
 
 /// An operation of a transaction.
@@ -363,6 +365,12 @@ impl EtcdClient {
                     "target": "CREATE",
                     "result": "EQUAL",
                     "create_revision": revision.to_string(),
+                }),
+                Compare::ModRevision { key, revision } => json!({
+                    "key": b64(key.as_bytes()),
+                    "target": "MOD",
+                    "result": "EQUAL",
+                    "mod_revision": revision.to_string(),
                 }),
             })
             .collect();

@@ -5,9 +5,12 @@
 //!
 //! The leader renews its lease every fifth of the TTL. If no renewal has succeeded within the
 //! **deadline** (two thirds of the TTL, counted from the moment the last successful renewal was
-//! sent), it counts itself deposed at once, before etcd can expire the lease and let another
-//! hub win: that gap is what keeps two leaders from granting at the same time. Losers wait,
-//! reading the key, and campaign again when it is gone.
+//! sent), it is **fenced** at once ([`Fence`]), before etcd can expire the lease and let
+//! another hub win: that gap is what keeps two leaders from granting at the same time. A
+//! fenced leader keeps serving local work and keeps asking etcd; a renewal etcd answers (the
+//! lease lived: etcd also extends every lease when its own Raft leader changes) lifts the
+//! fence, and a lease etcd no longer knows deposes it. Losers wait, reading the key, and
+//! campaign again when it is gone.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +20,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::client::{Compare, EtcdClient, EtcdError, Op};
+use crate::hub::store::fence::Fence;
 
 /// Who leads (the leader key's value).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -40,6 +44,8 @@ pub struct Leadership {
     pub key: String,
     /// When the lease was asked for (sent): the deadline counts from here until a renewal.
     pub granted_at: Instant,
+    /// Closed past the renewal deadline (everything that only a leader may do checks it).
+    pub fence: Fence,
 }
 
 impl Leadership {
@@ -61,7 +67,12 @@ impl Leadership {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Standing {
     Leading,
-    /// No renewal within the deadline, or the lease is gone: stop granting and writing now.
+    /// No renewal within the deadline: no grants or writes, local work goes on, etcd is asked
+    /// again.
+    Fenced {
+        why: String,
+    },
+    /// The lease is gone, or etcd refused a write under the epoch: another hub may lead.
     Deposed {
         why: String,
     },
@@ -138,12 +149,14 @@ pub async fn campaign(
                 .map(|kv| kv.create_revision)
         };
         if let Some(epoch) = won {
+            let ttl = Duration::from_secs(ttl_s as u64);
             let leadership = Leadership {
                 epoch,
                 lease: lease.id,
-                ttl: Duration::from_secs(ttl_s as u64),
+                ttl,
                 key: key.clone(),
                 granted_at,
+                fence: Fence::leased((granted_at + ttl * 2 / 3).into_std()),
             };
             if Instant::now() < granted_at + leadership.deadline() {
                 return Ok(leadership);
@@ -188,37 +201,59 @@ async fn wait_out_or_fail(e: EtcdError) -> Result<(), EtcdError> {
     }
 }
 
-/// Renews the lease until the leader is deposed or `stop` fires; `standing` turns
-/// `Deposed` the moment a renewal misses the deadline or the lease is gone (the store sets it
-/// too, when etcd refuses a write under this epoch).
+/// Renews the lease until the leader is deposed or `stop` fires. Past the deadline without a
+/// renewal the fence closes by itself (it compares the clock) and `standing` turns `Fenced`;
+/// a renewal etcd answers lifts both; a lease etcd no longer knows deposes the leader (the
+/// store deposes it too, when etcd refuses a write under this epoch).
 pub fn keep(
     client: Arc<EtcdClient>,
     leadership: &Leadership,
     mut stop: watch::Receiver<bool>,
     tx: Arc<watch::Sender<Standing>>,
 ) {
-    let (lease, ttl, deadline, granted_at) = (
+    let (lease, ttl, deadline, granted_at, fence) = (
         leadership.lease,
         leadership.ttl,
         leadership.deadline(),
         leadership.granted_at,
+        leadership.fence.clone(),
     );
     tokio::spawn(async move {
         let every = ttl / 5;
         let mut renewed_at = granted_at;
         loop {
             let sent = Instant::now();
-            let renewal = tokio::select! {
-                r = client.keep_alive(lease) => Some(r),
-                () = tokio::time::sleep_until(renewed_at + deadline) => None,
-                _ = stop.changed() => return,
+            let fenced = Instant::now() >= renewed_at + deadline;
+            let renewal = if fenced {
+                // Fenced already: nothing to race, wait for etcd's answer (bounded by the
+                // client's own retry time).
+                tokio::select! {
+                    r = client.keep_alive(lease) => Some(r),
+                    _ = stop.changed() => return,
+                }
+            } else {
+                tokio::select! {
+                    r = client.keep_alive(lease) => Some(r),
+                    () = tokio::time::sleep_until(renewed_at + deadline) => None,
+                    _ = stop.changed() => return,
+                }
             };
             match renewal {
-                Some(Ok(Some(_))) => renewed_at = sent,
-                Some(Ok(None)) => {
-                    let _ = tx.send(Standing::Deposed {
-                        why: "the leader's lease is gone".into(),
+                Some(Ok(Some(_))) => {
+                    renewed_at = sent;
+                    fence.renewed((sent + deadline).into_std());
+                    tx.send_if_modified(|s| {
+                        let lift = matches!(s, Standing::Fenced { .. });
+                        if lift {
+                            *s = Standing::Leading;
+                        }
+                        lift
                     });
+                }
+                Some(Ok(None)) => {
+                    let why = "the leader's lease is gone (etcd expired it)";
+                    fence.depose(why);
+                    let _ = tx.send(Standing::Deposed { why: why.into() });
                     return;
                 }
                 Some(Err(e)) => {
@@ -227,14 +262,23 @@ pub fn keep(
                 None => {}
             }
             if Instant::now() >= renewed_at + deadline {
-                let _ = tx.send(Standing::Deposed {
-                    why: format!(
-                        "no lease renewal within {} ms (the TTL is {} s)",
-                        deadline.as_millis(),
-                        ttl.as_secs()
-                    ),
+                let why = format!(
+                    "no lease renewal within {} ms (the TTL is {} s)",
+                    deadline.as_millis(),
+                    ttl.as_secs()
+                );
+                tx.send_if_modified(|s| {
+                    let close = *s == Standing::Leading;
+                    if close {
+                        *s = Standing::Fenced { why: why.clone() };
+                    }
+                    close
                 });
-                return;
+                tokio::select! {
+                    () = tokio::time::sleep_until(sent + every) => {}
+                    _ = stop.changed() => return,
+                }
+                continue;
             }
             let next = (sent + every).min(renewed_at + deadline);
             tokio::select! {

@@ -3,11 +3,17 @@
 //! only while it leads (every write is a transaction that checks the leader key's epoch).
 //!
 //! etcd caps a request at 1.5 MiB and a fingerprint can be close to that, so the state is kept
-//! in parts (`config`, each space, `projects`, `usage`), each stored by digest:
+//! in parts (`config`, each space, `projects`, `usage`, and what a leader hands to the next:
+//! the gate's `verdicts` and the `budget`'s learned window), each stored by digest:
 //! `<prefix>/blob/<part>/<sha256>/<n>` holds its chunks (512 KiB at most, a transaction
 //! each), and `<prefix>/state/<part>` names the digest, the chunk count and the length. A part
 //! is written only when its digest changed; its chunks go first and its name last, so a reader
 //! sees the old part or the new, whole and checked against its digest, never a mix.
+//!
+//! A name is written by compare-and-set on the revision this hub last read or wrote it at (0:
+//! absent), beside the epoch guard: a space is founded only where no space of that id is
+//! stored, so two hubs that both believed they lead could never found two spaces for one
+//! role, and a part another writer changed is never overwritten blind.
 
 pub mod client;
 pub mod election;
@@ -17,7 +23,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use self::client::{EtcdClient, Op};
+use self::client::{Compare, EtcdClient, Op};
 use self::election::{Leadership, Standing};
 use crate::hub::state::{HubState, StateError};
 
@@ -40,8 +46,9 @@ pub struct EtcdStore {
     leadership: Leadership,
     /// Set `Deposed` when etcd refuses a write under this epoch: the leader stops at once.
     standing: std::sync::Arc<tokio::sync::watch::Sender<Standing>>,
-    /// The digest of each part as stored (what a save compares with).
-    stored: tokio::sync::Mutex<BTreeMap<String, String>>,
+    /// The digest of each part as stored (what a save compares with), and the revision its
+    /// name was last written at (what the next write of it checks).
+    stored: tokio::sync::Mutex<BTreeMap<String, (String, i64)>>,
 }
 
 impl EtcdStore {
@@ -106,7 +113,7 @@ impl EtcdStore {
                     ),
                 });
             }
-            stored.insert(part.clone(), record.sha256);
+            stored.insert(part.clone(), (record.sha256, kv.mod_revision));
             parts.insert(part, bytes);
         }
         let state = join(&parts).map_err(|message| StateError::Corrupt {
@@ -123,7 +130,10 @@ impl EtcdStore {
         let mut stored = self.stored.lock().await;
         for (part, bytes) in &parts {
             let sha256 = sha256_hex(bytes);
-            let old = stored.get(part).cloned();
+            let (old, at) = match stored.get(part) {
+                Some((sha, at)) => (Some(sha.clone()), *at),
+                None => (None, 0),
+            };
             if old.as_deref() == Some(sha256.as_str()) {
                 continue;
             }
@@ -134,11 +144,14 @@ impl EtcdStore {
                 bytes.chunks(CHUNK_BYTES).collect()
             };
             for (n, chunk) in chunks.iter().enumerate() {
-                self.guarded(&[Op::Put {
-                    key: format!("{blob}{n:05}"),
-                    value: chunk.to_vec(),
-                    lease: None,
-                }])
+                self.guarded(
+                    None,
+                    &[Op::Put {
+                        key: format!("{blob}{n:05}"),
+                        value: chunk.to_vec(),
+                        lease: None,
+                    }],
+                )
                 .await?;
             }
             let record = PartRecord {
@@ -146,9 +159,10 @@ impl EtcdStore {
                 chunks: chunks.len(),
                 bytes: bytes.len(),
             };
+            let name = serde_json::to_vec(&record).unwrap_or_default();
             let mut ops = vec![Op::Put {
                 key: self.state_key(part),
-                value: serde_json::to_vec(&record).unwrap_or_default(),
+                value: name.clone(),
                 lease: None,
             }];
             if let Some(old) = &old {
@@ -156,49 +170,107 @@ impl EtcdStore {
                     prefix: self.blob_prefix(part, old),
                 });
             }
-            self.guarded(&ops).await?;
-            stored.insert(part.clone(), sha256);
+            let cas = NameWrite {
+                key: self.state_key(part),
+                at,
+                value: Some(&name),
+            };
+            let revision = self.guarded(Some(&cas), &ops).await?;
+            stored.insert(part.clone(), (sha256, revision));
         }
-        let gone: Vec<(String, String)> = stored
+        let gone: Vec<(String, String, i64)> = stored
             .iter()
             .filter(|(part, _)| !parts.contains_key(*part))
-            .map(|(p, s)| (p.clone(), s.clone()))
+            .map(|(p, (s, at))| (p.clone(), s.clone(), *at))
             .collect();
-        for (part, sha256) in gone {
-            self.guarded(&[
-                Op::Delete {
-                    key: self.state_key(&part),
-                },
-                Op::DeletePrefix {
-                    prefix: self.blob_prefix(&part, &sha256),
-                },
-            ])
+        for (part, sha256, at) in gone {
+            let cas = NameWrite {
+                key: self.state_key(&part),
+                at,
+                value: None,
+            };
+            self.guarded(
+                Some(&cas),
+                &[
+                    Op::Delete {
+                        key: self.state_key(&part),
+                    },
+                    Op::DeletePrefix {
+                        prefix: self.blob_prefix(&part, &sha256),
+                    },
+                ],
+            )
             .await?;
             stored.remove(&part);
         }
         Ok(())
     }
 
-    /// One transaction that applies only while this hub still leads.
-    async fn guarded(&self, ops: &[Op]) -> Result<(), StateError> {
-        let outcome = self
-            .client
-            .txn(&[self.leadership.guard()], ops, &[])
-            .await?;
+    /// One transaction that applies only while this hub still leads (and is not fenced: a
+    /// write it cannot be sure of leading for waits until etcd renews the lease) and, for a
+    /// part's name, while the name is still at the revision this hub knows; the store's
+    /// revision after it.
+    async fn guarded(&self, name: Option<&NameWrite<'_>>, ops: &[Op]) -> Result<i64, StateError> {
+        self.leadership
+            .fence
+            .check(std::time::Instant::now())
+            .map_err(|f| StateError::Fenced(f.0))?;
+        let mut compare = vec![self.leadership.guard()];
+        let mut failure = vec![Op::Get {
+            key: self.leadership.key.clone(),
+        }];
+        if let Some(n) = name {
+            compare.push(Compare::ModRevision {
+                key: n.key.clone(),
+                revision: n.at,
+            });
+            failure.push(Op::Get { key: n.key.clone() });
+        }
+        let outcome = self.client.txn(&compare, ops, &failure).await?;
         if outcome.succeeded {
-            Ok(())
-        } else {
+            return Ok(outcome.revision);
+        }
+        let leader = outcome.read.iter().find(|kv| kv.key == self.leadership.key);
+        if leader.is_none_or(|kv| kv.create_revision != self.leadership.epoch) {
+            self.leadership
+                .fence
+                .depose("etcd refused a write under this hub's epoch");
             self.standing.send_replace(Standing::Deposed {
                 why: format!(
                     "etcd refused a write under epoch {}: the leader key is no longer this hub's",
                     self.leadership.epoch
                 ),
             });
-            Err(StateError::Deposed {
+            return Err(StateError::Deposed {
                 epoch: self.leadership.epoch,
-            })
+            });
+        }
+        let Some(n) = name else {
+            return Ok(outcome.revision);
+        };
+        // The epoch holds, the compare-and-set did not. A write of ours that timed out and was
+        // applied all the same left the name as this one would: that is done, not a conflict.
+        let now = outcome.read.iter().find(|kv| kv.key == n.key);
+        match (now, n.value) {
+            (Some(kv), Some(value)) if kv.value == value => Ok(kv.mod_revision),
+            (None, None) => Ok(outcome.revision),
+            _ => Err(StateError::Corrupt {
+                at: n.key.clone(),
+                message: "it changed in etcd since this hub read it (another writer under the \
+                          prefix?); not overwritten: restart this hub to read it again"
+                    .into(),
+            }),
         }
     }
+}
+
+/// A part's name as a write leaves it: checked against the revision this hub knows.
+struct NameWrite<'a> {
+    key: String,
+    /// The name's revision as this hub last read or wrote it (0: absent).
+    at: i64,
+    /// The name after the write (`None`: deleted).
+    value: Option<&'a [u8]>,
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -216,6 +288,8 @@ fn split(state: &HubState) -> BTreeMap<String, Vec<u8>> {
         spaces: BTreeMap::new(),
         projects: BTreeMap::new(),
         project_usage: BTreeMap::new(),
+        verdicts: BTreeMap::new(),
+        budget: None,
         ..state.clone()
     };
     parts.insert(
@@ -240,6 +314,18 @@ fn split(state: &HubState) -> BTreeMap<String, Vec<u8>> {
             serde_json::to_vec(&state.project_usage).unwrap_or_default(),
         );
     }
+    if !state.verdicts.is_empty() {
+        parts.insert(
+            "verdicts".to_string(),
+            serde_json::to_vec(&state.verdicts).unwrap_or_default(),
+        );
+    }
+    if let Some(budget) = &state.budget {
+        parts.insert(
+            "budget".to_string(),
+            serde_json::to_vec(budget).unwrap_or_default(),
+        );
+    }
     parts
 }
 
@@ -258,6 +344,10 @@ fn join(parts: &BTreeMap<String, Vec<u8>>) -> Result<HubState, String> {
         } else if part == "usage" {
             state.project_usage =
                 serde_json::from_slice(bytes).map_err(|e| format!("{part}: {e}"))?;
+        } else if part == "verdicts" {
+            state.verdicts = serde_json::from_slice(bytes).map_err(|e| format!("{part}: {e}"))?;
+        } else if part == "budget" {
+            state.budget = serde_json::from_slice(bytes).map_err(|e| format!("{part}: {e}"))?;
         }
     }
     Ok(state)

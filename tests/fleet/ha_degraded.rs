@@ -1,0 +1,299 @@
+//! Hubs on etcd when etcd itself is in trouble, when hubs race, and the way in from a single
+//! hub: two of three members stopped (no quorum) fence the leader, so local embeddings go on
+//! and cloud chat, config writes and new spaces stop with the reason, until the members
+//! return; two hubs started at once on an empty store found one space, and a verdict judged
+//! before a failover is handed to the next leader, not probed again; `migrate-state` copies a
+//! single hub's state dir into etcd once.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::cloud::{KEY, push_body, upstream};
+use crate::etcd_cluster::Cluster;
+use crate::ha::{embed_retrying, etcd_hub, leader_and_standby, leads};
+use crate::support::*;
+
+/// A chat through `hub`: its status and body (bounded: a forward may meet a stopped leader).
+async fn chat(hub: &HubProc, text: &str) -> (u16, Value) {
+    let r = hub
+        .http
+        .post(hub.url("/v1/chat/completions"))
+        .json(&json!({"model": "code-assistant",
+            "messages": [{"role": "user", "content": text}]}))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await;
+    match r {
+        Ok(r) => {
+            let code = r.status().as_u16();
+            (code, r.json().await.unwrap_or(Value::Null))
+        }
+        Err(e) => (0, json!({"transport": e.to_string()})),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_etcds_quorum_the_leader_is_fenced_local_work_goes_on_and_all_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = Cluster::start(dir.path()).await;
+    let (a, b) = leader_and_standby(dir.path(), &cluster).await;
+    let up = upstream(|c| c.max_concurrency = Some(4)).await;
+    // One GPU host (MiniLM) and one cloud host, each listing both hubs.
+    let both = format!("hub_urls = [\"{}\"]", b.ws_url());
+    let gpu_body = format!("{both}\n{}", minilm_models_toml());
+    let _gpu = start_agent_toml(
+        dir.path(),
+        &a.ws_url(),
+        &a.fleet_file,
+        "gpu",
+        &gpu_body,
+        &[],
+    );
+    let cloud_body = format!(
+        "{both}\nopenrouter_url = \"{}\"\ncloud_pipeline_depth = 8",
+        up.base_url
+    );
+    let _cloud = start_agent_toml(
+        dir.path(),
+        &a.ws_url(),
+        &a.fleet_file,
+        "cloud",
+        &cloud_body,
+        &[],
+    );
+    a.wait_for_agent("gpu").await;
+    a.wait_for_agent("cloud").await;
+    let (code, body) = a.push(push_body(json!({"code-assistant": "cloud"}))).await;
+    assert_eq!(code, 200, "{body}");
+    let space = embed_retrying(&a, "before").await;
+    eventually("a chat through the leader", || async {
+        (chat(&a, "before").await.0 == 200).then_some(())
+    })
+    .await;
+
+    // Two of three members stop: etcd has no quorum, the leader cannot renew its lease.
+    cluster.signal(1, "STOP");
+    cluster.signal(2, "STOP");
+    let refused = eventually("cloud chat refused with the reason", || async {
+        let (code, body) = chat(&a, "during").await;
+        (code == 503).then_some(body)
+    })
+    .await;
+    assert_eq!(refused["error"]["code"], "store_unreachable", "{refused}");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("cannot reach etcd")),
+        "{refused}"
+    );
+    // Local embeddings go on, in the same space, while fenced.
+    let r = a
+        .post(
+            "/v1/embeddings",
+            &json!({"model": "embedding", "input": ["during the outage"]}),
+        )
+        .await;
+    assert_eq!(r.0, 200, "{}", r.1);
+    assert_eq!(r.1["data"][0]["space"]["id"], space.as_str());
+    // Readiness and status say why; a config write is refused with the reason, not lost.
+    let (_, ready) = a.get("/ready").await;
+    assert!(
+        ready["store"]
+            .as_str()
+            .is_some_and(|m| m.contains("cannot reach etcd")),
+        "{ready}"
+    );
+    assert_eq!(ready["roles"]["embedding"]["ready"], true, "{ready}");
+    let ha = a.status().await["ha"].clone();
+    assert!(ha["fenced"].is_string(), "{ha}");
+    let (code, body) = a.post_admin("/admin/budget", &json!({"permits": 2})).await;
+    assert_eq!(code, 503, "{body}");
+    assert_eq!(body["error"]["code"], "store_unreachable", "{body}");
+    // Refused at once, never sent up.
+    let (code, body) = chat(&a, "while fenced").await;
+    assert_eq!(code, 503, "{body}");
+    let in_flight_cap = up.state.max_in_flight();
+
+    // The members return: chat is served again (by the same leader, whose lease etcd kept,
+    // or by the other hub), through either address.
+    cluster.signal(1, "CONT");
+    cluster.signal(2, "CONT");
+    eventually("a chat after etcd returned", || async {
+        (chat(&b, "after").await.0 == 200).then_some(())
+    })
+    .await;
+    assert_eq!(embed_retrying(&b, "after").await, space);
+    assert!(
+        in_flight_cap <= 4,
+        "the stand-in's cap held: {in_flight_cap}"
+    );
+    assert!(
+        !up.state.bodies_seen_contain("while fenced"),
+        "no chat went up while fenced"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hubs_at_once_found_one_space_and_a_verdict_is_handed_over_not_probed_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = Cluster::start(dir.path()).await;
+    // Both start together against an empty store.
+    let a = etcd_hub(dir.path(), "a", &cluster);
+    let b = etcd_hub(dir.path(), "b", &cluster);
+    let body = format!("hub_urls = [\"{}\"]\n{}", b.ws_url(), minilm_models_toml());
+    let _gpu = start_agent_toml(dir.path(), &a.ws_url(), &a.fleet_file, "gpu", &body, &[]);
+    let space = embed_retrying(&a, "one").await;
+    assert_eq!(
+        embed_retrying(&b, "two").await,
+        space,
+        "one space, whichever hub"
+    );
+    let spaces = |s: Value| -> Vec<Value> {
+        s["gate"]["spaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| json!([v["id"], v["generation"]]))
+            .collect()
+    };
+    let (sa, sb) = (
+        a.admin_get("/admin/status").await,
+        b.admin_get("/admin/status").await,
+    );
+    assert_eq!(
+        spaces(sa.clone()),
+        spaces(sb),
+        "both report the same spaces"
+    );
+    // MiniLM serves two embedding roles: one space each.
+    let mut roles: Vec<Value> = sa["gate"]["spaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["role"].clone())
+        .collect();
+    let n = roles.len();
+    roles.dedup();
+    assert_eq!((n, roles.len()), (2, 2), "{}", sa["gate"]);
+    let verdict = |s: &Value| -> Value {
+        s["gate"]["verdicts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["provider"] == "gpu/embedding" && v["state"] == "pass")
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    let before = verdict(&sa);
+    assert!(before["checked_at_ms"].is_u64(), "{sa}");
+    let epoch = sa["ha"]["epoch"].as_i64().unwrap();
+
+    // The leader is killed once its verdict was checkpointed: the next leader holds it as
+    // judged then (the same check time), and does not probe the provider again.
+    let (mut leader, standby) = if a.get("/health").await.1["status"] == "standby" {
+        (b, a)
+    } else {
+        (a, b)
+    };
+    eventually("the verdicts are checkpointed in etcd", || async {
+        cluster
+            .has_key("/fantom-sidecar/state/verdicts")
+            .await
+            .then_some(())
+    })
+    .await;
+    leader.proc.kill();
+    leads(&standby).await;
+    standby.wait_for_agent("gpu").await;
+    assert_eq!(embed_retrying(&standby, "three").await, space);
+    let after = standby.admin_get("/admin/status").await;
+    assert!(
+        after["ha"]["epoch"].as_i64().unwrap() > epoch,
+        "{}",
+        after["ha"]
+    );
+    assert_eq!(
+        verdict(&after)["checked_at_ms"],
+        before["checked_at_ms"],
+        "the verdict came from etcd, not from a new probe: {}",
+        after["gate"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_state_copies_a_single_hubs_state_dir_into_etcd_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = Cluster::start(dir.path()).await;
+    let single = dir.path().join("single");
+    std::fs::create_dir_all(&single).unwrap();
+    let mut hub = HubProc::start(&single, None, &[], &[], "hub.log");
+    let (code, body) = hub
+        .post_admin("/admin/budget", &json!({"permits": 7}))
+        .await;
+    assert_eq!(code, 200, "{body}");
+    let (code, body) = hub.push(json!({"openrouter": {"apiKey": KEY}})).await;
+    assert_eq!(code, 200, "{body}");
+    let args = |log: &str| -> (Vec<String>, std::path::PathBuf) {
+        (
+            [
+                "migrate-state",
+                "--state-dir",
+                &hub.state.display().to_string(),
+                "--etcd-endpoints",
+                &cluster.endpoints(),
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+            dir.path().join(log),
+        )
+    };
+    // Refused while the hub runs: its dir is locked.
+    let (a, log) = args("m0.log");
+    let (status, out) = run_to_exit(&a, &log);
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("held by another hub"), "{out}");
+    hub.proc.terminate();
+
+    let (a, log) = args("m1.log");
+    let (status, out) = run_to_exit(&a, &log);
+    assert!(status.success(), "{out}");
+    // Once: a store that holds a state is never overwritten.
+    let (a, log) = args("m2.log");
+    let (status, out) = run_to_exit(&a, &log);
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("already holds a hub state"), "{out}");
+
+    // A hub on etcd with the single hub's tokens starts from its state.
+    let e = dir.path().join("e");
+    std::fs::create_dir_all(e.join("state")).unwrap();
+    for t in ["admin.token", "fleet.token"] {
+        std::fs::copy(hub.state.join(t), e.join("state").join(t)).unwrap();
+    }
+    let admin = e.join("state/admin.token").display().to_string();
+    let fleet = e.join("state/fleet.token").display().to_string();
+    let endpoints = cluster.endpoints();
+    let on_etcd = HubProc::start(
+        &e,
+        None,
+        &[
+            "--etcd-endpoints",
+            &endpoints,
+            "--admin-token-file",
+            &admin,
+            "--fleet-token-file",
+            &fleet,
+        ],
+        &[],
+        "hub.log",
+    );
+    leads(&on_etcd).await;
+    let status = on_etcd.status().await;
+    assert_eq!(
+        status["budget"]["override_permits"], 7,
+        "{}",
+        status["budget"]
+    );
+    assert_eq!(status["config"]["keyPushed"], true, "{}", status["config"]);
+}
