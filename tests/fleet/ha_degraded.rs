@@ -297,3 +297,103 @@ async fn migrate_state_copies_a_single_hubs_state_dir_into_etcd_once() {
     );
     assert_eq!(status["config"]["keyPushed"], true, "{}", status["config"]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_leader_under_cloud_chat_keeps_one_budget_and_every_retried_chat_succeeds() {
+    const CAP: usize = 4;
+    const CLIENTS: usize = 8;
+    const CHATS: usize = 80;
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = Cluster::start(dir.path()).await;
+    let (mut a, b) = leader_and_standby(dir.path(), &cluster).await;
+    let up = upstream(|c| {
+        c.max_concurrency = Some(CAP);
+        c.latency_ms = (100, 200);
+    })
+    .await;
+    let body = format!(
+        "hub_urls = [\"{}\"]\nopenrouter_url = \"{}\"\ncloud_pipeline_depth = 8",
+        b.ws_url(),
+        up.base_url
+    );
+    let _cloud = start_agent_toml(dir.path(), &a.ws_url(), &a.fleet_file, "cloud", &body, &[]);
+    a.wait_for_agent("cloud").await;
+    let (code, body) = a.push(push_body(json!({"code-assistant": "cloud"}))).await;
+    assert_eq!(code, 200, "{body}");
+    // One budget for the key: the operator's number, kept in etcd for whichever hub leads.
+    let (code, body) = a
+        .post_admin("/admin/budget", &json!({"permits": CAP}))
+        .await;
+    assert_eq!(code, 200, "{body}");
+    eventually("a chat", || async {
+        (chat(&a, "warm").await.0 == 200).then_some(())
+    })
+    .await;
+
+    // Clients that retry on the other address, as a client given both does.
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let urls = [a.url(""), b.url("")];
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let (http, sent, urls) = (a.http.clone(), sent.clone(), urls.clone());
+            tokio::spawn(async move {
+                let mut served = 0;
+                let mut retries = 0;
+                while sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < CHATS {
+                    let body = json!({"model": "code-assistant",
+                        "messages": [{"role": "user", "content": format!("client {c}")}]});
+                    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+                    let mut at = c;
+                    loop {
+                        let url = format!("{}/v1/chat/completions", urls[at % 2]);
+                        let r = http
+                            .post(url)
+                            .json(&body)
+                            .timeout(Duration::from_secs(20))
+                            .send()
+                            .await;
+                        if r.is_ok_and(|r| r.status() == 200) {
+                            served += 1;
+                            break;
+                        }
+                        assert!(
+                            std::time::Instant::now() < deadline,
+                            "a chat never got through"
+                        );
+                        retries += 1;
+                        at += 1;
+                        // A client's retry pause (not a synchronisation: any length works).
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+                (served, retries)
+            })
+        })
+        .collect();
+    // The kill lands while chats are in flight.
+    eventually("chats under way", || async {
+        (up.state.served() >= 10).then_some(())
+    })
+    .await;
+    a.proc.kill();
+    leads(&b).await;
+    let mut served = 0;
+    let mut retries = 0;
+    for c in clients {
+        let (s, r) = c.await.unwrap();
+        served += s;
+        retries += r;
+    }
+    assert_eq!(
+        served, CHATS,
+        "every chat succeeded ({retries} client retries)"
+    );
+    assert!(
+        up.state.max_in_flight() <= CAP,
+        "the stand-in saw {} calls at once across the failover (cap {CAP})",
+        up.state.max_in_flight()
+    );
+    assert_eq!(up.state.throttled_429(), 0, "the budget kept under the cap");
+    let budget = b.status().await["budget"].clone();
+    assert_eq!(budget["override_permits"], CAP, "{budget}");
+}
