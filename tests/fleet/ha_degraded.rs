@@ -397,3 +397,63 @@ async fn killing_the_leader_under_cloud_chat_keeps_one_budget_and_every_retried_
     let budget = b.status().await["budget"].clone();
     assert_eq!(budget["override_permits"], CAP, "{budget}");
 }
+
+/// Accepts one agent session on `listener` as a hub would: reads `hello`, sends `welcome`
+/// under `epoch`; the socket.
+async fn welcome_under(
+    listener: &tokio::net::TcpListener,
+    epoch: i64,
+) -> tokio_tungstenite::WebSocketStream<tokio::net::TcpStream> {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let (tcp, _) = tokio::time::timeout(Duration::from_secs(60), listener.accept())
+        .await
+        .expect("the agent dials within a minute")
+        .unwrap();
+    let mut ws = tokio_tungstenite::accept_async(tcp).await.unwrap();
+    let hello = loop {
+        match tokio::time::timeout(Duration::from_secs(10), ws.next()).await {
+            Ok(Some(Ok(Message::Text(t)))) => break serde_json::from_str::<Value>(&t).unwrap(),
+            Ok(Some(Ok(_))) => continue,
+            other => panic!("no hello: {other:?}"),
+        }
+    };
+    assert_eq!(hello["type"], "hello", "{hello}");
+    let welcome = json!({"type": "welcome", "session": 1, "protocol_version": 1,
+        "heartbeat_interval_ms": 5000, "lease_ms": 60000, "pings": false, "epoch": epoch});
+    ws.send(Message::text(welcome.to_string())).await.unwrap();
+    ws
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_refuses_a_hub_that_welcomes_it_under_an_older_epoch() {
+    use futures_util::StreamExt;
+    use tokio_tungstenite::tungstenite::Message;
+    let dir = tempfile::tempdir().unwrap();
+    let first = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let second = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let fleet = dir.path().join("fleet.token");
+    std::fs::write(&fleet, "epoch-test-fleet-token").unwrap();
+    let body = format!(
+        "hub_urls = [\"ws://{}/v1/agent\"]\nopenrouter_url = \"http://127.0.0.1:1\"",
+        second.local_addr().unwrap()
+    );
+    let hub_url = format!("ws://{}/v1/agent", first.local_addr().unwrap());
+    let _agent = start_agent_toml(dir.path(), &hub_url, &fleet, "edge", &body, &[]);
+
+    // The first hub leads under epoch 9 and welcomes the agent, then its socket ends.
+    drop(welcome_under(&first, 9).await);
+    // The agent dials it again (the last hub that welcomed it), and it welcomes the agent under
+    // epoch 7: a leader deposed since, that has not noticed. The agent sends nothing under
+    // that session and closes it.
+    let mut stale = welcome_under(&first, 7).await;
+    let after = tokio::time::timeout(Duration::from_secs(10), stale.next()).await;
+    assert!(
+        matches!(after, Ok(None | Some(Ok(Message::Close(_))) | Some(Err(_)))),
+        "the agent answered under the older epoch: {after:?}"
+    );
+    // Then it dials the other hub, which welcomes it under a newer epoch.
+    let _current = welcome_under(&second, 10).await;
+    let log = std::fs::read_to_string(dir.path().join("edge.log")).unwrap();
+    assert!(log.contains("older than epoch 9 seen before"), "{log}");
+}

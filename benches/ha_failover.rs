@@ -1,0 +1,316 @@
+//! Hubs on etcd: failover and the dispatch path. Real processes: a three-member etcd on
+//! loopback (the HA tests' cluster), two `fantom-sidecar hub` processes on it, ten agents of
+//! this process (real [`Agent`]s listing both hubs, each with a provider that answers at once).
+//!
+//! * **Failover**, 10 kills: eight clients send one-text embeddings back to back, each to the
+//!   hub that last answered it and to the other one after a failure (a 50 ms pause after a
+//!   failure, as a retrying client would). The leader is killed (SIGKILL); measured: the time
+//!   from the kill to the first request served after it, and the requests that failed in
+//!   between. The killed hub is started again on its port (it stands by) before the next kill.
+//! * **Dispatch**: items/s over 200 requests of 1 000 texts, 8 in flight, through the leader on
+//!   etcd and through a hub on a state file, with the same ten agents: the hot path never
+//!   touches the store, so the two should not differ beyond the runs' spread.
+//!
+//! `cargo bench --bench ha_failover` prints the tables of `docs/benchmarks.md`. Bounded: every
+//! wait has a deadline; the processes are killed at the end.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fantom_sidecar::agent::{Agent, AgentOptions};
+use fantom_sidecar::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
+use fantom_sidecar::secret::Secret;
+
+#[allow(dead_code)]
+#[path = "../tests/fleet/etcd_cluster.rs"]
+mod etcd_cluster;
+#[path = "support/latency.rs"]
+mod latency;
+#[allow(dead_code)]
+#[path = "support/null_provider.rs"]
+mod null_provider;
+
+/// What the HA tests' cluster takes from their support module.
+mod support {
+    use std::time::{Duration, Instant};
+
+    pub const PATIENCE: Duration = Duration::from_secs(120);
+
+    pub fn free_port() -> u16 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+        l.local_addr().expect("its address").port()
+    }
+
+    pub async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Option<T>>,
+    {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            if let Some(v) = probe().await {
+                return v;
+            }
+            assert!(Instant::now() < deadline, "never: {what}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+use null_provider::{NullProvider, embed};
+
+const KILLS: usize = 10;
+const AGENTS: usize = 10;
+const CLIENTS: usize = 8;
+const BIG_REQUESTS: usize = 200;
+const IN_FLIGHT: usize = 8;
+const TTL_S: &str = "5";
+
+struct HubProcess {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for HubProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A hub on `listen` with the shared tokens in `tokens`; `etcd`: its endpoints, else a state
+/// file in `state`.
+fn start_hub(listen: &str, tokens: &Path, state: &Path, etcd: Option<&str>) -> HubProcess {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fantom-sidecar"));
+    cmd.args(["--log-format", "json", "hub", "--listen", listen])
+        .arg("--state-dir")
+        .arg(state)
+        .arg("--admin-token-file")
+        .arg(tokens.join("admin.token"))
+        .arg("--fleet-token-file")
+        .arg(tokens.join("fleet.token"));
+    if let Some(endpoints) = etcd {
+        cmd.args(["--etcd-endpoints", endpoints, "--leader-ttl-s", TTL_S]);
+    }
+    let mut child = cmd
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the hub starts");
+    let stdout = child.stdout.take().expect("its stdout");
+    let mut addr = None;
+    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
+            && v["listening"] == "hub"
+        {
+            addr = v["addr"].as_str().and_then(|a| a.parse().ok());
+            break;
+        }
+    }
+    HubProcess {
+        child,
+        addr: addr.expect("the hub listens"),
+    }
+}
+
+/// Whether `addr` serves a one-text embedding now.
+async fn serves(client: &reqwest::Client, addr: SocketAddr) -> bool {
+    client
+        .post(format!("http://{addr}/v1/embeddings"))
+        .json(&serde_json::json!({"model": "embedding", "input": ["fn main() {}"]}))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
+}
+
+/// Whether `addr` leads (its `/health` is not a standby's).
+async fn leads(client: &reqwest::Client, addr: SocketAddr) -> bool {
+    match client
+        .get(format!("http://{addr}/health"))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+    {
+        Ok(r) => r
+            .json::<serde_json::Value>()
+            .await
+            .is_ok_and(|v| v["status"] != "standby"),
+        Err(_) => false,
+    }
+}
+
+/// `AGENTS` agents dialling `hubs`; their stop switches.
+fn agents(hubs: &[SocketAddr], token: &Secret, tag: &str) -> Vec<tokio::sync::watch::Sender<bool>> {
+    (0..AGENTS)
+        .map(|i| {
+            let agent = Agent::new(AgentOptions {
+                hub_urls: hubs.iter().map(|a| format!("ws://{a}/v1/agent")).collect(),
+                agent_id: format!("{tag}-{i}"),
+                fleet_token: token.clone(),
+                ca_file: None,
+                drain_timeout: Duration::from_secs(5),
+                max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+                providers: vec![Arc::new(NullProvider)],
+                servers: Default::default(),
+                cloud: Default::default(),
+            });
+            let (stop, rx) = tokio::sync::watch::channel(false);
+            tokio::spawn(agent.run(rx));
+            stop
+        })
+        .collect()
+}
+
+async fn items_per_s(client: &reqwest::Client, addr: SocketAddr) -> f64 {
+    let batch: Arc<Vec<String>> = Arc::new((0..1000).map(|i| format!("text number {i}")).collect());
+    let started = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    let sem = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
+    for _ in 0..BIG_REQUESTS {
+        let (client, batch, sem) = (client.clone(), batch.clone(), sem.clone());
+        set.spawn(async move {
+            let _permit = sem.acquire_owned().await.expect("the semaphore");
+            embed(&client, addr, &batch).await
+        });
+    }
+    while let Some(done) = set.join_next().await {
+        done.expect("a request task");
+    }
+    (BIG_REQUESTS * 1000) as f64 / started.elapsed().as_secs_f64()
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let rt = latency::runtime();
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let tokens = dir.path().join("tokens");
+    std::fs::create_dir_all(&tokens).expect("the tokens' dir");
+    std::fs::write(tokens.join("admin.token"), "bench-admin-token").expect("a token");
+    std::fs::write(tokens.join("fleet.token"), "bench-fleet-token").expect("a token");
+    let token = Secret::new("bench-fleet-token");
+    let client = reqwest::Client::new();
+    rt.block_on(async {
+        let cluster = etcd_cluster::Cluster::start(dir.path()).await;
+        let endpoints = cluster.endpoints();
+        let listens = [
+            format!("127.0.0.1:{}", support::free_port()),
+            format!("127.0.0.1:{}", support::free_port()),
+        ];
+        let state = |i: usize| dir.path().join(format!("hub{i}"));
+        let mut hubs: Vec<HubProcess> = (0..2)
+            .map(|i| start_hub(&listens[i], &tokens, &state(i), Some(&endpoints)))
+            .collect();
+        let addrs = [hubs[0].addr, hubs[1].addr];
+        let _fleet = agents(&addrs, &token, "ha");
+        support::eventually("the fleet serves", || async {
+            serves(&client, addrs[0]).await.then_some(())
+        })
+        .await;
+        let leader = if leads(&client, addrs[0]).await { 0 } else { 1 };
+        let etcd_rate = items_per_s(&client, addrs[leader]).await;
+
+        // Clients that retry on the other hub.
+        let failed = Arc::new(AtomicU64::new(0));
+        // Each success: when it was sent, when it was answered.
+        let served = Arc::new(Mutex::new(Vec::<(Instant, Instant)>::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let load: Vec<_> = (0..CLIENTS)
+            .map(|c| {
+                let (client, failed, served, stop) =
+                    (client.clone(), failed.clone(), served.clone(), stop.clone());
+                tokio::spawn(async move {
+                    let mut at = c % 2;
+                    while !stop.load(Ordering::Relaxed) {
+                        let sent = Instant::now();
+                        if serves(&client, addrs[at]).await {
+                            let done = Instant::now();
+                            served.lock().expect("the log").push((sent, done));
+                        } else {
+                            failed.fetch_add(1, Ordering::Relaxed);
+                            at = 1 - at;
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut rows = Vec::new();
+        for kill in 1..=KILLS {
+            let leader = if leads(&client, addrs[0]).await { 0 } else { 1 };
+            let failed_before = failed.load(Ordering::Relaxed);
+            let _ = hubs[leader].child.kill();
+            let killed = Instant::now();
+            let _ = hubs[leader].child.wait();
+            // The first request sent after the kill that was served: only the new leader can
+            // have served it.
+            let took = support::eventually("a request sent after the kill is served", || async {
+                served
+                    .lock()
+                    .expect("the log")
+                    .iter()
+                    .filter(|(sent, _)| *sent > killed)
+                    .map(|(_, done)| done.duration_since(killed))
+                    .min()
+            })
+            .await;
+            let lost = failed.load(Ordering::Relaxed) - failed_before;
+            println!(
+                "kill {kill}: served again {:.2} s after the kill; {lost} requests failed",
+                took.as_secs_f64()
+            );
+            rows.push((took.as_secs_f64(), lost));
+            hubs[leader] = start_hub(&listens[leader], &tokens, &state(leader), Some(&endpoints));
+            support::eventually("the killed hub stands by", || async {
+                (!leads(&client, addrs[leader]).await).then_some(())
+            })
+            .await;
+        }
+        stop.store(true, Ordering::Relaxed);
+        for l in load {
+            let _ = l.await;
+        }
+
+        // The same fleet on a hub with a state file.
+        let file_hub = start_hub("127.0.0.1:0", &tokens, &dir.path().join("file"), None);
+        let _file_fleet = agents(&[file_hub.addr], &token, "file");
+        support::eventually("the file hub's fleet serves", || async {
+            serves(&client, file_hub.addr).await.then_some(())
+        })
+        .await;
+        let file_rate = items_per_s(&client, file_hub.addr).await;
+        let leader = if leads(&client, addrs[0]).await { 0 } else { 1 };
+        let etcd_rate_again = items_per_s(&client, addrs[leader]).await;
+
+        println!("\nha_failover ({KILLS} kills of the leader, TTL {TTL_S} s, {CLIENTS} clients):");
+        println!("| kill | served again after | requests failed |");
+        println!("|---:|---:|---:|");
+        for (i, (s, lost)) in rows.iter().enumerate() {
+            println!("| {} | {s:.2} s | {lost} |", i + 1);
+        }
+        let mut times: Vec<f64> = rows.iter().map(|r| r.0).collect();
+        times.sort_by(f64::total_cmp);
+        println!(
+            "median {:.2} s, worst {:.2} s; {} requests failed in all",
+            latency::percentile(&times, 0.5),
+            times[times.len() - 1],
+            rows.iter().map(|r| r.1).sum::<u64>()
+        );
+        println!("\ndispatch (200 requests of 1 000 texts, 8 in flight, {AGENTS} agents):");
+        println!("| store | items/s |");
+        println!("|---|---:|");
+        println!("| etcd (leader), before the kills | {etcd_rate:.0} |");
+        println!("| etcd (leader), after the kills | {etcd_rate_again:.0} |");
+        println!("| state file | {file_rate:.0} |");
+        drop(cluster);
+    });
+}
