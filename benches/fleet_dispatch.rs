@@ -19,19 +19,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use fantom_sidecar::agent::{Agent, AgentOptions};
-use fantom_sidecar::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
 use tokio::runtime::Runtime;
 
 #[path = "support/inprocess_hub.rs"]
 mod inprocess_hub;
 #[path = "support/latency.rs"]
 mod latency;
+#[allow(dead_code)]
 #[path = "support/null_provider.rs"]
 mod null_provider;
 
 use latency::percentile;
-use null_provider::{NullProvider, embed, start_direct};
+use null_provider::{embed, null_agent, start_direct};
 
 struct Fleet {
     hub_addr: SocketAddr,
@@ -51,17 +50,11 @@ fn start(rt: &Runtime) -> Fleet {
         // The reference server: one embedding straight from a handler, same stack.
         let direct_addr = start_direct();
         for i in 0..2 {
-            let agent = Agent::new(AgentOptions {
-                hub_urls: vec![format!("ws://{hub_addr}/v1/agent")],
-                agent_id: format!("bench-{i}"),
-                fleet_token: fleet_token.clone(),
-                ca_file: None,
-                drain_timeout: Duration::from_secs(5),
-                max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
-                providers: vec![Arc::new(NullProvider)],
-                servers: Default::default(),
-                cloud: Default::default(),
-            });
+            let agent = null_agent(
+                vec![format!("ws://{hub_addr}/v1/agent")],
+                format!("bench-{i}"),
+                &fleet_token,
+            );
             let (_tx, rx) = tokio::sync::watch::channel(false);
             tokio::spawn(async move {
                 let _keep = _tx;

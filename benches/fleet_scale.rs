@@ -14,23 +14,22 @@
 //! `cargo bench --bench fleet_scale` prints the table (the one in `docs/benchmarks.md`).
 //! Bounded: every wait has a deadline, and the hub process is killed at the end.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use fantom_sidecar::agent::{Agent, AgentOptions};
-use fantom_sidecar::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
 use fantom_sidecar::secret::Secret;
 
+#[path = "support/hub_process.rs"]
+mod hub_process;
 #[path = "support/latency.rs"]
 mod latency;
 #[path = "support/null_provider.rs"]
 mod null_provider;
 
+use hub_process::spawn_hub;
 use latency::percentile;
-use null_provider::{NullProvider, embed, start_direct};
+use null_provider::{embed, items_per_s, null_agent, start_direct};
 
 const FLEETS: [usize; 4] = [1, 10, 100, 1000];
 const BIG_REQUESTS: usize = 200;
@@ -55,27 +54,11 @@ impl Drop for HubProcess {
 
 fn start_hub() -> HubProcess {
     let state = tempfile::tempdir().expect("a temp dir");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fantom-sidecar"))
-        .args(["--log-format", "json", "hub", "--listen", "127.0.0.1:0"])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fantom-sidecar"));
+    cmd.args(["--log-format", "json", "hub", "--listen", "127.0.0.1:0"])
         .arg("--state-dir")
-        .arg(state.path())
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("the hub starts");
-    let stdout = child.stdout.take().expect("its stdout");
-    let mut addr = None;
-    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
-            && v["listening"] == "hub"
-        {
-            addr = v["addr"].as_str().and_then(|a| a.parse().ok());
-            break;
-        }
-    }
-    let addr = addr.expect("the hub listens");
+        .arg(state.path());
+    let (child, addr) = spawn_hub(cmd);
     let token = std::fs::read_to_string(state.path().join("fleet.token")).expect("its token");
     HubProcess {
         child,
@@ -143,24 +126,6 @@ async fn one_text_latencies(client: &reqwest::Client, addr: SocketAddr) -> Vec<f
     v
 }
 
-async fn items_per_s(client: &reqwest::Client, addr: SocketAddr) -> f64 {
-    let batch: Arc<Vec<String>> = Arc::new((0..1000).map(|i| format!("text number {i}")).collect());
-    let started = Instant::now();
-    let mut set = tokio::task::JoinSet::new();
-    let sem = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
-    for _ in 0..BIG_REQUESTS {
-        let (client, batch, sem) = (client.clone(), batch.clone(), sem.clone());
-        set.spawn(async move {
-            let _permit = sem.acquire_owned().await.expect("the semaphore");
-            embed(&client, addr, &batch).await
-        });
-    }
-    while let Some(done) = set.join_next().await {
-        done.expect("a request task");
-    }
-    (BIG_REQUESTS * 1000) as f64 / started.elapsed().as_secs_f64()
-}
-
 /// The agents of this process, each with a stop switch.
 #[derive(Default)]
 struct Fleet {
@@ -172,17 +137,11 @@ impl Fleet {
     /// Connects agents until `n` serve (dialling in waves of 100: the accept backlog holds).
     async fn grow(&mut self, client: &reqwest::Client, hub: &HubProcess, n: usize) {
         while self.stops.len() < n {
-            let agent = Agent::new(AgentOptions {
-                hub_urls: vec![format!("ws://{}/v1/agent", hub.addr)],
-                agent_id: format!("scale-{}", self.next_id),
-                fleet_token: hub.fleet_token.clone(),
-                ca_file: None,
-                drain_timeout: Duration::from_secs(5),
-                max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
-                providers: vec![Arc::new(NullProvider)],
-                servers: Default::default(),
-                cloud: Default::default(),
-            });
+            let agent = null_agent(
+                vec![format!("ws://{}/v1/agent", hub.addr)],
+                format!("scale-{}", self.next_id),
+                &hub.fleet_token,
+            );
             self.next_id += 1;
             let (stop, rx) = tokio::sync::watch::channel(false);
             self.stops.push(stop);
@@ -242,7 +201,7 @@ fn main() {
         // Then traffic, at each size.
         for (n, per_agent_kib) in FLEETS.into_iter().zip(memory) {
             fleet.grow(&client, &hub, n).await;
-            let rate = items_per_s(&client, hub.addr).await;
+            let rate = items_per_s(&client, hub.addr, BIG_REQUESTS, IN_FLIGHT).await;
             let via_hub = one_text_latencies(&client, hub.addr).await;
             let (p50, p99) = (percentile(&via_hub, 0.5), percentile(&via_hub, 0.99));
             println!(

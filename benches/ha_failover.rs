@@ -14,21 +14,20 @@
 //! `cargo bench --bench ha_failover` prints the tables of `docs/benchmarks.md`. Bounded: every
 //! wait has a deadline; the processes are killed at the end.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use fantom_sidecar::agent::{Agent, AgentOptions};
-use fantom_sidecar::protocol::codec::DEFAULT_MAX_FRAME_BYTES;
 use fantom_sidecar::secret::Secret;
 
 #[allow(dead_code)]
 #[path = "../tests/fleet/etcd_cluster.rs"]
 mod etcd_cluster;
+#[path = "support/hub_process.rs"]
+mod hub_process;
 #[path = "support/latency.rs"]
 mod latency;
 #[allow(dead_code)]
@@ -62,7 +61,7 @@ mod support {
     }
 }
 
-use null_provider::{NullProvider, embed};
+use null_provider::{items_per_s, null_agent};
 
 const KILLS: usize = 10;
 const AGENTS: usize = 10;
@@ -97,27 +96,8 @@ fn start_hub(listen: &str, tokens: &Path, state: &Path, etcd: Option<&str>) -> H
     if let Some(endpoints) = etcd {
         cmd.args(["--etcd-endpoints", endpoints, "--leader-ttl-s", TTL_S]);
     }
-    let mut child = cmd
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("the hub starts");
-    let stdout = child.stdout.take().expect("its stdout");
-    let mut addr = None;
-    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
-            && v["listening"] == "hub"
-        {
-            addr = v["addr"].as_str().and_then(|a| a.parse().ok());
-            break;
-        }
-    }
-    HubProcess {
-        child,
-        addr: addr.expect("the hub listens"),
-    }
+    let (child, addr) = hub_process::spawn_hub(cmd);
+    HubProcess { child, addr }
 }
 
 /// Whether `addr` serves a one-text embedding now.
@@ -151,40 +131,16 @@ async fn leads(client: &reqwest::Client, addr: SocketAddr) -> bool {
 fn agents(hubs: &[SocketAddr], token: &Secret, tag: &str) -> Vec<tokio::sync::watch::Sender<bool>> {
     (0..AGENTS)
         .map(|i| {
-            let agent = Agent::new(AgentOptions {
-                hub_urls: hubs.iter().map(|a| format!("ws://{a}/v1/agent")).collect(),
-                agent_id: format!("{tag}-{i}"),
-                fleet_token: token.clone(),
-                ca_file: None,
-                drain_timeout: Duration::from_secs(5),
-                max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
-                providers: vec![Arc::new(NullProvider)],
-                servers: Default::default(),
-                cloud: Default::default(),
-            });
+            let agent = null_agent(
+                hubs.iter().map(|a| format!("ws://{a}/v1/agent")).collect(),
+                format!("{tag}-{i}"),
+                token,
+            );
             let (stop, rx) = tokio::sync::watch::channel(false);
             tokio::spawn(agent.run(rx));
             stop
         })
         .collect()
-}
-
-async fn items_per_s(client: &reqwest::Client, addr: SocketAddr) -> f64 {
-    let batch: Arc<Vec<String>> = Arc::new((0..1000).map(|i| format!("text number {i}")).collect());
-    let started = Instant::now();
-    let mut set = tokio::task::JoinSet::new();
-    let sem = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
-    for _ in 0..BIG_REQUESTS {
-        let (client, batch, sem) = (client.clone(), batch.clone(), sem.clone());
-        set.spawn(async move {
-            let _permit = sem.acquire_owned().await.expect("the semaphore");
-            embed(&client, addr, &batch).await
-        });
-    }
-    while let Some(done) = set.join_next().await {
-        done.expect("a request task");
-    }
-    (BIG_REQUESTS * 1000) as f64 / started.elapsed().as_secs_f64()
 }
 
 fn main() {
@@ -217,7 +173,7 @@ fn main() {
         })
         .await;
         let leader = if leads(&client, addrs[0]).await { 0 } else { 1 };
-        let etcd_rate = items_per_s(&client, addrs[leader]).await;
+        let etcd_rate = items_per_s(&client, addrs[leader], BIG_REQUESTS, IN_FLIGHT).await;
 
         // Clients that retry on the other hub.
         let failed = Arc::new(AtomicU64::new(0));
@@ -287,9 +243,9 @@ fn main() {
             serves(&client, file_hub.addr).await.then_some(())
         })
         .await;
-        let file_rate = items_per_s(&client, file_hub.addr).await;
+        let file_rate = items_per_s(&client, file_hub.addr, BIG_REQUESTS, IN_FLIGHT).await;
         let leader = if leads(&client, addrs[0]).await { 0 } else { 1 };
-        let etcd_rate_again = items_per_s(&client, addrs[leader]).await;
+        let etcd_rate_again = items_per_s(&client, addrs[leader], BIG_REQUESTS, IN_FLIGHT).await;
 
         println!("\nha_failover ({KILLS} kills of the leader, TTL {TTL_S} s, {CLIENTS} clients):");
         println!("| kill | served again after | requests failed |");
