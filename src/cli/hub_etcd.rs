@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use crate::config::tokens;
 use crate::hub::store::StateStore;
 use crate::hub::store::etcd::EtcdStore;
-use crate::hub::store::etcd::client::{EtcdClient, EtcdOptions};
+use crate::hub::store::etcd::client::{EtcdClient, EtcdOptions, Op};
 use crate::hub::store::etcd::election::{self, LeaderRecord, Standing};
 use crate::service::credentials;
 
@@ -275,6 +275,28 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
         Arc::new(standing_tx),
     );
     let saved = store.save(&state).await;
+    if saved.is_err() {
+        // Half a state would look whole to a hub (and a rerun would refuse it): what was
+        // written goes, while this copy still holds the lead.
+        let guard = store.leadership().guard();
+        let cleared = client
+            .txn(
+                &[guard],
+                &[
+                    Op::DeletePrefix {
+                        prefix: format!("{prefix}/state/"),
+                    },
+                    Op::DeletePrefix {
+                        prefix: format!("{prefix}/blob/"),
+                    },
+                ],
+                &[],
+            )
+            .await;
+        if !cleared.is_ok_and(|o| o.succeeded) {
+            tracing::error!(prefix = %prefix, "a part of the state may be left in etcd: delete the prefix with etcdctl before trying again");
+        }
+    }
     let _ = stop_tx.send(true);
     let _ = client.revoke(lease).await;
     saved.context("writing the state into etcd")?;

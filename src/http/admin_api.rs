@@ -169,6 +169,16 @@ pub async fn post_gate_verify(
         }
     };
     let mut core = hub.core();
+    // Fenced, nothing could be probed again or stored: refused, not half done.
+    if let Err(fenced) = core.fence.check(std::time::Instant::now()) {
+        let mut err = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unreachable",
+            fenced.0,
+        );
+        err.retry_after_s = Some(5);
+        return Err(err);
+    }
     if let Some(space) = &retire
         && !core.gate.retire(space)
     {

@@ -38,7 +38,10 @@ impl ApiError {
     pub fn state_write(e: &crate::hub::state::StateError) -> Self {
         use crate::hub::state::StateError;
         match e {
-            StateError::Fenced(_) | StateError::Etcd(_) => {
+            StateError::Fenced(_)
+            | StateError::Etcd(crate::hub::store::etcd::client::EtcdError::Unavailable {
+                ..
+            }) => {
                 let mut err = Self::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "store_unreachable",

@@ -375,6 +375,10 @@ pub struct BudgetCheckpoint {
     pub key_rejected: Option<String>,
 }
 
+fn round_to_50(ms: f64) -> f64 {
+    (ms / 50.0).round() * 50.0
+}
+
 /// One scope's learned limit.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LimiterCheckpoint {
@@ -391,8 +395,8 @@ impl LimiterCheckpoint {
         Self {
             limit: l.limit,
             last_bad: l.last_bad.map(|(bad, _)| bad),
-            // Whole milliseconds: a checkpoint changes when something was learnt, not per call.
-            latency_ewma_ms: l.latency_ewma_ms.map(f64::round),
+            // In 50 ms steps: a checkpoint changes when something was learnt, not per call.
+            latency_ewma_ms: l.latency_ewma_ms.map(round_to_50),
         }
     }
 
@@ -438,7 +442,7 @@ impl Budget {
                 error: None,
                 ..self.account.clone()
             },
-            latency_ewma_ms: self.latency_ewma_ms.round(),
+            latency_ewma_ms: round_to_50(self.latency_ewma_ms),
             global: LimiterCheckpoint::of(&self.global),
             routes: self
                 .routes

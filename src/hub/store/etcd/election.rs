@@ -242,8 +242,11 @@ pub fn keep(
                 Some(Ok(Some(_))) => {
                     renewed_at = sent;
                     fence.renewed((sent + deadline).into_std());
+                    // Lifted only while this renewal's own deadline is ahead: an answer that
+                    // came later than that keeps the fence (and the next renewal tries again).
+                    let open = fence.check(std::time::Instant::now()).is_ok();
                     tx.send_if_modified(|s| {
-                        let lift = matches!(s, Standing::Fenced { .. });
+                        let lift = open && matches!(s, Standing::Fenced { .. });
                         if lift {
                             *s = Standing::Leading;
                         }

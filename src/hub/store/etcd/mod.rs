@@ -38,6 +38,18 @@ struct PartRecord {
     bytes: usize,
 }
 
+/// The parts as this hub knows them stored.
+#[derive(Debug, Default)]
+struct Stored {
+    /// Each part's digest (what a save compares with), and the revision its name was last
+    /// written at (what the next write of it checks).
+    parts: BTreeMap<String, (String, i64)>,
+    /// Parts whose last name write failed without an answer (a timeout): it may have applied.
+    /// Their name is read again before the next write: as the only writer under this epoch,
+    /// what is there now is either the old name or the one this hub sent.
+    in_doubt: std::collections::BTreeSet<String>,
+}
+
 /// The store of the leading hub.
 #[derive(Debug)]
 pub struct EtcdStore {
@@ -46,9 +58,8 @@ pub struct EtcdStore {
     leadership: Leadership,
     /// Set `Deposed` when etcd refuses a write under this epoch: the leader stops at once.
     standing: std::sync::Arc<tokio::sync::watch::Sender<Standing>>,
-    /// The digest of each part as stored (what a save compares with), and the revision its
-    /// name was last written at (what the next write of it checks).
-    stored: tokio::sync::Mutex<BTreeMap<String, (String, i64)>>,
+    /// What this hub knows is stored.
+    stored: tokio::sync::Mutex<Stored>,
 }
 
 impl EtcdStore {
@@ -63,7 +74,7 @@ impl EtcdStore {
             prefix: prefix.trim_end_matches('/').to_string(),
             leadership,
             standing,
-            stored: tokio::sync::Mutex::new(BTreeMap::new()),
+            stored: tokio::sync::Mutex::new(Stored::default()),
         }
     }
 
@@ -120,7 +131,10 @@ impl EtcdStore {
             at: self.state_key(""),
             message,
         })?;
-        *self.stored.lock().await = stored;
+        *self.stored.lock().await = Stored {
+            parts: stored,
+            in_doubt: Default::default(),
+        };
         Ok(state)
     }
 
@@ -128,9 +142,13 @@ impl EtcdStore {
     pub async fn save(&self, state: &HubState) -> Result<(), StateError> {
         let parts = split(state);
         let mut stored = self.stored.lock().await;
+        let doubts: Vec<String> = stored.in_doubt.iter().cloned().collect();
+        for part in doubts {
+            self.settle(&mut stored, &part).await?;
+        }
         for (part, bytes) in &parts {
             let sha256 = sha256_hex(bytes);
-            let (old, at) = match stored.get(part) {
+            let (old, at) = match stored.parts.get(part) {
                 Some((sha, at)) => (Some(sha.clone()), *at),
                 None => (None, 0),
             };
@@ -175,10 +193,19 @@ impl EtcdStore {
                 at,
                 value: Some(&name),
             };
-            let revision = self.guarded(Some(&cas), &ops).await?;
-            stored.insert(part.clone(), (sha256, revision));
+            let revision = match self.guarded(Some(&cas), &ops).await {
+                Ok(revision) => revision,
+                Err(e) => {
+                    if matches!(e, StateError::Etcd(_)) {
+                        stored.in_doubt.insert(part.clone());
+                    }
+                    return Err(e);
+                }
+            };
+            stored.parts.insert(part.clone(), (sha256, revision));
         }
         let gone: Vec<(String, String, i64)> = stored
+            .parts
             .iter()
             .filter(|(part, _)| !parts.contains_key(*part))
             .map(|(p, (s, at))| (p.clone(), s.clone(), *at))
@@ -189,20 +216,48 @@ impl EtcdStore {
                 at,
                 value: None,
             };
-            self.guarded(
-                Some(&cas),
-                &[
-                    Op::Delete {
-                        key: self.state_key(&part),
-                    },
-                    Op::DeletePrefix {
-                        prefix: self.blob_prefix(&part, &sha256),
-                    },
-                ],
-            )
-            .await?;
-            stored.remove(&part);
+            let deleted = self
+                .guarded(
+                    Some(&cas),
+                    &[
+                        Op::Delete {
+                            key: self.state_key(&part),
+                        },
+                        Op::DeletePrefix {
+                            prefix: self.blob_prefix(&part, &sha256),
+                        },
+                    ],
+                )
+                .await;
+            if let Err(e) = deleted {
+                if matches!(e, StateError::Etcd(_)) {
+                    stored.in_doubt.insert(part.clone());
+                }
+                return Err(e);
+            }
+            stored.parts.remove(&part);
         }
+        Ok(())
+    }
+
+    /// Reads a part's name again after a write of it that may or may not have applied.
+    async fn settle(&self, stored: &mut Stored, part: &str) -> Result<(), StateError> {
+        match self.client.get(&self.state_key(part)).await? {
+            Some(kv) => {
+                let record: PartRecord =
+                    serde_json::from_slice(&kv.value).map_err(|e| StateError::Corrupt {
+                        at: kv.key.clone(),
+                        message: e.to_string(),
+                    })?;
+                stored
+                    .parts
+                    .insert(part.to_string(), (record.sha256, kv.mod_revision));
+            }
+            None => {
+                stored.parts.remove(part);
+            }
+        }
+        stored.in_doubt.remove(part);
         Ok(())
     }
 
