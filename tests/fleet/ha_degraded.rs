@@ -298,11 +298,59 @@ async fn migrate_state_copies_a_single_hubs_state_dir_into_etcd_once() {
     assert_eq!(status["config"]["keyPushed"], true, "{}", status["config"]);
 }
 
+/// A client sending `body` to `urls[0]` or `urls[1]` until `total` requests (shared through
+/// `sent`) are served, switching address after a failure (bounded: 60 s per request): the
+/// answers, and how many retries it took.
+fn spawn_retrying(
+    http: reqwest::Client,
+    urls: [String; 2],
+    sent: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    total: usize,
+    c: usize,
+    body: Value,
+) -> tokio::task::JoinHandle<(Vec<Value>, usize)> {
+    tokio::spawn(async move {
+        let mut answers = Vec::new();
+        let mut retries = 0;
+        let mut at = c;
+        while sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < total {
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            loop {
+                let r = http
+                    .post(&urls[at % 2])
+                    .json(&body)
+                    .timeout(Duration::from_secs(20))
+                    .send()
+                    .await;
+                if let Ok(r) = r
+                    && r.status() == 200
+                    && let Ok(answer) = r.json::<Value>().await
+                {
+                    answers.push(answer);
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "a request to {} never got through",
+                    urls[at % 2]
+                );
+                retries += 1;
+                at += 1;
+                // A client's retry pause (not a synchronisation: any length works).
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        (answers, retries)
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killing_the_leader_under_cloud_chat_keeps_one_budget_and_every_retried_chat_succeeds() {
+async fn killing_the_leader_under_chat_and_embedding_load_keeps_one_budget_and_one_space() {
     const CAP: usize = 4;
     const CLIENTS: usize = 8;
     const CHATS: usize = 80;
+    const EMBED_CLIENTS: usize = 4;
+    const EMBEDS: usize = 60;
     let dir = tempfile::tempdir().unwrap();
     let cluster = Cluster::start(dir.path()).await;
     let (mut a, b) = leader_and_standby(dir.path(), &cluster).await;
@@ -317,9 +365,20 @@ async fn killing_the_leader_under_cloud_chat_keeps_one_budget_and_every_retried_
         up.base_url
     );
     let _cloud = start_agent_toml(dir.path(), &a.ws_url(), &a.fleet_file, "cloud", &body, &[]);
-    a.wait_for_agent("cloud").await;
-    let (code, body) = a.push(push_body(json!({"code-assistant": "cloud"}))).await;
+    // Two GPU hosts (MiniLM), listing both hubs too.
+    let gpu = format!("hub_urls = [\"{}\"]\n{}", b.ws_url(), minilm_models_toml());
+    let _gpus: Vec<Proc> = ["gpu1", "gpu2"]
+        .iter()
+        .map(|id| start_agent_toml(dir.path(), &a.ws_url(), &a.fleet_file, id, &gpu, &[]))
+        .collect();
+    for id in ["cloud", "gpu1", "gpu2"] {
+        a.wait_for_agent(id).await;
+    }
+    // Embeddings stay on the GPU hosts: the stand-in's calls are the chats' alone.
+    let modes = json!({"code-assistant": "cloud", "embedding": "local", "code-embedding": "local"});
+    let (code, body) = a.push(push_body(modes)).await;
     assert_eq!(code, 200, "{body}");
+    let space = embed_retrying(&a, "warm").await;
     // One budget for the key: the operator's number, kept in etcd for whichever hub leads.
     let (code, body) = a
         .post_admin("/admin/budget", &json!({"permits": CAP}))
@@ -329,64 +388,58 @@ async fn killing_the_leader_under_cloud_chat_keeps_one_budget_and_every_retried_
         (chat(&a, "warm").await.0 == 200).then_some(())
     })
     .await;
+    // A project and its key, made on the leader.
+    let (code, made) = a
+        .post_admin("/admin/projects", &json!({"name": "indexer"}))
+        .await;
+    assert_eq!(code, 201, "{made}");
+    let key = made["key"].as_str().unwrap().to_string();
 
-    // Clients that retry on the other address, as a client given both does.
-    let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // Clients that retry on the other address, as a client given both does: chats, and
+    // embeddings served by the two GPU hosts.
     let urls = [a.url(""), b.url("")];
-    let clients: Vec<_> = (0..CLIENTS)
+    let chats = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let embeds = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut clients: Vec<_> = (0..CLIENTS)
         .map(|c| {
-            let (http, sent, urls) = (a.http.clone(), sent.clone(), urls.clone());
-            tokio::spawn(async move {
-                let mut served = 0;
-                let mut retries = 0;
-                while sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < CHATS {
-                    let body = json!({"model": "code-assistant",
-                        "messages": [{"role": "user", "content": format!("client {c}")}]});
-                    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-                    let mut at = c;
-                    loop {
-                        let url = format!("{}/v1/chat/completions", urls[at % 2]);
-                        let r = http
-                            .post(url)
-                            .json(&body)
-                            .timeout(Duration::from_secs(20))
-                            .send()
-                            .await;
-                        if r.is_ok_and(|r| r.status() == 200) {
-                            served += 1;
-                            break;
-                        }
-                        assert!(
-                            std::time::Instant::now() < deadline,
-                            "a chat never got through"
-                        );
-                        retries += 1;
-                        at += 1;
-                        // A client's retry pause (not a synchronisation: any length works).
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
-                }
-                (served, retries)
-            })
+            let body = json!({"model": "code-assistant",
+                "messages": [{"role": "user", "content": format!("client {c}")}]});
+            let urls = urls.clone().map(|u| format!("{u}/v1/chat/completions"));
+            spawn_retrying(a.http.clone(), urls, chats.clone(), CHATS, c, body)
         })
         .collect();
-    // The kill lands while chats are in flight.
-    eventually("chats under way", || async {
-        (up.state.served() >= 10).then_some(())
+    clients.extend((0..EMBED_CLIENTS).map(|c| {
+        let body = json!({"model": "embedding", "input": [format!("fn client_{c}() {{}}")]});
+        let urls = urls.clone().map(|u| format!("{u}/v1/embeddings"));
+        spawn_retrying(a.http.clone(), urls, embeds.clone(), EMBEDS, c, body)
+    }));
+    // The kill lands while chats and embeddings are in flight.
+    eventually("chats and embeddings under way", || async {
+        (up.state.served() >= 10 && embeds.load(std::sync::atomic::Ordering::Relaxed) >= 10)
+            .then_some(())
     })
     .await;
     a.proc.kill();
     leads(&b).await;
-    let mut served = 0;
+    let mut answers = Vec::new();
     let mut retries = 0;
     for c in clients {
-        let (s, r) = c.await.unwrap();
-        served += s;
+        let (a, r) = c.await.unwrap();
+        answers.extend(a);
         retries += r;
     }
+    let (chat_answers, embed_answers): (Vec<Value>, Vec<Value>) =
+        answers.into_iter().partition(|a| !a["data"].is_array());
     assert_eq!(
-        served, CHATS,
-        "every chat succeeded ({retries} client retries)"
+        (chat_answers.len(), embed_answers.len()),
+        (CHATS, EMBEDS),
+        "every chat and every embedding succeeded ({retries} client retries)"
+    );
+    assert!(
+        embed_answers
+            .iter()
+            .all(|e| e["data"][0]["space"]["id"] == space.as_str()),
+        "every vector in the space founded before the kill"
     );
     assert!(
         up.state.max_in_flight() <= CAP,
@@ -396,6 +449,29 @@ async fn killing_the_leader_under_cloud_chat_keeps_one_budget_and_every_retried_
     assert_eq!(up.state.throttled_429(), 0, "the budget kept under the cap");
     let budget = b.status().await["budget"].clone();
     assert_eq!(budget["override_permits"], CAP, "{budget}");
+    // The project came through the failover: its key is taken, another is not.
+    let with = |key: &str| {
+        let (http, url, key) = (
+            b.http.clone(),
+            b.url("/v1/chat/completions"),
+            key.to_string(),
+        );
+        async move {
+            http.post(url)
+                .bearer_auth(key)
+                .json(&json!({"model": "code-assistant",
+                    "messages": [{"role": "user", "content": "as the indexer"}]}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(with(&key).await, 200);
+    assert_eq!(with("sk-not-a-key-of-this-hub").await, 401);
+    let projects = b.admin_get("/admin/projects").await;
+    assert!(projects.to_string().contains("indexer"), "{projects}");
 }
 
 /// Accepts one agent session on `listener` as a hub would: reads `hello`, sends `welcome`
