@@ -171,13 +171,9 @@ pub async fn post_gate_verify(
     let mut core = hub.core();
     // Fenced, nothing could be probed again or stored: refused, not half done.
     if let Err(fenced) = core.fence.check(std::time::Instant::now()) {
-        let mut err = ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store_unreachable",
-            fenced.0,
-        );
-        err.retry_after_s = Some(5);
-        return Err(err);
+        return Err(ApiError::state_write(
+            &crate::hub::state::StateError::Fenced(fenced.0),
+        ));
     }
     if let Some(space) = &retire
         && !core.gate.retire(space)

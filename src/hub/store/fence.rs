@@ -86,11 +86,6 @@ impl Fence {
             now.saturating_duration_since(until).as_secs() + 1
         )))
     }
-
-    /// Whether this fence can close at all (a leader on etcd).
-    pub fn is_leased(&self) -> bool {
-        self.0.is_some()
-    }
 }
 
 #[cfg(test)]
