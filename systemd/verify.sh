@@ -66,7 +66,7 @@ if [ "$status" -ne 0 ] || [ -n "$ours" ]; then
   [ -z "$ours" ] || printf '%s\n' "$ours" | sed 's/^/  /' >&2
   exit 1
 fi
-echo "ok: ${units[*]} verify cleanly ($(systemd-analyze --version | head -1))"
+echo "ok: ${units[*]} verify cleanly ($(systemd-analyze --version | sed -n 1p))"
 
 if systemd-analyze security --help 2>/dev/null | grep -q -- '--offline'; then
   for unit in "${units[@]}"; do
