@@ -2,7 +2,7 @@
 //! the end of a socket, `providers`, `pull`, `heartbeat`, `config_ack`, `limits`, and the
 //! gate's probes out and their answers.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use super::{Core, results};
@@ -311,14 +311,18 @@ impl Core {
     }
 
     /// The gate's round: probes to send (new providers, retries, the sentinel), sent now; the
-    /// scorer check's round first.
+    /// scorer check's round first. A probe to a cloud provider goes through the shared key like
+    /// any work, so it holds a budget permit while it is out; without one it waits for a later
+    /// round.
     pub fn gate_tick(&mut self, now: Instant) {
         self.scorer_tick(now);
+        self.release_probe_permits(now);
         // A fenced leader founds no space and judges no one (another hub may lead by now);
         // the verdicts it holds stand, and canaries still suspend.
         if self.fence.check(now).is_err() {
             return;
         }
+        let mut routes: HashMap<String, String> = HashMap::new();
         let candidates: Vec<Candidate> = self
             .agents
             .values()
@@ -329,6 +333,9 @@ impl Core {
             .filter_map(|p| {
                 let mut c = p.gate_candidate.clone()?;
                 c.healthy = p.is_healthy(now);
+                if let Some(route) = &p.route {
+                    routes.insert(c.provider.clone(), route.clone());
+                }
                 Some(c)
             })
             .collect();
@@ -340,6 +347,14 @@ impl Core {
             |r| cloud.allowed_models.get(&r).and_then(|m| m.dims),
         );
         for r in requests {
+            if let Some(route) = routes.get(&r.provider) {
+                if !self.budget.try_acquire(route, now) {
+                    tracing::debug!(provider = %r.provider, route = %route, "gate probe waits for a budget permit");
+                    self.gate.withdraw(&r.probe);
+                    continue;
+                }
+                self.probe_permits.insert(r.probe.clone(), route.clone());
+            }
             let sent = r.provider.split_once('/').and_then(|(agent, pid)| {
                 let a = self.agents.get(agent)?;
                 a.send(protocol::encode(&HubFrame::Probe(protocol::Probe {
@@ -355,6 +370,28 @@ impl Core {
                     .on_result(&r.probe, Err("the agent is gone".into()), now);
             }
         }
+        self.release_probe_permits(now);
+    }
+
+    /// Returns the budget permits of probes the gate no longer waits for (answered, failed,
+    /// timed out, their agent gone); a freed permit is offered to every role's queue.
+    fn release_probe_permits(&mut self, now: Instant) {
+        let gate = &self.gate;
+        let done: Vec<(String, String)> = self
+            .probe_permits
+            .iter()
+            .filter(|(probe, _)| !gate.is_pending(probe))
+            .map(|(p, r)| (p.clone(), r.clone()))
+            .collect();
+        if done.is_empty() {
+            return;
+        }
+        for (probe, route) in done {
+            self.probe_permits.remove(&probe);
+            // No latency sample: a probe's twelve texts (one long) are not a work frame.
+            self.budget.release(&route, budget::Outcome::Other, now);
+        }
+        self.dispatch_all();
     }
 
     /// The scorer check's round: probes to local rerankers without a standing, sent now; each

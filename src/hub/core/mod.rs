@@ -446,6 +446,9 @@ pub struct Core {
     /// Input bytes of every accepted request not yet answered.
     held_bytes: usize,
     leases: HashMap<u64, Lease>,
+    /// The budget permit each gate probe to a cloud provider holds while it is out (probe id
+    /// → route): probe texts go through the shared key like any work.
+    probe_permits: HashMap<String, String>,
     agents: BTreeMap<String, AgentEntry>,
     sockets: BTreeMap<String, SocketCount>,
     /// When a provider of each role last left (work waits [`HubSettings::vanish_grace`]).
@@ -492,6 +495,7 @@ impl Core {
             requests: HashMap::new(),
             held_bytes: 0,
             leases: HashMap::new(),
+            probe_permits: HashMap::new(),
             agents: BTreeMap::new(),
             sockets: BTreeMap::new(),
             vanished: BTreeMap::new(),

@@ -1017,3 +1017,93 @@ fn a_request_whose_scorer_leaves_waits_for_a_reranker_being_checked_rather_than_
     assert!(done.items.iter().all(|s| s.provider.agent == "b"));
     assert!(done.scorer.unwrap().id.contains("mb"));
 }
+
+#[test]
+fn a_probe_to_a_cloud_embedder_holds_a_budget_permit_and_waits_for_one() {
+    use crate::hub::budget::Outcome;
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let route = crate::config::push::AllowedModel {
+        model: "m".into(),
+        provider: Some("deepinfra/bf16".into()),
+        dims: Some(2),
+        quantization: None,
+        note: None,
+    };
+    core.set_config(
+        CloudSettings {
+            allowed_models: [(Role::Embedding, route)].into(),
+            policies: [(Role::Embedding, Policy::Cloud)].into(),
+            ..Default::default()
+        },
+        ConfigRevision {
+            revision: 1,
+            key_generation: Some("kg-1".into()),
+        },
+    );
+    let cloud = || {
+        let mut info = provider("cloud:embedding:1", Role::Embedding, "m", 64);
+        info.backend = Backend::Cloud;
+        info.upstream = Some("deepinfra/bf16".into());
+        info
+    };
+    let probes = |rx: &mut mpsc::UnboundedReceiver<Outgoing>| {
+        let mut ids = Vec::new();
+        while let Ok(out) = rx.try_recv() {
+            if let Outgoing::Frame(text) = out {
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+                if v["type"] == "probe" {
+                    ids.push(v["probe"].as_str().unwrap().to_string());
+                }
+            }
+        }
+        ids
+    };
+    let now = Instant::now();
+    core.budget.set_override(Some(1), now);
+    // The one permit is held by other work when the cloud embedder arrives.
+    let budget_route = "embedding:m@deepinfra/bf16";
+    assert!(core.budget.try_acquire(budget_route, now));
+    let (session, mut rx) = connect(&mut core, "c", cloud(), 8);
+    let entry = &core.agents()["c"].providers["cloud:embedding:1"];
+    assert_eq!(entry.route.as_deref(), Some(budget_route));
+    core.gate_tick(Instant::now());
+    assert!(
+        probes(&mut rx).is_empty(),
+        "no permit free: the probe waits"
+    );
+    assert_eq!(core.budget.in_flight(), 1);
+    // The permit comes back: the next round sends the probe, holding it.
+    core.budget
+        .release(budget_route, Outcome::Other, Instant::now());
+    core.gate_tick(Instant::now());
+    let sent = probes(&mut rx);
+    assert_eq!(sent.len(), 1, "the probe goes out once a permit is free");
+    assert_eq!(core.budget.in_flight(), 1, "the probe holds the permit");
+    core.gate_tick(Instant::now());
+    assert!(probes(&mut rx).is_empty(), "one probe, not one per round");
+    // Answered (an upstream error here): the permit comes back with the answer.
+    let failed = crate::protocol::ProbeResult {
+        probe: sent[0].clone(),
+        provider: "cloud:embedding:1".into(),
+        vectors: None,
+        scores: None,
+        error: Some("upstream 502".into()),
+    };
+    core.probe_result("c", session, failed).unwrap();
+    assert_eq!(
+        core.budget.in_flight(),
+        0,
+        "an answered probe returns its permit"
+    );
+    // Another agent with the route is asked next and leaves before answering: the permit is
+    // returned with its probe.
+    let (s_other, mut rx_other) = connect(&mut core, "d", cloud(), 8);
+    assert_eq!(probes(&mut rx_other).len(), 1);
+    assert_eq!(core.budget.in_flight(), 1, "the probe holds the permit");
+    core.disconnect("d", s_other);
+    assert_eq!(
+        core.budget.in_flight(),
+        0,
+        "a probe that ends returns its permit"
+    );
+}

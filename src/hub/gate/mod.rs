@@ -635,6 +635,25 @@ impl Gate {
         true
     }
 
+    /// Whether `probe` is out and not yet judged (answered, failed or timed out).
+    pub fn is_pending(&self, probe: &str) -> bool {
+        self.pending.contains_key(probe)
+    }
+
+    /// A probe the hub could not send (a cloud provider's, with no budget permit free now):
+    /// forgotten as if never asked, so the next round asks again. Not a failure: waiting for
+    /// the budget says nothing about the provider.
+    pub fn withdraw(&mut self, probe: &str) {
+        let Some(p) = self.pending.remove(probe) else {
+            return;
+        };
+        if let Some(entry) = self.verdicts.get_mut(&p.key)
+            && entry.probe.as_ref().is_some_and(|(id, _)| id == probe)
+        {
+            entry.probe = None;
+        }
+    }
+
     /// Whether `probe` is a sentinel's re-probe: its answer can keep a verdict or suspend it,
     /// never found a space or pass anyone new.
     pub fn only_keeps_or_suspends(&self, probe: &str) -> bool {
