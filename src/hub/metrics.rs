@@ -159,7 +159,7 @@ impl Hub {
         )?;
         f.gauge(
             "fantom_hub_budget_in_flight",
-            "Cloud leases holding a permit.",
+            "Cloud leases and gate probes holding a permit.",
             one(f64::from(budget.in_flight)),
         )?;
         f.counter(
