@@ -265,8 +265,9 @@ fn two_equal_chats_are_two_leases() {
     assert_ne!(one["lease"], two["lease"]);
 }
 
-#[test]
-fn an_embedding_role_with_no_possible_reference_is_refused_at_once() {
+/// A core holding a cloud embedding route (`m`, pinned to `deepinfra/bf16`, two wide) under
+/// `policy`, with key generation `kg-1`.
+fn cloud_embedding_core(policy: Policy) -> Core {
     let mut core = Core::new(HubSettings::default(), CloudSettings::default());
     let route = crate::config::push::AllowedModel {
         model: "m".into(),
@@ -278,6 +279,7 @@ fn an_embedding_role_with_no_possible_reference_is_refused_at_once() {
     core.set_config(
         CloudSettings {
             allowed_models: [(Role::Embedding, route)].into(),
+            policies: [(Role::Embedding, policy)].into(),
             ..Default::default()
         },
         ConfigRevision {
@@ -285,10 +287,21 @@ fn an_embedding_role_with_no_possible_reference_is_refused_at_once() {
             key_generation: Some("kg-1".into()),
         },
     );
-    let mut cloud = provider("cloud:embedding:1", Role::Embedding, "m", 64);
-    cloud.backend = Backend::Cloud;
-    cloud.upstream = Some("deepinfra/bf16".into());
-    let (_, _rx) = connect(&mut core, "c", cloud, 8);
+    core
+}
+
+/// The cloud embedder an agent announces for [`cloud_embedding_core`]'s route.
+fn cloud_embedder() -> ProviderInfo {
+    let mut info = provider("cloud:embedding:1", Role::Embedding, "m", 64);
+    info.backend = Backend::Cloud;
+    info.upstream = Some("deepinfra/bf16".into());
+    info
+}
+
+#[test]
+fn an_embedding_role_with_no_possible_reference_is_refused_at_once() {
+    let mut core = cloud_embedding_core(Policy::Aggregate);
+    let (_, _rx) = connect(&mut core, "c", cloud_embedder(), 8);
     let shape = Shape::Embed {
         dimensions: None,
         is_query: false,
@@ -1021,31 +1034,7 @@ fn a_request_whose_scorer_leaves_waits_for_a_reranker_being_checked_rather_than_
 #[test]
 fn a_probe_to_a_cloud_embedder_holds_a_budget_permit_and_waits_for_one() {
     use crate::hub::budget::Outcome;
-    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
-    let route = crate::config::push::AllowedModel {
-        model: "m".into(),
-        provider: Some("deepinfra/bf16".into()),
-        dims: Some(2),
-        quantization: None,
-        note: None,
-    };
-    core.set_config(
-        CloudSettings {
-            allowed_models: [(Role::Embedding, route)].into(),
-            policies: [(Role::Embedding, Policy::Cloud)].into(),
-            ..Default::default()
-        },
-        ConfigRevision {
-            revision: 1,
-            key_generation: Some("kg-1".into()),
-        },
-    );
-    let cloud = || {
-        let mut info = provider("cloud:embedding:1", Role::Embedding, "m", 64);
-        info.backend = Backend::Cloud;
-        info.upstream = Some("deepinfra/bf16".into());
-        info
-    };
+    let mut core = cloud_embedding_core(Policy::Cloud);
     let probes = |rx: &mut mpsc::UnboundedReceiver<Outgoing>| {
         let mut ids = Vec::new();
         while let Ok(out) = rx.try_recv() {
@@ -1063,7 +1052,7 @@ fn a_probe_to_a_cloud_embedder_holds_a_budget_permit_and_waits_for_one() {
     // The one permit is held by other work when the cloud embedder arrives.
     let budget_route = "embedding:m@deepinfra/bf16";
     assert!(core.budget.try_acquire(budget_route, now));
-    let (session, mut rx) = connect(&mut core, "c", cloud(), 8);
+    let (session, mut rx) = connect(&mut core, "c", cloud_embedder(), 8);
     let entry = &core.agents()["c"].providers["cloud:embedding:1"];
     assert_eq!(entry.route.as_deref(), Some(budget_route));
     core.gate_tick(Instant::now());
@@ -1097,7 +1086,7 @@ fn a_probe_to_a_cloud_embedder_holds_a_budget_permit_and_waits_for_one() {
     );
     // Another agent with the route is asked next and leaves before answering: the permit is
     // returned with its probe.
-    let (s_other, mut rx_other) = connect(&mut core, "d", cloud(), 8);
+    let (s_other, mut rx_other) = connect(&mut core, "d", cloud_embedder(), 8);
     assert_eq!(probes(&mut rx_other).len(), 1);
     assert_eq!(core.budget.in_flight(), 1, "the probe holds the permit");
     core.disconnect("d", s_other);
