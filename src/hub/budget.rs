@@ -121,6 +121,9 @@ pub enum Outcome {
     Other,
 }
 
+/// The scope of a [`Hold`] that is the whole budget's, not one route's.
+pub const GLOBAL_SCOPE: &str = "global";
+
 /// Why a cloud provider gets no item now (shown in status).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Hold {
@@ -564,13 +567,13 @@ impl Budget {
         }
         if let Some(remaining) = self.global.cooling(now) {
             return Some(Hold::CoolingDown {
-                scope: "global".into(),
+                scope: GLOBAL_SCOPE.into(),
                 remaining,
             });
         }
         if self.global.in_flight >= self.global.limit {
             return Some(Hold::Full {
-                scope: "global".into(),
+                scope: GLOBAL_SCOPE.into(),
                 limit: self.global.limit,
             });
         }

@@ -313,10 +313,11 @@ impl Core {
     /// The gate's round: probes to send (new providers, retries, the sentinel), sent now; the
     /// scorer check's round first. A probe to a cloud provider goes through the shared key like
     /// any work, so it holds a budget permit while it is out; without one it waits for a later
-    /// round.
+    /// round, claiming the next permit of a full scope ([`probe_permits`](super::probe_permits)).
     pub fn gate_tick(&mut self, now: Instant) {
         self.scorer_tick(now);
         self.release_probe_permits(now);
+        let had_claims = self.probe_permits.end_claims();
         // A fenced leader founds no space and judges no one (another hub may lead by now);
         // the verdicts it holds stand, and canaries still suspend.
         if self.fence.check(now).is_err() {
@@ -348,12 +349,17 @@ impl Core {
         );
         for r in requests {
             if let Some(route) = routes.get(&r.provider) {
-                if !self.budget.try_acquire(route, now) {
-                    tracing::debug!(provider = %r.provider, route = %route, "gate probe waits for a budget permit");
+                if let Some(hold) = self.budget.check(route, now) {
+                    tracing::debug!(provider = %r.provider, route = %route, hold = ?hold, "gate probe waits for a budget permit");
+                    self.probe_permits.claim(&hold);
                     self.gate.withdraw(&r.probe);
                     continue;
                 }
-                self.probe_permits.insert(r.probe.clone(), route.clone());
+                if !self.budget.try_acquire(route, now) {
+                    self.gate.withdraw(&r.probe);
+                    continue;
+                }
+                self.probe_permits.hold(&r.probe, route);
             }
             let sent = r.provider.split_once('/').and_then(|(agent, pid)| {
                 let a = self.agents.get(agent)?;
@@ -371,23 +377,21 @@ impl Core {
             }
         }
         self.release_probe_permits(now);
+        if had_claims {
+            // Permits kept for probes that no longer claim them go to work.
+            self.dispatch_all();
+        }
     }
 
     /// Returns the budget permits of probes the gate no longer waits for (answered, failed,
     /// timed out, their agent gone); a freed permit is offered to every role's queue.
     fn release_probe_permits(&mut self, now: Instant) {
         let gate = &self.gate;
-        let done: Vec<(String, String)> = self
-            .probe_permits
-            .iter()
-            .filter(|(probe, _)| !gate.is_pending(probe))
-            .map(|(p, r)| (p.clone(), r.clone()))
-            .collect();
+        let done = self.probe_permits.take_done(|probe| gate.is_pending(probe));
         if done.is_empty() {
             return;
         }
-        for (probe, route) in done {
-            self.probe_permits.remove(&probe);
+        for route in done {
             // No latency sample: a probe's twelve texts (one long) are not a work frame.
             self.budget.release(&route, budget::Outcome::Other, now);
         }

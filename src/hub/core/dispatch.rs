@@ -99,9 +99,12 @@ impl Core {
                 if !better || passed.iter().any(|(a, q)| a == agent_id && q == pid) {
                     continue;
                 }
-                // Cloud providers also need a permit of the global budget.
+                // Cloud providers also need a permit of the global budget, and leave one a
+                // waiting gate probe claimed to it.
                 if let Some(route) = &p.route
-                    && (self.fence.check(now).is_err() || self.budget.check(route, now).is_some())
+                    && (self.fence.check(now).is_err()
+                        || self.probe_permits.claims(route)
+                        || self.budget.check(route, now).is_some())
                 {
                     continue;
                 }

@@ -9,6 +9,7 @@
 //! * [`binding`]: what each request is bound to (one space, one scorer) and whether anything
 //!   can still serve it;
 //! * [`dispatch`]: forming work frames for providers with credits;
+//! * `probe_permits`: the budget permits the gate's probes to cloud embedders hold or claim;
 //! * `project_rules`: the projects' limits, shares and allowances at admission and dispatch;
 //! * [`results`]: `done`, `chunk`, `failed`, expiry, requeueing and completion.
 //!
@@ -23,6 +24,7 @@ mod agents;
 pub mod binding;
 mod config_sync;
 mod dispatch;
+mod probe_permits;
 mod project_rules;
 mod results;
 
@@ -446,9 +448,9 @@ pub struct Core {
     /// Input bytes of every accepted request not yet answered.
     held_bytes: usize,
     leases: HashMap<u64, Lease>,
-    /// The budget permit each gate probe to a cloud provider holds while it is out (probe id
-    /// → route): probe texts go through the shared key like any work.
-    probe_permits: HashMap<String, String>,
+    /// The budget permits the gate's probes to cloud providers hold, and the scopes they wait
+    /// on: probe texts go through the shared key like any work.
+    probe_permits: probe_permits::ProbePermits,
     agents: BTreeMap<String, AgentEntry>,
     sockets: BTreeMap<String, SocketCount>,
     /// When a provider of each role last left (work waits [`HubSettings::vanish_grace`]).
@@ -495,7 +497,7 @@ impl Core {
             requests: HashMap::new(),
             held_bytes: 0,
             leases: HashMap::new(),
-            probe_permits: HashMap::new(),
+            probe_permits: probe_permits::ProbePermits::default(),
             agents: BTreeMap::new(),
             sockets: BTreeMap::new(),
             vanished: BTreeMap::new(),

@@ -155,6 +155,51 @@ fn a_rerank_request_is_scored_by_the_scorer_of_its_first_lease_only() {
     assert_eq!(done.tokens, u64::MAX, "token counts saturate, never wrap");
 }
 
+/// Every frame of type `kind` waiting on `rx`, as JSON; the others are dropped.
+fn frames_of(rx: &mut mpsc::UnboundedReceiver<Outgoing>, kind: &str) -> Vec<serde_json::Value> {
+    let mut frames = Vec::new();
+    while let Ok(out) = rx.try_recv() {
+        if let Outgoing::Frame(text) = out {
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            if v["type"] == kind {
+                frames.push(v);
+            }
+        }
+    }
+    frames
+}
+
+/// The ids of the gate's probes waiting on `rx`.
+fn probe_ids(rx: &mut mpsc::UnboundedReceiver<Outgoing>) -> Vec<String> {
+    frames_of(rx, "probe")
+        .iter()
+        .map(|v| v["probe"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Answers a rerank work frame with scores of probability `p`.
+fn done_scoring(core: &mut Core, agent: &str, session: u64, work: &serde_json::Value, p: f32) {
+    let done = Done {
+        lease: work["lease"].as_u64().unwrap(),
+        output: scores(work, p),
+        latency_ms: 1.0,
+        tokens: 1,
+        cost_usd: None,
+    };
+    core.done(agent, session, done).unwrap();
+}
+
+/// A cloud embedder's answer to `probe`: an upstream error.
+fn probe_failed(probe: &str) -> crate::protocol::ProbeResult {
+    crate::protocol::ProbeResult {
+        probe: probe.into(),
+        provider: "cloud:embedding:1".into(),
+        vectors: None,
+        scores: None,
+        error: Some("upstream 502".into()),
+    }
+}
+
 /// Answers every probe waiting on `rx` with unit vectors along `axis` (of width 2).
 fn answer_probes(
     core: &mut Core,
@@ -265,17 +310,22 @@ fn two_equal_chats_are_two_leases() {
     assert_ne!(one["lease"], two["lease"]);
 }
 
-/// A core holding a cloud embedding route (`m`, pinned to `deepinfra/bf16`, two wide) under
-/// `policy`, with key generation `kg-1`.
-fn cloud_embedding_core(policy: Policy) -> Core {
-    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
-    let route = crate::config::push::AllowedModel {
+/// The cloud embedding route of the tests: `m`, pinned to `deepinfra/bf16`, two wide.
+fn cloud_embedding_route() -> crate::config::push::AllowedModel {
+    crate::config::push::AllowedModel {
         model: "m".into(),
         provider: Some("deepinfra/bf16".into()),
         dims: Some(2),
         quantization: None,
         note: None,
-    };
+    }
+}
+
+/// A core holding a cloud embedding route (`m`, pinned to `deepinfra/bf16`, two wide) under
+/// `policy`, with key generation `kg-1`.
+fn cloud_embedding_core(policy: Policy) -> Core {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let route = cloud_embedding_route();
     core.set_config(
         CloudSettings {
             allowed_models: [(Role::Embedding, route)].into(),
@@ -1004,27 +1054,10 @@ fn a_request_whose_scorer_leaves_waits_for_a_reranker_being_checked_rather_than_
     };
     core.probe_result("b", sb, checked).unwrap();
     // The request, whole, in b's frames (one per credit it took).
-    let mut frames = Vec::new();
-    while let Ok(Outgoing::Frame(text)) = b.try_recv() {
-        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-        if v["type"] == "work" {
-            frames.push(v);
-        }
-    }
+    let frames = frames_of(&mut b, "work");
     assert!(!frames.is_empty(), "b took the request once checked");
     for work in frames {
-        core.done(
-            "b",
-            sb,
-            Done {
-                lease: work["lease"].as_u64().unwrap(),
-                output: scores(&work, 0.6),
-                latency_ms: 1.0,
-                tokens: 1,
-                cost_usd: None,
-            },
-        )
-        .unwrap();
+        done_scoring(&mut core, "b", sb, &work, 0.6);
     }
     let done = reply.try_recv().unwrap().unwrap();
     assert!(done.items.iter().all(|s| s.provider.agent == "b"));
@@ -1035,18 +1068,6 @@ fn a_request_whose_scorer_leaves_waits_for_a_reranker_being_checked_rather_than_
 fn a_probe_to_a_cloud_embedder_holds_a_budget_permit_and_waits_for_one() {
     use crate::hub::budget::Outcome;
     let mut core = cloud_embedding_core(Policy::Cloud);
-    let probes = |rx: &mut mpsc::UnboundedReceiver<Outgoing>| {
-        let mut ids = Vec::new();
-        while let Ok(out) = rx.try_recv() {
-            if let Outgoing::Frame(text) = out {
-                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-                if v["type"] == "probe" {
-                    ids.push(v["probe"].as_str().unwrap().to_string());
-                }
-            }
-        }
-        ids
-    };
     let now = Instant::now();
     core.budget.set_override(Some(1), now);
     // The one permit is held by other work when the cloud embedder arrives.
@@ -1057,7 +1078,7 @@ fn a_probe_to_a_cloud_embedder_holds_a_budget_permit_and_waits_for_one() {
     assert_eq!(entry.route.as_deref(), Some(budget_route));
     core.gate_tick(Instant::now());
     assert!(
-        probes(&mut rx).is_empty(),
+        probe_ids(&mut rx).is_empty(),
         "no permit free: the probe waits"
     );
     assert_eq!(core.budget.in_flight(), 1);
@@ -1065,20 +1086,18 @@ fn a_probe_to_a_cloud_embedder_holds_a_budget_permit_and_waits_for_one() {
     core.budget
         .release(budget_route, Outcome::Other, Instant::now());
     core.gate_tick(Instant::now());
-    let sent = probes(&mut rx);
+    let sent = probe_ids(&mut rx);
     assert_eq!(sent.len(), 1, "the probe goes out once a permit is free");
     assert_eq!(core.budget.in_flight(), 1, "the probe holds the permit");
+    assert_eq!(core.probe_permits.held(), 1);
     core.gate_tick(Instant::now());
-    assert!(probes(&mut rx).is_empty(), "one probe, not one per round");
+    assert!(
+        probe_ids(&mut rx).is_empty(),
+        "one probe, not one per round"
+    );
     // Answered (an upstream error here): the permit comes back with the answer.
-    let failed = crate::protocol::ProbeResult {
-        probe: sent[0].clone(),
-        provider: "cloud:embedding:1".into(),
-        vectors: None,
-        scores: None,
-        error: Some("upstream 502".into()),
-    };
-    core.probe_result("c", session, failed).unwrap();
+    core.probe_result("c", session, probe_failed(&sent[0]))
+        .unwrap();
     assert_eq!(
         core.budget.in_flight(),
         0,
@@ -1087,7 +1106,7 @@ fn a_probe_to_a_cloud_embedder_holds_a_budget_permit_and_waits_for_one() {
     // Another agent with the route is asked next and leaves before answering: the permit is
     // returned with its probe.
     let (s_other, mut rx_other) = connect(&mut core, "d", cloud_embedder(), 8);
-    assert_eq!(probes(&mut rx_other).len(), 1);
+    assert_eq!(probe_ids(&mut rx_other).len(), 1);
     assert_eq!(core.budget.in_flight(), 1, "the probe holds the permit");
     core.disconnect("d", s_other);
     assert_eq!(
@@ -1095,4 +1114,62 @@ fn a_probe_to_a_cloud_embedder_holds_a_budget_permit_and_waits_for_one() {
         0,
         "a probe that ends returns its permit"
     );
+}
+
+#[test]
+fn a_probe_waiting_on_a_full_budget_gets_the_next_permit_before_work_does() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let embedding = cloud_embedding_route();
+    let (rerank_route, rerank_info) = cloud_reranker("rm");
+    core.set_config(
+        CloudSettings {
+            allowed_models: [(Role::Embedding, embedding), (Role::Reranker, rerank_route)].into(),
+            policies: [
+                (Role::Embedding, Policy::Cloud),
+                (Role::Reranker, Policy::Cloud),
+            ]
+            .into(),
+            ..Default::default()
+        },
+        ConfigRevision {
+            revision: 1,
+            key_generation: Some("kg-1".into()),
+        },
+    );
+    core.budget.set_override(Some(1), Instant::now());
+    // Cloud rerank work holds the one permit.
+    let (s_rerank, mut reranker) = connect(&mut core, "r", rerank_info, 4);
+    let (_, mut first) = core
+        .submit(Role::Reranker, rerank_shape(), vec!["d".into()])
+        .unwrap();
+    let work = next_work(&mut reranker);
+    // The cloud embedder's probe finds the budget full and claims its next permit.
+    let (s_embed, mut embedder) = connect(&mut core, "c", cloud_embedder(), 8);
+    assert!(probe_ids(&mut embedder).is_empty());
+    assert!(core.probe_permits.claims("reranker:rm"));
+    let (_, mut second) = core
+        .submit(Role::Reranker, rerank_shape(), vec!["e".into()])
+        .unwrap();
+    // The rerank lease ends: its permit is left to the probe, not granted to the next request.
+    done_scoring(&mut core, "r", s_rerank, &work, 0.7);
+    assert!(first.try_recv().unwrap().is_ok());
+    // The agent pulls again, as it does after each result.
+    core.pull("r", s_rerank, "cloud:reranker:rm", 1).unwrap();
+    assert!(
+        reranker.try_recv().is_err(),
+        "no work while a probe claims the permit"
+    );
+    assert_eq!(core.budget.in_flight(), 0);
+    // The gate's next round sends the probe on it.
+    core.gate_tick(Instant::now());
+    let sent = probe_ids(&mut embedder);
+    assert_eq!(sent.len(), 1, "the probe goes out on the freed permit");
+    assert_eq!(core.budget.in_flight(), 1);
+    // Answered: the permit goes to the waiting rerank request.
+    core.probe_result("c", s_embed, probe_failed(&sent[0]))
+        .unwrap();
+    let work = next_work(&mut reranker);
+    assert_eq!(work["input"]["documents"][0], "e");
+    assert!(second.try_recv().is_err(), "served, not yet answered");
+    assert_eq!(core.budget.in_flight(), 1, "the rerank lease holds it now");
 }
