@@ -602,6 +602,16 @@ impl Budget {
         None
     }
 
+    /// Whether `route` is held for more than capacity (the budget stopped, the budget or the
+    /// route cooling down): a freed permit would not let a call on it start either.
+    pub fn held_beyond_capacity(&mut self, route: &str, now: Instant) -> bool {
+        self.tick(now);
+        self.stopped.is_some()
+            || self.key_rejected.is_some()
+            || self.global.cooling(now).is_some()
+            || self.route_mut(route, now).cooling(now).is_some()
+    }
+
     /// Takes a permit for a lease on `route` if one is free now.
     pub fn try_acquire(&mut self, route: &str, now: Instant) -> bool {
         if self.check(route, now).is_some() {

@@ -316,11 +316,14 @@ impl Core {
     /// round, claiming the next permit of a full scope ([`probe_permits`](super::probe_permits)).
     pub fn gate_tick(&mut self, now: Instant) {
         self.scorer_tick(now);
-        self.release_probe_permits(now);
+        let mut freed = self.release_probe_permits(now);
         let had_claims = self.probe_permits.end_claims();
         // A fenced leader founds no space and judges no one (another hub may lead by now);
         // the verdicts it holds stand, and canaries still suspend.
         if self.fence.check(now).is_err() {
+            if freed {
+                self.dispatch_all();
+            }
             return;
         }
         let mut routes: HashMap<String, String> = HashMap::new();
@@ -347,11 +350,15 @@ impl Core {
             |r| cloud.policy(r),
             |r| cloud.allowed_models.get(&r).and_then(|m| m.dims),
         );
+        // Probes this round timed out give their permits to this round's probes first.
+        freed |= self.release_probe_permits(now);
         for r in requests {
             if let Some(route) = routes.get(&r.provider) {
                 if let Some(hold) = self.budget.check(route, now) {
                     tracing::debug!(provider = %r.provider, route = %route, hold = ?hold, "gate probe waits for a budget permit");
-                    self.probe_permits.claim(&hold);
+                    if !self.budget.held_beyond_capacity(route, now) {
+                        self.probe_permits.claim(&hold, now);
+                    }
                     self.gate.withdraw(&r.probe);
                     continue;
                 }
@@ -376,26 +383,24 @@ impl Core {
                     .on_result(&r.probe, Err("the agent is gone".into()), now);
             }
         }
-        self.release_probe_permits(now);
-        if had_claims {
-            // Permits kept for probes that no longer claim them go to work.
+        freed |= self.release_probe_permits(now);
+        if freed || had_claims {
+            // Freed permits, and those kept for probes that no longer claim them, go to work.
             self.dispatch_all();
         }
     }
 
     /// Returns the budget permits of probes the gate no longer waits for (answered, failed,
-    /// timed out, their agent gone); a freed permit is offered to every role's queue.
-    fn release_probe_permits(&mut self, now: Instant) {
+    /// timed out, their agent gone); whether any came back (the caller offers them to work).
+    fn release_probe_permits(&mut self, now: Instant) -> bool {
         let gate = &self.gate;
         let done = self.probe_permits.take_done(|probe| gate.is_pending(probe));
-        if done.is_empty() {
-            return;
-        }
+        let any = !done.is_empty();
         for route in done {
             // No latency sample: a probe's twelve texts (one long) are not a work frame.
             self.budget.release(&route, budget::Outcome::Other, now);
         }
-        self.dispatch_all();
+        any
     }
 
     /// The scorer check's round: probes to local rerankers without a standing, sent now; each

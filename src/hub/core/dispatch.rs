@@ -103,7 +103,7 @@ impl Core {
                 // waiting gate probe claimed to it.
                 if let Some(route) = &p.route
                     && (self.fence.check(now).is_err()
-                        || self.probe_permits.claims(route)
+                        || self.probe_permits.claims(route, now)
                         || self.budget.check(route, now).is_some())
                 {
                     continue;

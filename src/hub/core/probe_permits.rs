@@ -4,23 +4,29 @@
 //! provider holds one of the budget's permits while it is out. Work takes a freed permit at
 //! once (every lease that ends dispatches), so a probe that merely waited for one could wait
 //! for ever under steady cloud load: the sentinel would never run and drift would go unseen.
-//! A probe that finds its scope full therefore **claims** it: until the gate's next round (at
-//! most a maintenance tick away), no lease is granted a permit of that scope, and the round
-//! takes the permit that frees. Claims last one round and are made again while the probe
-//! still waits; a probe waits without a claim for what no lease could have either (a stopped
-//! budget, a cooldown).
+//! A probe that finds its scope full therefore **claims** it: until the gate's next round (a
+//! maintenance tick away), no lease is granted a permit of that scope, and the round takes the
+//! permit that frees. Claims last one round and are made again while the probe still waits;
+//! a claim older than [`CLAIM_TTL`] is ignored (a round held up by a slow store write must not
+//! hold cloud work up with it). A probe claims nothing while its route is held for more than
+//! capacity (a stopped budget, a cooldown): a freed permit would not start it either.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
 
 use crate::hub::budget::{GLOBAL_SCOPE, Hold};
+
+/// How long a claim keeps permits from work: four maintenance ticks.
+pub(super) const CLAIM_TTL: Duration = Duration::from_secs(1);
 
 /// Permits held by probes, and the scopes probes wait on.
 #[derive(Debug, Default)]
 pub(super) struct ProbePermits {
     /// Probe id → the route whose permit it holds.
     held: HashMap<String, String>,
-    /// Budget scopes (`global` or a route) whose next permit is a waiting probe's.
-    claimed: BTreeSet<String>,
+    /// Budget scopes (`global` or a route) whose next permit is a waiting probe's, and since
+    /// when.
+    claimed: BTreeMap<String, Instant>,
 }
 
 impl ProbePermits {
@@ -43,17 +49,15 @@ impl ProbePermits {
             .collect()
     }
 
-    /// A probe could not start for `hold`: a full scope is claimed for it.
-    pub fn claim(&mut self, hold: &Hold) {
-        match hold {
-            Hold::Full { scope, .. } => {
-                self.claimed.insert(scope.clone());
-            }
-            Hold::RpmWindow { .. } => {
-                self.claimed.insert(GLOBAL_SCOPE.to_string());
-            }
-            Hold::Stopped(_) | Hold::CoolingDown { .. } => {}
-        }
+    /// A probe could not start for `hold` (and for nothing but capacity): a full scope is
+    /// claimed for it.
+    pub fn claim(&mut self, hold: &Hold, now: Instant) {
+        let scope = match hold {
+            Hold::Full { scope, .. } => scope.clone(),
+            Hold::RpmWindow { .. } => GLOBAL_SCOPE.to_string(),
+            Hold::Stopped(_) | Hold::CoolingDown { .. } => return,
+        };
+        self.claimed.entry(scope).or_insert(now);
     }
 
     /// A new round: the claims of the last one end (a probe still waiting claims again);
@@ -65,9 +69,13 @@ impl ProbePermits {
     }
 
     /// Whether a lease on `route` must leave the next permit to a waiting probe.
-    pub fn claims(&self, route: &str) -> bool {
-        !self.claimed.is_empty()
-            && (self.claimed.contains(GLOBAL_SCOPE) || self.claimed.contains(route))
+    pub fn claims(&self, route: &str, now: Instant) -> bool {
+        let live = |scope: &str| {
+            self.claimed
+                .get(scope)
+                .is_some_and(|&at| now.saturating_duration_since(at) < CLAIM_TTL)
+        };
+        !self.claimed.is_empty() && (live(GLOBAL_SCOPE) || live(route))
     }
 
     /// Probes holding a permit now.
@@ -84,21 +92,30 @@ mod tests {
     #[test]
     fn a_full_scope_is_claimed_for_one_round_and_a_stopped_budget_is_not() {
         let mut p = ProbePermits::default();
-        p.claim(&Hold::Stopped("402".into()));
-        assert!(!p.claims("embedding:m@x"), "no lease could start either");
-        p.claim(&Hold::Full {
+        let now = Instant::now();
+        p.claim(&Hold::Stopped("402".into()), now);
+        assert!(
+            !p.claims("embedding:m@x", now),
+            "no lease could start either"
+        );
+        let full = Hold::Full {
             scope: "embedding:m@x".into(),
             limit: 1,
-        });
-        assert!(p.claims("embedding:m@x"));
+        };
+        p.claim(&full, now);
+        assert!(p.claims("embedding:m@x", now));
         assert!(
-            !p.claims("chat:c"),
+            !p.claims("chat:c", now),
             "another route's permits are not claimed"
         );
-        p.claim(&Hold::RpmWindow { rpm: 60 });
-        assert!(p.claims("chat:c"), "a full window is every route's");
-        p.end_claims();
-        assert!(!p.claims("embedding:m@x") && !p.claims("chat:c"));
+        p.claim(&Hold::RpmWindow { rpm: 60 }, now);
+        assert!(p.claims("chat:c", now), "a full window is every route's");
+        assert!(p.end_claims());
+        assert!(!p.claims("embedding:m@x", now) && !p.claims("chat:c", now));
+        assert!(!p.end_claims());
+        // A round that does not come (held up elsewhere) holds no work up past the TTL.
+        p.claim(&full, now);
+        assert!(!p.claims("embedding:m@x", now + CLAIM_TTL));
     }
 
     #[test]

@@ -1103,9 +1103,24 @@ fn a_probe_to_a_cloud_embedder_holds_a_budget_permit_and_waits_for_one() {
         0,
         "an answered probe returns its permit"
     );
-    // Another agent with the route is asked next and leaves before answering: the permit is
-    // returned with its probe.
+    // Another agent with the route is asked next. While its fingerprint waits for a permit,
+    // a client is told the space is being founded (not refused for the first one's failure).
+    assert!(core.budget.try_acquire(budget_route, Instant::now()));
     let (s_other, mut rx_other) = connect(&mut core, "d", cloud_embedder(), 8);
+    assert!(probe_ids(&mut rx_other).is_empty());
+    let shape = Shape::Embed {
+        dimensions: None,
+        is_query: false,
+        instruction: None,
+    };
+    match core.admit(Role::Embedding, &shape) {
+        Err(SubmitError::NotYet(u)) => assert_eq!(u.code, UnservableCode::Probing),
+        other => panic!("told to wait, not {other:?}"),
+    }
+    core.budget
+        .release(budget_route, Outcome::Other, Instant::now());
+    core.gate_tick(Instant::now());
+    // It leaves before answering: the permit is returned with its probe.
     assert_eq!(probe_ids(&mut rx_other).len(), 1);
     assert_eq!(core.budget.in_flight(), 1, "the probe holds the permit");
     core.disconnect("d", s_other);
@@ -1146,7 +1161,7 @@ fn a_probe_waiting_on_a_full_budget_gets_the_next_permit_before_work_does() {
     // The cloud embedder's probe finds the budget full and claims its next permit.
     let (s_embed, mut embedder) = connect(&mut core, "c", cloud_embedder(), 8);
     assert!(probe_ids(&mut embedder).is_empty());
-    assert!(core.probe_permits.claims("reranker:rm"));
+    assert!(core.probe_permits.claims("reranker:rm", Instant::now()));
     let (_, mut second) = core
         .submit(Role::Reranker, rerank_shape(), vec!["e".into()])
         .unwrap();

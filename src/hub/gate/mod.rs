@@ -27,7 +27,7 @@ mod view;
 pub use self::stored::StoredVerdict;
 pub use self::view::{GateView, SpaceView};
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -268,6 +268,9 @@ struct Pending {
     purpose: Purpose,
     /// The width the space has (or will have).
     width: Option<usize>,
+    /// When it was sent: it times out from then, even if its verdict let go of it (a
+    /// suspension while a sentinel's probe was out).
+    sent: Instant,
 }
 
 /// A probe the hub should send now.
@@ -294,6 +297,9 @@ pub struct Gate {
     widths: BTreeMap<Role, usize>,
     /// The generation each retired space id had: its next founding is a later one.
     retired: BTreeMap<String, u64>,
+    /// Roles whose fingerprint probe this round waits for a budget permit
+    /// ([`Gate::withdraw`]): still being founded, as far as a client is concerned.
+    fingerprint_waits: BTreeSet<Role>,
 }
 
 impl Gate {
@@ -323,6 +329,7 @@ impl Gate {
             rows: BTreeMap::new(),
             widths: BTreeMap::new(),
             retired: BTreeMap::new(),
+            fingerprint_waits: BTreeSet::new(),
         }
     }
 
@@ -363,6 +370,7 @@ impl Gate {
         width: impl Fn(Role) -> Option<usize>,
     ) -> Vec<ProbeRequest> {
         self.expire_probes(now);
+        self.fingerprint_waits.clear();
         let mut out = Vec::new();
         for role in [Role::Embedding, Role::CodeEmbedding] {
             let mut cands: Vec<&Candidate> = candidates.iter().filter(|c| c.role == role).collect();
@@ -559,6 +567,7 @@ impl Gate {
                 candidate: c.clone(),
                 purpose,
                 width,
+                sent: now,
             },
         );
         ProbeRequest {
@@ -595,15 +604,15 @@ impl Gate {
         self.verdicts.insert(key, entry);
     }
 
-    /// Probes out longer than the timeout failed.
+    /// Probes out longer than the timeout failed (one whose verdict let go of it, after a
+    /// suspension, is only forgotten: [`Gate::on_result`] ignores it).
     fn expire_probes(&mut self, now: Instant) {
         let timeout = self.settings.probe_timeout;
         let late: Vec<String> = self
-            .verdicts
-            .values()
-            .filter_map(|e| e.probe.as_ref())
-            .filter(|(_, sent)| now.saturating_duration_since(*sent) >= timeout)
-            .map(|(p, _)| p.clone())
+            .pending
+            .iter()
+            .filter(|(_, p)| now.saturating_duration_since(p.sent) >= timeout)
+            .map(|(probe, _)| probe.clone())
             .collect();
         for probe in late {
             self.on_result(
@@ -647,6 +656,9 @@ impl Gate {
         let Some(p) = self.pending.remove(probe) else {
             return;
         };
+        if p.purpose == Purpose::Fingerprint {
+            self.fingerprint_waits.insert(p.candidate.role);
+        }
         if let Some(entry) = self.verdicts.get_mut(&p.key)
             && entry.probe.as_ref().is_some_and(|(id, _)| id == probe)
         {
@@ -865,11 +877,14 @@ impl Gate {
         self.current.get(&role).map(String::as_str)
     }
 
-    /// Whether the role's space is being founded now (a reference's fingerprint probe is out).
+    /// Whether the role's space is being founded now (a reference's fingerprint probe is out,
+    /// or waits for a budget permit).
     pub fn founding(&self, role: Role) -> bool {
-        self.pending
-            .values()
-            .any(|p| p.purpose == Purpose::Fingerprint && p.candidate.role == role)
+        self.fingerprint_waits.contains(&role)
+            || self
+                .pending
+                .values()
+                .any(|p| p.purpose == Purpose::Fingerprint && p.candidate.role == role)
     }
 
     /// Why the role has no space, briefly: each provider's newest verdict that did not pass,

@@ -125,12 +125,19 @@ mod basics {
         );
     }
 
-    #[test]
-    fn the_sentinel_suspends_a_provider_that_drifted() {
-        let (mut g, t) = (gate(), Instant::now());
+    /// A gate whose sole cloud provider founded the space at `t` (under `cloud`) and passes.
+    fn sole_cloud_anchor(t: Instant) -> (Gate, [Candidate; 1]) {
+        let mut g = gate();
         let cands = [cand("a/cloud:embedding:1", Backend::Cloud, "m")];
         let p = tick(&mut g, t, &cands, Policy::Cloud);
         g.on_result(&p[0].probe, Ok(vectors(1.0)), t);
+        (g, cands)
+    }
+
+    #[test]
+    fn the_sentinel_suspends_a_provider_that_drifted() {
+        let t = Instant::now();
+        let (mut g, cands) = sole_cloud_anchor(t);
         assert!(
             g.serving_space(&cands[0]).is_some(),
             "the sole anchor: dims and pin"
@@ -147,6 +154,27 @@ mod basics {
             v.verdicts[0].checks, 2,
             "the founding check and the re-probe"
         );
+    }
+
+    #[test]
+    fn a_sentinel_probe_out_when_a_canary_suspends_still_times_out() {
+        let t = Instant::now();
+        let (mut g, cands) = sole_cloud_anchor(t);
+        let later = t + Duration::from_secs(600);
+        let sentinel = tick(&mut g, later, &cands, Policy::Cloud);
+        assert_eq!(sentinel.len(), 1);
+        let key = verdict_key(&cands[0], "embedding:m:3");
+        assert!(g.check_canary(&key, 0, &[0.0, 0.0, 1.0], None).is_some());
+        assert!(
+            g.is_pending(&sentinel[0].probe),
+            "out until answered or late"
+        );
+        // Never answered: it ends at the timeout like any probe (a cloud probe holds a budget
+        // permit until it ends), and the suspension stands.
+        let late = later + g.settings.probe_timeout;
+        assert!(tick(&mut g, late, &cands, Policy::Cloud).is_empty());
+        assert!(!g.is_pending(&sentinel[0].probe));
+        assert!(g.serving_space(&cands[0]).is_none());
     }
 
     #[test]
