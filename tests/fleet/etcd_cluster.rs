@@ -213,6 +213,26 @@ impl Cluster {
         false
     }
 
+    /// Deletes `key` (through the first running member that answers), as an operator with
+    /// etcdctl could; whether one answered.
+    pub async fn delete_key(&self, key: &str) -> bool {
+        use base64::Engine as _;
+        let b64 = base64::engine::general_purpose::STANDARD.encode(key);
+        let http = reqwest::Client::new();
+        for m in self.members.iter().filter(|m| m.child.is_some()) {
+            let sent = http
+                .post(format!("{}/v3/kv/deleterange", m.client_url))
+                .json(&serde_json::json!({"key": b64}))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await;
+            if sent.is_ok_and(|r| r.status().is_success()) {
+                return true;
+            }
+        }
+        false
+    }
+
     /// Sends a signal (`STOP`, `CONT`) to a running member.
     pub fn signal(&self, i: usize, name: &str) {
         let child = self.members[i].child.as_ref().expect("running");

@@ -1,7 +1,8 @@
 //! Hubs that share a three-member etcd (real `etcd` processes on loopback): one leads, the
 //! other stands by (forwarding clients to the leader, pointing agents at it) and takes over
 //! with the state when the leader dies; etcd's own Raft leader
-//! dying moves no hub; a stopped leader that wakes up after its deadline is deposed and exits.
+//! dying moves no hub; a stopped leader that wakes up after its deadline is deposed and exits,
+//! and so does a leader whose key is deleted under its live lease.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -157,7 +158,7 @@ async fn the_standby_takes_over_with_the_state_when_the_leader_is_killed() {
 async fn etcds_raft_leader_dying_moves_no_hub_and_a_stopped_leader_wakes_deposed_and_exits() {
     let dir = tempfile::tempdir().unwrap();
     let mut cluster = Cluster::start(dir.path()).await;
-    let (mut a, b) = leader_and_standby(dir.path(), &cluster).await;
+    let (mut a, mut b) = leader_and_standby(dir.path(), &cluster).await;
 
     // etcd's own Raft leader dies: its members elect another within the hub's deadline, the
     // client moves to a live endpoint, and no hub fails over.
@@ -177,6 +178,14 @@ async fn etcds_raft_leader_dying_moves_no_hub_and_a_stopped_leader_wakes_deposed
     assert!(log.contains("this hub no longer leads"), "{log}");
     let budget = b.status().await["budget"].clone();
     assert_eq!(budget["override_permits"], 5, "{budget}");
+
+    // The leader key deleted under a live lease (by hand, say): another hub could win at
+    // once, so the leader is deposed at its next renewal, not at its next write.
+    assert!(cluster.delete_key("/fantom-sidecar/leader").await);
+    let status = b.proc.wait_exit();
+    assert_eq!(status.code(), Some(75), "a deposed leader exits with 75");
+    let log = std::fs::read_to_string(&b.proc.log).unwrap();
+    assert!(log.contains("the leader key is gone"), "{log}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

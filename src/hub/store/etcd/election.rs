@@ -9,8 +9,10 @@
 //! another hub win: that gap is what keeps two leaders from granting at the same time. A
 //! fenced leader keeps serving local work and keeps asking etcd; a renewal etcd answers (the
 //! lease lived: etcd also extends every lease when its own Raft leader changes) lifts the
-//! fence, and a lease etcd no longer knows deposes it. Losers wait, reading the key, and
-//! campaign again when it is gone.
+//! fence, and a lease etcd no longer knows deposes it. A renewal counts only with the leader
+//! key read back at this epoch: a key deleted under a live lease (by hand, or a restore) lets
+//! another hub win at once, so this one is deposed on the spot rather than at its next write.
+//! Losers wait, reading the key, and campaign again when it is gone.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -201,10 +203,40 @@ async fn wait_out_or_fail(e: EtcdError) -> Result<(), EtcdError> {
     }
 }
 
+/// What one renewal found.
+enum Renewal {
+    /// The lease lives and the leader key has this leader's epoch.
+    Held,
+    /// etcd no longer knows the lease.
+    LeaseGone,
+    /// The lease lives but the leader key is gone.
+    KeyGone,
+    /// The leader key was created again (this epoch's is gone): another hub's.
+    KeyTaken(i64),
+}
+
+impl Renewal {
+    /// Why a leader whose renewal found this no longer leads.
+    fn why(&self, epoch: i64) -> String {
+        match self {
+            Renewal::Held => "it still leads".into(),
+            Renewal::LeaseGone => "the leader's lease is gone (etcd expired it)".into(),
+            Renewal::KeyGone => {
+                "the leader key is gone from etcd though the lease lives (deleted, or etcd restored)"
+                    .into()
+            }
+            Renewal::KeyTaken(other) => format!(
+                "the leader key is another campaign's (epoch {other}, this hub's was {epoch})"
+            ),
+        }
+    }
+}
+
 /// Renews the lease until the leader is deposed or `stop` fires. Past the deadline without a
 /// renewal the fence closes by itself (it compares the clock) and `standing` turns `Fenced`;
-/// a renewal etcd answers lifts both; a lease etcd no longer knows deposes the leader (the
-/// store deposes it too, when etcd refuses a write under this epoch).
+/// a renewal etcd answers (with the leader key still at this epoch) lifts both; a lease etcd
+/// no longer knows, or a leader key gone or another's, deposes the leader (the store deposes
+/// it too, when etcd refuses a write under this epoch).
 pub fn keep(
     client: Arc<EtcdClient>,
     leadership: &Leadership,
@@ -218,28 +250,40 @@ pub fn keep(
         leadership.granted_at,
         leadership.fence.clone(),
     );
+    let (key, epoch) = (leadership.key.clone(), leadership.epoch);
     tokio::spawn(async move {
         let every = ttl / 5;
         let mut renewed_at = granted_at;
         loop {
             let sent = Instant::now();
             let fenced = Instant::now() >= renewed_at + deadline;
+            // The lease renewed, then the leader key read back: both, or it is no renewal.
+            let renew = async {
+                if client.keep_alive(lease).await?.is_none() {
+                    return Ok::<_, EtcdError>(Renewal::LeaseGone);
+                }
+                Ok(match client.get(&key).await? {
+                    Some(kv) if kv.create_revision == epoch => Renewal::Held,
+                    Some(kv) => Renewal::KeyTaken(kv.create_revision),
+                    None => Renewal::KeyGone,
+                })
+            };
             let renewal = if fenced {
                 // Fenced already: nothing to race, wait for etcd's answer (bounded by the
                 // client's own retry time).
                 tokio::select! {
-                    r = client.keep_alive(lease) => Some(r),
+                    r = renew => Some(r),
                     _ = stop.changed() => return,
                 }
             } else {
                 tokio::select! {
-                    r = client.keep_alive(lease) => Some(r),
+                    r = renew => Some(r),
                     () = tokio::time::sleep_until(renewed_at + deadline) => None,
                     _ = stop.changed() => return,
                 }
             };
             match renewal {
-                Some(Ok(Some(_))) => {
+                Some(Ok(Renewal::Held)) => {
                     renewed_at = sent;
                     fence.renewed((sent + deadline).into_std());
                     // Lifted only while this renewal's own deadline is ahead: an answer that
@@ -253,10 +297,10 @@ pub fn keep(
                         lift
                     });
                 }
-                Some(Ok(None)) => {
-                    let why = "the leader's lease is gone (etcd expired it)";
-                    fence.depose(why);
-                    let _ = tx.send(Standing::Deposed { why: why.into() });
+                Some(Ok(lost)) => {
+                    let why = lost.why(epoch);
+                    fence.depose(&why);
+                    let _ = tx.send(Standing::Deposed { why });
                     return;
                 }
                 Some(Err(e)) => {
