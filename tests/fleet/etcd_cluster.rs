@@ -191,46 +191,42 @@ impl Cluster {
         .await
     }
 
-    /// Whether `key` exists (read through a running member's JSON gateway).
-    pub async fn has_key(&self, key: &str) -> bool {
-        use base64::Engine as _;
-        let b64 = base64::engine::general_purpose::STANDARD.encode(key);
+    /// `body` posted to `path` of the JSON gateway of the first running member that answers
+    /// (with a JSON body), and that answer.
+    async fn gateway(&self, path: &str, body: serde_json::Value) -> Option<serde_json::Value> {
         let http = reqwest::Client::new();
         for m in self.members.iter().filter(|m| m.child.is_some()) {
             let Ok(r) = http
-                .post(format!("{}/v3/kv/range", m.client_url))
-                .json(&serde_json::json!({"key": b64, "count_only": true}))
+                .post(format!("{}{path}", m.client_url))
+                .json(&body)
                 .timeout(Duration::from_secs(2))
                 .send()
                 .await
             else {
                 continue;
             };
-            if let Ok(v) = r.json::<serde_json::Value>().await {
-                return v["count"].as_str().is_some_and(|c| c != "0");
+            if r.status().is_success()
+                && let Ok(v) = r.json::<serde_json::Value>().await
+            {
+                return Some(v);
             }
         }
-        false
+        None
     }
 
-    /// Deletes `key` (through the first running member that answers), as an operator with
-    /// etcdctl could; whether one answered.
+    /// Whether `key` exists (read through a running member's JSON gateway).
+    pub async fn has_key(&self, key: &str) -> bool {
+        let body = serde_json::json!({"key": base64_key(key), "count_only": true});
+        self.gateway("/v3/kv/range", body)
+            .await
+            .is_some_and(|v| v["count"].as_str().is_some_and(|c| c != "0"))
+    }
+
+    /// Deletes `key` (through a running member's JSON gateway), as an operator with etcdctl
+    /// could; whether a member answered.
     pub async fn delete_key(&self, key: &str) -> bool {
-        use base64::Engine as _;
-        let b64 = base64::engine::general_purpose::STANDARD.encode(key);
-        let http = reqwest::Client::new();
-        for m in self.members.iter().filter(|m| m.child.is_some()) {
-            let sent = http
-                .post(format!("{}/v3/kv/deleterange", m.client_url))
-                .json(&serde_json::json!({"key": b64}))
-                .timeout(Duration::from_secs(2))
-                .send()
-                .await;
-            if sent.is_ok_and(|r| r.status().is_success()) {
-                return true;
-            }
-        }
-        false
+        let body = serde_json::json!({"key": base64_key(key)});
+        self.gateway("/v3/kv/deleterange", body).await.is_some()
     }
 
     /// Sends a signal (`STOP`, `CONT`) to a running member.
@@ -258,4 +254,10 @@ impl Drop for Cluster {
             self.kill(i);
         }
     }
+}
+
+/// A key as etcd's JSON gateway takes it.
+fn base64_key(key: &str) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(key)
 }

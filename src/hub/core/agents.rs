@@ -2,7 +2,7 @@
 //! the end of a socket, `providers`, `pull`, `heartbeat`, `config_ack`, `limits`, and the
 //! gate's probes out and their answers.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use super::{Core, results};
@@ -326,7 +326,6 @@ impl Core {
             }
             return;
         }
-        let mut routes: HashMap<String, String> = HashMap::new();
         let candidates: Vec<Candidate> = self
             .agents
             .values()
@@ -337,9 +336,6 @@ impl Core {
             .filter_map(|p| {
                 let mut c = p.gate_candidate.clone()?;
                 c.healthy = p.is_healthy(now);
-                if let Some(route) = &p.route {
-                    routes.insert(c.provider.clone(), route.clone());
-                }
                 Some(c)
             })
             .collect();
@@ -353,32 +349,35 @@ impl Core {
         // Probes this round timed out give their permits to this round's probes first.
         freed |= self.release_probe_permits(now);
         for r in requests {
-            if let Some(route) = routes.get(&r.provider) {
-                if let Some(hold) = self.budget.check(route, now) {
+            // `agent/provider`, as the candidate was named.
+            let target = r
+                .provider
+                .split_once('/')
+                .and_then(|(agent, pid)| Some((self.agents.get(agent)?, pid)));
+            let route = target.and_then(|(a, pid)| a.providers.get(pid)?.route.as_ref());
+            if let Some(route) = route {
+                if !self.budget.try_acquire(route, now) {
+                    let hold = self.budget.check(route, now);
                     tracing::debug!(provider = %r.provider, route = %route, hold = ?hold, "gate probe waits for a budget permit");
-                    if !self.budget.held_beyond_capacity(route, now) {
+                    if let Some(hold) = hold
+                        && !self.budget.held_beyond_capacity(route, now)
+                    {
                         self.probe_permits.claim(&hold, now);
                     }
                     self.gate.withdraw(&r.probe);
                     continue;
                 }
-                if !self.budget.try_acquire(route, now) {
-                    self.gate.withdraw(&r.probe);
-                    continue;
-                }
                 self.probe_permits.hold(&r.probe, route);
             }
-            let sent = r.provider.split_once('/').and_then(|(agent, pid)| {
-                let a = self.agents.get(agent)?;
+            let sent = target.is_some_and(|(a, pid)| {
                 a.send(protocol::encode(&HubFrame::Probe(protocol::Probe {
                     probe: r.probe.clone(),
                     provider: pid.to_string(),
                     texts: r.texts,
                     query: None,
                 })))
-                .then_some(())
             });
-            if sent.is_none() {
+            if !sent {
                 self.gate
                     .on_result(&r.probe, Err("the agent is gone".into()), now);
             }

@@ -207,29 +207,8 @@ async fn wait_out_or_fail(e: EtcdError) -> Result<(), EtcdError> {
 enum Renewal {
     /// The lease lives and the leader key has this leader's epoch.
     Held,
-    /// etcd no longer knows the lease.
-    LeaseGone,
-    /// The lease lives but the leader key is gone.
-    KeyGone,
-    /// The leader key was created again (this epoch's is gone): another hub's.
-    KeyTaken(i64),
-}
-
-impl Renewal {
-    /// Why a leader whose renewal found this no longer leads.
-    fn why(&self, epoch: i64) -> String {
-        match self {
-            Renewal::Held => "it still leads".into(),
-            Renewal::LeaseGone => "the leader's lease is gone (etcd expired it)".into(),
-            Renewal::KeyGone => {
-                "the leader key is gone from etcd though the lease lives (deleted, or etcd restored)"
-                    .into()
-            }
-            Renewal::KeyTaken(other) => format!(
-                "the leader key is another campaign's (epoch {other}, this hub's was {epoch})"
-            ),
-        }
-    }
+    /// This hub no longer leads: why (the lease gone, the leader key gone or another's).
+    Lost(String),
 }
 
 /// Renews the lease until the leader is deposed or `stop` fires. Past the deadline without a
@@ -260,12 +239,19 @@ pub fn keep(
             // The lease renewed, then the leader key read back: both, or it is no renewal.
             let renew = async {
                 if client.keep_alive(lease).await?.is_none() {
-                    return Ok::<_, EtcdError>(Renewal::LeaseGone);
+                    let why = "the leader's lease is gone (etcd expired it)";
+                    return Ok::<_, EtcdError>(Renewal::Lost(why.into()));
                 }
                 Ok(match client.get(&key).await? {
                     Some(kv) if kv.create_revision == epoch => Renewal::Held,
-                    Some(kv) => Renewal::KeyTaken(kv.create_revision),
-                    None => Renewal::KeyGone,
+                    Some(kv) => Renewal::Lost(format!(
+                        "the leader key is another campaign's (epoch {}, this hub's was {epoch})",
+                        kv.create_revision
+                    )),
+                    None => Renewal::Lost(
+                        "the leader key is gone from etcd though the lease lives (deleted, or etcd restored)"
+                            .into(),
+                    ),
                 })
             };
             let renewal = if fenced {
@@ -297,8 +283,7 @@ pub fn keep(
                         lift
                     });
                 }
-                Some(Ok(lost)) => {
-                    let why = lost.why(epoch);
+                Some(Ok(Renewal::Lost(why))) => {
                     fence.depose(&why);
                     let _ = tx.send(Standing::Deposed { why });
                     return;
