@@ -2,9 +2,11 @@
 // fingerprint b [m, d] (f32), 0 where either norm is 0 (as the hub's CPU `cosine`). One block
 // per (i, j); blockDim.x must be a power of two (the launcher uses 256). The three sums run in
 // f32 per thread and are reduced in shared memory.
+#include "fantom.cuh"
+
 extern "C" __global__ void cosine_matrix_f32(const float* a, const float* b, unsigned int n,
                                              unsigned int m, unsigned int d, float* c) {
-    extern __shared__ float sums[];  // 3 * blockDim.x
+    FANTOM_DYNAMIC_SMEM(float, sums);  // 3 * blockDim.x
     float* s_dot = sums;
     float* s_aa = sums + blockDim.x;
     float* s_bb = sums + 2 * blockDim.x;

@@ -10,7 +10,7 @@
 //          torch.nn.functional.normalize)
 //
 // One block per row; blockDim.x must be a power of two (the launcher uses 256).
-#include <cuda_bf16.h>
+#include "fantom.cuh"
 
 __device__ __forceinline__ float load_f(const float* p, size_t i) { return p[i]; }
 __device__ __forceinline__ float load_f(const __nv_bfloat16* p, size_t i) {
@@ -21,7 +21,7 @@ template <typename T>
 __device__ void pool_normalize(const T* hidden, const unsigned int* starts,
                                const unsigned int* lengths, unsigned int h, unsigned int dims,
                                unsigned int mode, unsigned int normalize, float* out) {
-    extern __shared__ float partial[];
+    FANTOM_DYNAMIC_SMEM(float, partial);
     const unsigned int row = blockIdx.x;
     const unsigned int start = starts[row];
     const unsigned int len = lengths[row];

@@ -5,7 +5,7 @@
 use clap::Args;
 
 use crate::inference::device;
-use crate::inference::kernels;
+use crate::inference::kernel_check;
 use crate::inference::{DTypeSpec, DeviceSpec};
 
 #[derive(Args)]
@@ -17,7 +17,7 @@ pub struct KernelCheckArgs {
 
 pub fn run(args: KernelCheckArgs) -> anyhow::Result<std::process::ExitCode> {
     let (device, _) = device::open(args.device, DTypeSpec::Auto)?;
-    let checks = kernels::self_check(&device)?;
+    let checks = kernel_check::self_check(&device)?;
     for c in &checks {
         println!("{}", serde_json::to_string(c)?);
     }

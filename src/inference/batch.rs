@@ -2,37 +2,96 @@
 //! sequence (no padding), with the indexes that map rows to token spans.
 //!
 //! Dense layers, norms and pooling run on the packed tokens, so padding costs nothing there.
-//! Attention needs rows: on the CPU a packed kernel reads the tokens with the row lengths; elsewhere the batch also carries a [`PaddedLayout`] to gather tokens into
-//! right-padded `[rows, longest]` for masked matmul attention and scatter them back.
+//! Attention needs rows: packed attention (`inference::attention`, on the CPU and, in bf16/f16,
+//! on CUDA) reads the tokens with the row lengths, and on CUDA the batch carries the kernel's
+//! [`RowTable`], uploaded once and read by every layer. Where the packed kernel does not run
+//! (f32 on CUDA, a head dim it is not built for, a card older than sm_80) the batch carries a
+//! [`PaddedLayout`] to gather tokens into right-padded `[rows, longest]` for masked matmul
+//! attention and scatter them back.
 //!
-//! Built by the batcher thread while the model thread runs the previous batch, so the host work
-//! and the host-to-device copies overlap with compute.
+//! Built by the batcher thread while the model thread runs the previous batch. On CUDA every
+//! index goes up in one copy from a pinned buffer on the batcher's own stream, and the batch
+//! carries the event that copy completes at: the model thread's stream waits on it
+//! ([`PreparedBatch::wait_uploaded`]), so the upload never queues behind the running batch.
 
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor};
 
+use super::attention::{self, RowTable};
 use super::tokenize::TokenizedInput;
 
 /// How attention sees a batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum AttentionMode {
-    /// Packed on the CPU (our packed kernel), padded elsewhere.
+    /// Packed wherever its kernel runs, padded elsewhere.
     #[default]
     Auto,
-    /// Packed tokens and row lengths (the CPU kernel).
+    /// Packed tokens and row lengths (`inference::attention`).
     Packed,
-    /// Right-padded rows with an additive mask (any device).
+    /// Right-padded rows with an additive mask (candle's ops, any device).
     Padded,
 }
 
 impl AttentionMode {
-    /// The mode actually used on `device` in `dtype` (our packed kernel is the CPU's, in f32).
-    pub fn resolve(self, device: &Device, dtype: DType) -> Self {
+    /// The mode used on `device` in `dtype` for heads of `head_dim`: `Auto` is packed where
+    /// [`packed_runs`] says it runs, padded elsewhere (with the reason); `Packed` where it does
+    /// not run is an error.
+    pub fn resolve(
+        self,
+        device: &Device,
+        dtype: DType,
+        head_dim: usize,
+    ) -> std::result::Result<(Self, Option<String>), String> {
+        match (self, packed_runs(device, dtype, head_dim)) {
+            (Self::Auto, Ok(())) | (Self::Packed, Ok(())) => Ok((Self::Packed, None)),
+            (Self::Auto, Err(why)) => Ok((Self::Padded, Some(why))),
+            (Self::Packed, Err(why)) => Err(format!("packed attention does not run here: {why}")),
+            (Self::Padded, _) => Ok((Self::Padded, None)),
+        }
+    }
+
+    /// The name logs, `hello` and status use.
+    pub fn name(self) -> &'static str {
         match self {
-            Self::Auto if device.is_cpu() && dtype == DType::F32 => Self::Packed,
-            Self::Auto => Self::Padded,
-            other => other,
+            Self::Auto => "auto",
+            Self::Packed => "packed",
+            Self::Padded => "padded",
+        }
+    }
+}
+
+/// Whether packed attention runs on `device` in `dtype` for heads of `head_dim`: on the CPU
+/// always (bf16 and f16 widened); on CUDA in bf16 and f16, for the head dims its kernel is built
+/// for, on sm_80 or newer, where the kernel loads.
+pub fn packed_runs(
+    device: &Device,
+    dtype: DType,
+    head_dim: usize,
+) -> std::result::Result<(), String> {
+    match device {
+        Device::Cpu => Ok(()),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => {
+            attention::cuda_supports(dtype, head_dim)?;
+            let (major, minor) = super::cuda::compute_capability(dev).map_err(|e| e.to_string())?;
+            if major < 8 {
+                return Err(format!(
+                    "the packed attention kernel needs sm_80 or newer; this card is sm_{major}{minor}"
+                ));
+            }
+            let launch =
+                attention::kernel_launch(dtype, head_dim, 1, 1).map_err(|e| e.to_string())?;
+            super::cuda::function(dev, launch.module, &launch.kernel)
+                .map(|_| ())
+                .map_err(|e| format!("the packed attention kernel does not load: {e}"))
+        }
+        _ => {
+            let _ = (dtype, head_dim, attention::CUDA_HEAD_DIMS);
+            Err(format!(
+                "no packed attention kernel for {:?}",
+                device.location()
+            ))
         }
     }
 }
@@ -104,13 +163,62 @@ pub struct PreparedBatch {
     pub prefix_of: Vec<Option<usize>>,
     /// Input rows (the rows that produce outputs).
     pub outputs: usize,
+    /// The packed kernel's row table, on a CUDA device when attention runs packed.
+    pub row_table: Option<RowTable>,
     /// Present when attention runs padded.
     pub padded: Option<PaddedLayout>,
+    /// Where the batch's upload completes on the batcher's stream (CUDA).
+    #[cfg(feature = "cuda")]
+    uploaded: Option<Arc<candle_core::cuda_backend::cudarc::driver::CudaEvent>>,
 }
 
+/// The u32 arrays of a batch, on their way to the device in one upload.
+#[derive(Default)]
+struct Uploads<'a> {
+    parts: Vec<(&'a [u32], Vec<usize>)>,
+}
+
+impl<'a> Uploads<'a> {
+    fn add(&mut self, data: &'a [u32], shape: &[usize]) -> usize {
+        self.parts.push((data, shape.to_vec()));
+        self.parts.len() - 1
+    }
+
+    /// One tensor per part, and (on CUDA) the event the copy completes at.
+    fn send(self, device: &Device) -> Result<(Vec<Tensor>, Option<Ready>)> {
+        match device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(dev) => {
+                let slices: Vec<&[u32]> = self.parts.iter().map(|(d, _)| *d).collect();
+                let (flat, event) = super::cuda::upload_u32(dev, &slices)?;
+                let tensors = flat
+                    .into_iter()
+                    .zip(&self.parts)
+                    .map(|(t, (_, shape))| t.reshape(shape.as_slice()))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok((tensors, Some(event)))
+            }
+            _ => {
+                let tensors = self
+                    .parts
+                    .iter()
+                    .map(|(d, shape)| Tensor::from_slice(d, shape.as_slice(), device))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok((tensors, None))
+            }
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+type Ready = Arc<candle_core::cuda_backend::cudarc::driver::CudaEvent>;
+#[cfg(not(feature = "cuda"))]
+type Ready = std::convert::Infallible;
+
 impl PreparedBatch {
-    /// Packs `rows` (and the distinct prefixes they continue) and uploads them; adds a padded
-    /// layout when `mode` resolves to padded.
+    /// Packs `rows` (and the distinct prefixes they continue) and uploads them; adds the row
+    /// table when attention runs packed on CUDA, a padded layout when it runs padded. `Auto`
+    /// (a batch built outside an engine) is packed on the CPU, padded elsewhere.
     pub fn build<'a>(
         rows: impl ExactSizeIterator<Item = RowInput<'a>>,
         device: &Device,
@@ -168,30 +276,108 @@ impl PreparedBatch {
             row_of_token.extend(std::iter::repeat_n(row as u32, row_ids.len()));
             lengths.push(row_ids.len());
         }
+        if u32::try_from(total).is_err() {
+            candle_core::bail!("a batch of {total} tokens is past u32 indexes");
+        }
         let first: Vec<u32> = starts[..outputs].iter().map(|&s| s as u32).collect();
         let last: Vec<u32> = (0..outputs)
             .map(|r| (starts[r] + lengths[r] - 1) as u32)
             .collect();
-        // The engine resolved the mode for its device and dtype already; `Auto` here (a test
-        // building a batch directly) means the f32 choice.
-        let padded = match mode.resolve(device, DType::F32) {
-            AttentionMode::Padded => Some(padded_layout(
-                &starts, &lengths, &prefix_of, longest, total, device,
-            )?),
+        let mode = match mode {
+            AttentionMode::Auto if device.is_cpu() => AttentionMode::Packed,
+            AttentionMode::Auto => AttentionMode::Padded,
+            other => other,
+        };
+        let table = match mode {
+            AttentionMode::Packed if !device.is_cpu() => {
+                Some(RowTable::host(&lengths, &prefix_of)?)
+            }
             _ => None,
         };
+        let padded = match mode {
+            AttentionMode::Padded => Some(padded_indexes(
+                &starts, &lengths, &prefix_of, longest, total,
+            )),
+            _ => None,
+        };
+        let mut up = Uploads::default();
+        let at = [
+            up.add(&ids, &[total]),
+            up.add(&types, &[total]),
+            up.add(&positions, &[total]),
+            up.add(&row_of_token, &[total]),
+            up.add(&first, &[outputs]),
+            up.add(&last, &[outputs]),
+        ];
+        let table_at = table
+            .as_ref()
+            .map(|(r, t)| (up.add(r, &[r.len()]), up.add(t, &[t.len()]), t.len() / 2));
+        let padded_at = padded.as_ref().map(|p| {
+            let rows = lengths.len();
+            (
+                up.add(&p.gather, &[rows * longest]),
+                up.add(&p.scatter, &[total]),
+                up.add(&p.mask, &[rows, longest]),
+                p.kv_gather
+                    .as_ref()
+                    .map(|(kv, kv_longest)| up.add(kv, &[rows * kv_longest])),
+            )
+        });
+        let (tensors, ready) = up.send(device)?;
+        let take = |i: usize| tensors[i].clone();
+        let row_table = table_at.map(|(r, t, n_tiles)| RowTable {
+            rows: take(r),
+            tiles: take(t),
+            n_tiles,
+        });
+        let padded = match (padded, padded_at) {
+            (Some(p), Some((gather, scatter, mask, kv))) => Some(PaddedLayout {
+                longest,
+                gather: take(gather),
+                scatter: take(scatter),
+                mask: take(mask),
+                shared: match (p.kv_gather, kv) {
+                    (Some((_, kv_longest)), Some(kv)) => {
+                        let col = |v: &[f32]| Tensor::from_slice(v, (v.len(), 1, 1, 1), device);
+                        Some(SharedKeys {
+                            kv_longest,
+                            kv_gather: take(kv),
+                            prefix_len: col(&p.prefix_len)?,
+                            own_len: col(&p.own_len)?,
+                        })
+                    }
+                    _ => None,
+                },
+            }),
+            _ => None,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let _: Option<Ready> = ready;
         Ok(Self {
-            input_ids: Tensor::from_vec(ids, total, device)?,
-            type_ids: Tensor::from_vec(types, total, device)?,
-            positions: Tensor::from_vec(positions, total, device)?,
-            row_of_token: Tensor::from_vec(row_of_token, total, device)?,
-            first_token: Tensor::from_vec(first, outputs, device)?,
-            last_token: Tensor::from_vec(last, outputs, device)?,
+            input_ids: take(at[0]),
+            type_ids: take(at[1]),
+            positions: take(at[2]),
+            row_of_token: take(at[3]),
+            first_token: take(at[4]),
+            last_token: take(at[5]),
             lengths,
             prefix_of,
             outputs,
+            row_table,
             padded,
+            #[cfg(feature = "cuda")]
+            uploaded: ready,
         })
+    }
+
+    /// Makes this thread's stream wait for the batch's upload (on CUDA; a no-op elsewhere).
+    pub fn wait_uploaded(&self, device: &Device) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let (Device::Cuda(dev), Some(event)) = (device, &self.uploaded) {
+            super::cuda::wait(dev, event)?;
+        }
+        let _ = device;
+        Ok(())
     }
 
     /// Whether any row continues a shared prefix.
@@ -229,17 +415,46 @@ impl PreparedBatch {
             None => self.tokens(),
         }
     }
+
+    /// The packed attention op for this batch's rows (its row table on CUDA).
+    pub fn attention(
+        &self,
+        (q_heads, kv_heads, head_dim): (usize, usize, usize),
+        scale: f32,
+        causal: bool,
+    ) -> attention::PackedAttention {
+        attention::PackedAttention {
+            lengths: self.lengths.clone(),
+            prefix_of: self.prefix_of.clone(),
+            q_heads,
+            kv_heads,
+            head_dim,
+            scale,
+            causal,
+            table: self.row_table.clone(),
+        }
+    }
+}
+
+/// A padded layout's indexes on the host.
+struct PaddedIndexes {
+    gather: Vec<u32>,
+    scatter: Vec<u32>,
+    mask: Vec<u32>,
+    /// Key indexes and their width, when rows continue prefixes.
+    kv_gather: Option<(Vec<u32>, usize)>,
+    prefix_len: Vec<f32>,
+    own_len: Vec<f32>,
 }
 
 /// Gather/scatter indexes for padded attention; key indexes too when rows continue prefixes.
-fn padded_layout(
+fn padded_indexes(
     starts: &[usize],
     lengths: &[usize],
     prefix_of: &[Option<usize>],
     longest: usize,
     total: usize,
-    device: &Device,
-) -> Result<PaddedLayout> {
+) -> PaddedIndexes {
     let rows = lengths.len();
     let mut gather = Vec::with_capacity(rows * longest);
     let mut scatter = Vec::with_capacity(total);
@@ -253,8 +468,8 @@ fn padded_layout(
         }
         scatter.extend((0..len).map(|pos| (row * longest + pos) as u32));
     }
-    let shared = if prefix_of.iter().any(Option::is_some) {
-        let plen = |r: usize| prefix_of[r].map_or(0, |p| lengths[p]);
+    let plen = |r: usize| prefix_of[r].map_or(0, |p| lengths[p]);
+    let kv_gather = prefix_of.iter().any(Option::is_some).then(|| {
         let kv_longest = (0..rows).map(|r| plen(r) + lengths[r]).max().unwrap_or(0);
         let mut kv = Vec::with_capacity(rows * kv_longest);
         for r in 0..rows {
@@ -267,26 +482,16 @@ fn padded_layout(
             kv.extend(keys.map(|t| t as u32));
             kv.extend(std::iter::repeat_n(starts[r] as u32, kv_longest - n));
         }
-        let col = |f: &dyn Fn(usize) -> usize| -> Result<Tensor> {
-            let v: Vec<f32> = (0..rows).map(|r| f(r) as f32).collect();
-            Tensor::from_vec(v, (rows, 1, 1, 1), device)
-        };
-        Some(SharedKeys {
-            kv_longest,
-            kv_gather: Tensor::from_vec(kv, rows * kv_longest, device)?,
-            prefix_len: col(&plen)?,
-            own_len: col(&|r| lengths[r])?,
-        })
-    } else {
-        None
-    };
-    Ok(PaddedLayout {
-        longest,
-        gather: Tensor::from_vec(gather, rows * longest, device)?,
-        scatter: Tensor::from_vec(scatter, total, device)?,
-        mask: Tensor::from_vec(mask, (rows, longest), device)?,
-        shared,
-    })
+        (kv, kv_longest)
+    });
+    PaddedIndexes {
+        gather,
+        scatter,
+        mask,
+        kv_gather,
+        prefix_len: (0..rows).map(|r| plen(r) as f32).collect(),
+        own_len: lengths.iter().map(|&l| l as f32).collect(),
+    }
 }
 
 #[cfg(test)]

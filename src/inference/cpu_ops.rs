@@ -7,18 +7,20 @@
 //! * [`BiasGelu`]: `y = gelu(y + bias)`, exact-GELU with a rational `erf` that vectorises
 //!   (max abs error under 5e-7, a few f32 ulps, see the tests);
 //! * [`BiasResidualLayerNorm`]: `y = LayerNorm(y + bias + residual)`, two-pass variance;
-//! * [`PackedAttention`]: attention over packed rows (no padding), reading Q, K and V in place
-//!   from strided views (e.g. column slices of a fused QKV matrix): per (head, row) two gemm
-//!   calls with a vectorised softmax between them; bidirectional or causal, grouped-query heads.
-//!   It replaced candle's variable-length kernel, whose per-score online softmax (two scalar
-//!   `expf` per score) was 44% of BERT's CPU time.
+//! * [`packed_attention`]: the CPU body of [`PackedAttention`] (attention over packed rows, no
+//!   padding), reading Q, K and V in place from strided views (e.g. column slices of a fused QKV
+//!   matrix): per (head, row) two gemm calls with a vectorised softmax between them;
+//!   bidirectional or causal, grouped-query heads, shared-prefix keys. It replaced candle's
+//!   variable-length kernel, whose per-score online softmax (two scalar `expf` per score) was 44%
+//!   of BERT's CPU time. With [`WeightPrecision`] it rounds the softmax weights as the GPU
+//!   kernel does in bf16/f16, so the CPU checks that kernel's numerics.
 //!
 //! Other devices use candle's ops; the CPU kernels are tested against them.
 
-use candle_core::{
-    CpuStorage, CustomOp3, InplaceOp1, InplaceOp2, Layout, Result, Shape, Tensor, bail,
-};
+use candle_core::{CpuStorage, InplaceOp1, InplaceOp2, Layout, Result, Tensor, bail};
 use rayon::prelude::*;
+
+use super::attention::PackedAttention;
 
 /// Defines a row kernel that runs compiled for AVX2+FMA when the CPU has them.
 ///
@@ -201,32 +203,14 @@ impl InplaceOp2 for BiasResidualLayerNorm {
     }
 }
 
-/// Attention over packed rows. Inputs are 2-D f32 views `[tokens, heads × head_dim]` whose
-/// rows may be strided (column slices of a fused projection): Q with `q_heads`, K and V with
-/// `kv_heads` (grouped-query when fewer). Output: contiguous `[tokens, q_heads × head_dim]`.
-pub struct PackedAttention {
-    /// Length of each packed row (sequence), in order.
-    pub lengths: Vec<usize>,
-    /// For each row, the row whose tokens are its shared prefix (causal models only): their
-    /// keys come before the row's own, all visible. Empty means no prefixes.
-    pub prefix_of: Vec<Option<usize>>,
-    pub q_heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    /// Multiplies Q·K (1.0 when the scale is folded into Q's weights).
-    pub scale: f32,
-    /// Each token sees only itself and earlier tokens of its row.
-    pub causal: bool,
-}
-
-/// Q, K and V as slices with their row strides.
-struct AttentionViews<'a> {
-    q: &'a [f32],
-    q_stride: usize,
-    k: &'a [f32],
-    k_stride: usize,
-    v: &'a [f32],
-    v_stride: usize,
+/// Q, K and V as f32 slices from their first element, with their row strides.
+pub(crate) struct AttentionViews<'a> {
+    pub q: &'a [f32],
+    pub q_stride: usize,
+    pub k: &'a [f32],
+    pub k_stride: usize,
+    pub v: &'a [f32],
+    pub v_stride: usize,
 }
 
 /// Max of a slice in eight lanes (a plain fold is a serial dependency chain).
@@ -327,6 +311,15 @@ unsafe fn gemm_into(
     }
 }
 
+/// How the softmax weights are held when they multiply V: f32, or rounded to the half dtype
+/// the GPU kernel feeds its second matrix multiply with (the CPU's twin of its precision).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WeightPrecision {
+    F32,
+    Bf16,
+    F16,
+}
+
 /// Query rows scored per block (bounds the score buffer at `QUERY_BLOCK × row length`).
 const QUERY_BLOCK: usize = 64;
 
@@ -349,6 +342,7 @@ simd_kernel! {
         row: (usize, usize),
         prefix: Option<(usize, usize)>,
         scratch: &mut AttentionScratch,
+        weights: WeightPrecision,
         out: &mut [f32],
     ) {
         let (start, len) = row;
@@ -387,8 +381,14 @@ simd_kernel! {
                     *w = exp_f32(*w - max);
                 }
                 let inv = 1.0 / lanes_sum(seen);
-                for w in seen.iter_mut() {
-                    *w *= inv;
+                match weights {
+                    WeightPrecision::F32 => seen.iter_mut().for_each(|w| *w *= inv),
+                    WeightPrecision::Bf16 => seen
+                        .iter_mut()
+                        .for_each(|w| *w = half::bf16::from_f32(*w * inv).to_f32()),
+                    WeightPrecision::F16 => seen
+                        .iter_mut()
+                        .for_each(|w| *w = half::f16::from_f32(*w * inv).to_f32()),
                 }
                 hidden.fill(0.0);
             }
@@ -411,7 +411,7 @@ simd_kernel! {
 }
 
 /// A 2-D f32 view: the slice from its first element and its row stride.
-fn rows_view<'a>(
+pub(crate) fn rows_view<'a>(
     storage: &'a CpuStorage,
     layout: &Layout,
     width: usize,
@@ -430,95 +430,62 @@ fn rows_view<'a>(
     Ok((data, row_stride))
 }
 
-impl CustomOp3 for PackedAttention {
-    fn name(&self) -> &'static str {
-        "packed-attention"
+/// The CPU body of [`PackedAttention`] on f32 views: contiguous `[tokens, q_heads × head_dim]`.
+/// One task per (head, packed row), so a batch of one long row still keeps every core busy.
+pub(crate) fn packed_attention(
+    op: &PackedAttention,
+    views: &AttentionViews,
+    tokens: usize,
+    weights: WeightPrecision,
+) -> Vec<f32> {
+    let d = op.head_dim;
+    let width = op.q_heads * d;
+    // Head-major `[head][token][d]` so every task owns a contiguous slice.
+    let mut head_major = vec![0f32; tokens * width];
+    let mut starts = Vec::with_capacity(op.lengths.len());
+    let mut acc = 0;
+    for &len in &op.lengths {
+        starts.push(acc);
+        acc += len;
     }
-
-    fn cpu_fwd(
-        &self,
-        qs: &CpuStorage,
-        ql: &Layout,
-        ks: &CpuStorage,
-        kl: &Layout,
-        vs: &CpuStorage,
-        vl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let d = self.head_dim;
-        if self.kv_heads == 0 || !self.q_heads.is_multiple_of(self.kv_heads) {
-            bail!(
-                "packed attention: {} query heads over {} kv heads",
-                self.q_heads,
-                self.kv_heads
-            );
+    let prefix = |row: usize| -> Option<(usize, usize)> {
+        op.prefix_of
+            .get(row)
+            .copied()
+            .flatten()
+            .map(|p| (starts[p], op.lengths[p]))
+    };
+    let widest = (0..op.lengths.len())
+        .map(|r| prefix(r).map_or(0, |p| p.1) + op.lengths[r])
+        .max()
+        .unwrap_or(0);
+    let mut tasks = Vec::with_capacity(op.q_heads * op.lengths.len());
+    let mut rest: &mut [f32] = &mut head_major;
+    for head in 0..op.q_heads {
+        for (row, &len) in op.lengths.iter().enumerate() {
+            let (mine, tail) = rest.split_at_mut(len * d);
+            tasks.push((head, (starts[row], len), prefix(row), mine));
+            rest = tail;
         }
-        let (q, q_stride) = rows_view(qs, ql, self.q_heads * d, "Q")?;
-        let (k, k_stride) = rows_view(ks, kl, self.kv_heads * d, "K")?;
-        let (v, v_stride) = rows_view(vs, vl, self.kv_heads * d, "V")?;
-        let tokens: usize = self.lengths.iter().sum();
-        if ql.shape().dims2()?.0 != tokens
-            || kl.shape().dims2()?.0 != tokens
-            || vl.shape().dims2()?.0 != tokens
-        {
-            bail!("packed attention: row lengths do not add up to the token count");
-        }
-        let width = self.q_heads * d;
-        // One task per (head, packed row), writing head-major `[head][token][d]` so every task
-        // owns a contiguous slice; a batch of one long row still keeps every core busy.
-        let mut head_major = vec![0f32; tokens * width];
-        let mut starts = Vec::with_capacity(self.lengths.len());
-        let mut acc = 0;
-        for &len in &self.lengths {
-            starts.push(acc);
-            acc += len;
-        }
-        let prefix = |row: usize| -> Option<(usize, usize)> {
-            self.prefix_of
-                .get(row)
-                .copied()
-                .flatten()
-                .map(|p| (starts[p], self.lengths[p]))
-        };
-        let widest = (0..self.lengths.len())
-            .map(|r| prefix(r).map_or(0, |p| p.1) + self.lengths[r])
-            .max()
-            .unwrap_or(0);
-        let mut tasks = Vec::with_capacity(self.q_heads * self.lengths.len());
-        let mut rest: &mut [f32] = &mut head_major;
-        for head in 0..self.q_heads {
-            for (row, &len) in self.lengths.iter().enumerate() {
-                let (mine, tail) = rest.split_at_mut(len * d);
-                tasks.push((head, (starts[row], len), prefix(row), mine));
-                rest = tail;
+    }
+    tasks.into_par_iter().for_each_init(
+        || AttentionScratch {
+            scores: vec![0f32; QUERY_BLOCK * widest],
+        },
+        |scratch, (head, row, prefix, out)| {
+            attention_row(op, views, head, row, prefix, scratch, weights, out)
+        },
+    );
+    // Back to token-major `[token][head × d]`.
+    let mut out = vec![0f32; tokens * width];
+    out.par_chunks_mut(width.max(1))
+        .enumerate()
+        .for_each(|(t, row)| {
+            for (head, dst) in row.chunks_exact_mut(d).enumerate() {
+                dst.copy_from_slice(&head_major[(head * tokens + t) * d..][..d]);
             }
-        }
-        let views = AttentionViews {
-            q,
-            q_stride,
-            k,
-            k_stride,
-            v,
-            v_stride,
-        };
-        tasks.into_par_iter().for_each_init(
-            || AttentionScratch {
-                scores: vec![0f32; QUERY_BLOCK * widest],
-            },
-            |scratch, (head, row, prefix, out)| {
-                attention_row(self, &views, head, row, prefix, scratch, out)
-            },
-        );
-        // Back to token-major `[token][head × d]`.
-        let mut out = vec![0f32; tokens * width];
-        out.par_chunks_mut(width.max(1))
-            .enumerate()
-            .for_each(|(t, row)| {
-                for (head, dst) in row.chunks_exact_mut(d).enumerate() {
-                    dst.copy_from_slice(&head_major[(head * tokens + t) * d..][..d]);
-                }
-            });
-        Ok((CpuStorage::F32(out), Shape::from((tokens, width))))
-    }
+        });
+    out
 }
 
 /// Copies a small 1-D tensor to a host vector (for the fused kernels' parameters).
@@ -541,146 +508,6 @@ mod tests {
             x += 1e-3;
         }
         assert!(worst < 2e-7, "max relative error {worst}");
-    }
-
-    /// Attention the plain way, per row and head, in f64.
-    #[allow(clippy::too_many_arguments)]
-    fn naive_attention(
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        lengths: &[usize],
-        hq: usize,
-        hk: usize,
-        d: usize,
-        causal: bool,
-    ) -> Vec<f32> {
-        let mut out = vec![0f32; q.len()];
-        let mut start = 0;
-        for &len in lengths {
-            for i in 0..len {
-                for h in 0..hq {
-                    let kh = h / (hq / hk);
-                    let keys = if causal { i + 1 } else { len };
-                    let scores: Vec<f64> = (0..keys)
-                        .map(|j| {
-                            (0..d)
-                                .map(|c| {
-                                    q[(start + i) * hq * d + h * d + c] as f64
-                                        * k[(start + j) * hk * d + kh * d + c] as f64
-                                })
-                                .sum()
-                        })
-                        .collect();
-                    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                    let z: f64 = e.iter().sum();
-                    for c in 0..d {
-                        let acc: f64 = (0..keys)
-                            .map(|j| e[j] * v[(start + j) * hk * d + kh * d + c] as f64)
-                            .sum();
-                        out[(start + i) * hq * d + h * d + c] = (acc / z) as f32;
-                    }
-                }
-            }
-            start += len;
-        }
-        out
-    }
-
-    #[test]
-    fn packed_attention_matches_naive() -> Result<()> {
-        let dev = Device::Cpu;
-        let lengths = vec![5, 1, 12, 3];
-        let tokens: usize = lengths.iter().sum();
-        for (hq, hk, causal) in [(4, 4, false), (4, 2, true), (6, 1, false)] {
-            let d = 12;
-            // Q, K, V as column slices of one fused matrix, like BERT's QKV projection.
-            let width = (hq + 2 * hk) * d;
-            let fused = Tensor::from_vec(sample(tokens, width, 9), (tokens, width), &dev)?;
-            let q = fused.narrow(1, 0, hq * d)?;
-            let k = fused.narrow(1, hq * d, hk * d)?;
-            let v = fused.narrow(1, (hq + hk) * d, hk * d)?;
-            let op = PackedAttention {
-                lengths: lengths.clone(),
-                prefix_of: Vec::new(),
-                q_heads: hq,
-                kv_heads: hk,
-                head_dim: d,
-                scale: 0.25,
-                causal,
-            };
-            let got = q
-                .apply_op3_no_bwd(&k, &v, &op)?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
-            let flat = |t: &Tensor| -> Result<Vec<f32>> {
-                t.contiguous()?.flatten_all()?.to_vec1::<f32>()
-            };
-            let qs: Vec<f32> = flat(&q)?.iter().map(|x| x * 0.25).collect();
-            let want = naive_attention(&qs, &flat(&k)?, &flat(&v)?, &lengths, hq, hk, d, causal);
-            for (a, b) in got.iter().zip(&want) {
-                assert!(
-                    (a - b).abs() < 1e-5,
-                    "{a} vs {b} (hq {hq}, hk {hk}, causal {causal})"
-                );
-            }
-        }
-        Ok(())
-    }
-
-    /// A row continuing a shared prefix attends exactly as the whole sequence would (causal).
-    #[test]
-    fn shared_prefix_equals_the_whole_row() -> Result<()> {
-        let dev = Device::Cpu;
-        let (hq, hk, d) = (4, 2, 8);
-        let (p, a, b) = (5, 3, 4); // prefix, tail A, tail B
-        // Packed: tail A, tail B, prefix (the batch layout). Whole rows for the reference.
-        let width = (hq + 2 * hk) * d;
-        let pre = sample(p, width, 21);
-        let ta = sample(a, width, 22);
-        let tb = sample(b, width, 23);
-        let packed: Vec<f32> = [ta.clone(), tb.clone(), pre.clone()].concat();
-        let fused = Tensor::from_vec(packed, (a + b + p, width), &dev)?;
-        let split = |t: &Tensor| -> Result<(Tensor, Tensor, Tensor)> {
-            Ok((
-                t.narrow(1, 0, hq * d)?,
-                t.narrow(1, hq * d, hk * d)?,
-                t.narrow(1, (hq + hk) * d, hk * d)?,
-            ))
-        };
-        let (q, k, v) = split(&fused)?;
-        let op = PackedAttention {
-            lengths: vec![a, b, p],
-            prefix_of: vec![Some(2), Some(2), None],
-            q_heads: hq,
-            kv_heads: hk,
-            head_dim: d,
-            scale: 0.3,
-            causal: true,
-        };
-        let got = q.apply_op3_no_bwd(&k, &v, &op)?.to_vec2::<f32>()?;
-        for (tail, offset) in [(&ta, 0), (&tb, a)] {
-            let n = p + tail.len() / width;
-            let whole = Tensor::from_vec([pre.clone(), tail.clone()].concat(), (n, width), &dev)?;
-            let (q, k, v) = split(&whole)?;
-            let op = PackedAttention {
-                lengths: vec![n],
-                prefix_of: Vec::new(),
-                q_heads: hq,
-                kv_heads: hk,
-                head_dim: d,
-                scale: 0.3,
-                causal: true,
-            };
-            let want = q.apply_op3_no_bwd(&k, &v, &op)?.to_vec2::<f32>()?;
-            for i in 0..n - p {
-                for (x, y) in got[offset + i].iter().zip(&want[p + i]) {
-                    assert!((x - y).abs() < 1e-5, "{x} vs {y}");
-                }
-            }
-        }
-        Ok(())
     }
 
     #[test]

@@ -7,7 +7,10 @@
 //!   length bucketing, pads it and uploads it. It hands batches over a rendezvous channel, so
 //!   exactly one batch is prepared while the model runs the current one.
 //! * The **model thread** owns the model: nothing else touches it, so no locks sit on the hot
-//!   path and a CUDA context stays on one thread.
+//!   path. It launches a batch and hands its outputs, still on the device, to the **finisher
+//!   thread**, which reads them back and answers each entry while the model thread launches
+//!   the next batch (on a GPU the copy-back then never stalls the next batch; see
+//!   `inference::cuda` for the streams and events between the three threads).
 //! * Each input is one queue entry with its own reply channel; a caller that goes away has its
 //!   entries dropped before they cost a batch slot.
 
@@ -43,8 +46,9 @@ pub struct EngineConfig {
     /// Rows per batch.
     pub max_batch_rows: usize,
     pub truncation: Truncation,
-    /// Packed attention on the CPU, padded elsewhere (`Auto`); `Padded` forces the GPU-shaped
-    /// path, so the CPU can check it.
+    /// Packed attention wherever its kernel runs, padded elsewhere (`Auto`); `Padded` forces
+    /// the masked-matmul path (the fallback on cards the kernel does not run on), so the CPU
+    /// can check it.
     pub attention: AttentionMode,
     /// How much of the worst-case batch runs once at start.
     pub warmup: Warmup,
@@ -178,6 +182,7 @@ pub struct EngineInfo {
     /// Rows of the warm-up batch that ran at start.
     pub warmup_rows: usize,
     pub max_batch_rows: usize,
+    /// How attention runs: `packed` (`inference::attention`) or `padded`.
     pub attention: String,
     /// Forward FLOPs per token at sequence length `s`: `flops_per_token[0] + flops_per_token[1]·s`.
     pub flops_per_token: [f64; 2],
@@ -254,18 +259,14 @@ impl Engine {
         if dev.is_cpu() {
             super::heap::keep_tensor_memory();
         }
-        let attention = cfg.attention.resolve(&dev, dtype);
-        if attention == AttentionMode::Packed && !(dev.is_cpu() && dtype == DType::F32) {
-            return Err(EngineError::Config(
-                "packed attention is the CPU's f32 kernel: use padded attention on a GPU or in a half dtype".into(),
-            ));
-        }
 
         let stats = Arc::new(EngineStats::default());
         let (job_tx, job_rx) = mpsc::sync_channel::<Job>(0);
+        // One launched batch waits for the finisher while the model thread runs the next.
+        let (done_tx, done_rx) = mpsc::sync_channel::<Launched>(1);
         let (ready_tx, ready_rx) = mpsc::channel();
         {
-            let (spec, dev, stats, cfg) = (spec.clone(), dev.clone(), stats.clone(), cfg.clone());
+            let (spec, dev, cfg) = (spec.clone(), dev.clone(), cfg.clone());
             let model_tokenizer = tokenizer.clone();
             std::thread::Builder::new()
                 .name("fantom-model".into())
@@ -280,6 +281,14 @@ impl Engine {
                         }
                     };
                     let load_time = t0.elapsed();
+                    let head_dim = model.encoder.activation_shape().head_dim;
+                    let (attention, fallback) = match cfg.attention.resolve(&dev, dtype, head_dim) {
+                        Ok(resolved) => resolved,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(Refused::Config(e)));
+                            return;
+                        }
+                    };
                     let sized = size_and_warm_up(
                         &model,
                         &spec,
@@ -306,8 +315,10 @@ impl Engine {
                         max_batch_tokens,
                         source,
                         warmup_rows,
+                        attention,
+                        fallback,
                     }));
-                    model_loop(&model, job_rx, &stats);
+                    model_loop(&model, job_rx, done_tx, &dev);
                 })
                 .map_err(|e| EngineError::Load(format!("cannot spawn the model thread: {e}")))?;
         }
@@ -319,6 +330,14 @@ impl Engine {
                 Refused::Load(m) => EngineError::Load(m),
             })?;
         let (hidden, load_time, flops_line) = (ready.hidden, ready.load_time, ready.flops_line);
+        let attention = ready.attention;
+        {
+            let (stats, dev) = (stats.clone(), dev.clone());
+            std::thread::Builder::new()
+                .name("fantom-finisher".into())
+                .spawn(move || finisher_loop(done_rx, &stats, &dev))
+                .map_err(|e| EngineError::Load(format!("cannot spawn the finisher thread: {e}")))?;
+        }
         let dims = match spec.task {
             Task::Embed => {
                 let dims = spec.dims.unwrap_or(hidden);
@@ -361,7 +380,7 @@ impl Engine {
             max_batch_tokens_source: ready.source.as_str(),
             warmup_rows: ready.warmup_rows,
             max_batch_rows: cfg.max_batch_rows,
-            attention: format!("{attention:?}").to_lowercase(),
+            attention: attention.name().to_string(),
             flops_per_token: [flops_line.0, flops_line.1],
         };
         let files_from = info
@@ -379,6 +398,8 @@ impl Engine {
             max_batch_tokens = info.max_batch_tokens,
             max_batch_tokens_from = info.max_batch_tokens_source,
             warmup_rows = info.warmup_rows,
+            attention = %info.attention,
+            attention_fallback = ready.fallback.as_deref().unwrap_or(""),
             "model loaded"
         );
         for f in info.provenance.files() {
@@ -703,6 +724,10 @@ struct Ready {
     max_batch_tokens: usize,
     source: warmup::BudgetSource,
     warmup_rows: usize,
+    attention: AttentionMode,
+    /// Why attention runs padded where packed was wanted (a dtype, head dim or card the kernel
+    /// does not run).
+    fallback: Option<String>,
 }
 
 /// Why the model thread did not start serving.
@@ -756,17 +781,60 @@ fn size_and_warm_up(
         ids: ids.iter().copied().cycle().take(spec.max_tokens).collect(),
         type_ids: vec![0; spec.max_tokens],
     };
-    let rows = warmup::run(
+    match warmup::run(
         model,
         cfg.warmup,
         dev,
         attention,
-        row,
+        &row,
         max_batch_tokens,
         cfg.max_batch_rows,
-    )
-    .map_err(Refused::Config)?;
-    Ok((max_batch_tokens, source, rows))
+    ) {
+        Ok(rows) => Ok((max_batch_tokens, source, rows)),
+        Err(failed) => {
+            let checked = warmup::largest_that_runs(model, dev, attention, &row, failed.rows);
+            let what = format!(
+                "the warm-up batch ({} rows of {} tokens, max_batch_tokens {max_batch_tokens}) failed on {}: {}",
+                failed.rows,
+                failed.row_tokens,
+                device::describe(dev),
+                failed.error
+            );
+            match (source, checked) {
+                // A budget the sizer picked: start with the largest smaller one that ran.
+                (warmup::BudgetSource::FreeMemory | warmup::BudgetSource::Default, Some(t)) => {
+                    tracing::warn!(
+                        max_batch_tokens = t,
+                        "{what}; running with {t}, whose warm-up passed"
+                    );
+                    Ok((
+                        t,
+                        source,
+                        warmup::worst_rows(t, cfg.max_batch_rows, spec.max_tokens),
+                    ))
+                }
+                (_, Some(t)) => Err(Refused::Config(format!(
+                    "{what}; a warm-up of max_batch_tokens {t} ran on it: set max_batch_tokens to at most {t}"
+                ))),
+                (_, None) => Err(Refused::Config(format!(
+                    "{what}; not even one row of max_tokens ran: lower max_tokens or use a smaller dtype"
+                ))),
+            }
+        }
+    }
+}
+
+/// A batch launched on the model thread, on its way to the finisher.
+struct Launched {
+    output: Result<models::DeviceOutput, String>,
+    replies: Vec<Reply>,
+    started: Instant,
+    rows: u64,
+    tokens: u64,
+    attended_tokens: u64,
+    /// Where the batch ends on the model thread's stream (CUDA).
+    #[cfg(feature = "cuda")]
+    done: Option<Arc<candle_core::cuda_backend::cudarc::driver::CudaEvent>>,
 }
 
 fn batcher_loop(
@@ -825,38 +893,82 @@ fn push(queue: &mut BatchQueue<Entry>, e: Entry) {
     }
 }
 
-fn model_loop(model: &models::LoadedModel, jobs: mpsc::Receiver<Job>, stats: &EngineStats) {
+fn model_loop(
+    model: &models::LoadedModel,
+    jobs: mpsc::Receiver<Job>,
+    done: mpsc::SyncSender<Launched>,
+    device: &Device,
+) {
     while let Ok(Job { batch, replies }) = jobs.recv() {
-        let t0 = Instant::now();
-        let result = model.run(&batch);
-        stats
-            .model_busy_us
-            .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        let started = Instant::now();
+        let output = model.start(&batch).map_err(|e| e.to_string());
+        #[cfg(feature = "cuda")]
+        let done_at = match device {
+            Device::Cuda(dev) => super::cuda::record(dev).ok(),
+            _ => None,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let _ = device;
+        let launched = Launched {
+            output,
+            replies,
+            started,
+            rows: batch.outputs as u64,
+            tokens: batch.tokens() as u64,
+            attended_tokens: batch.attended_tokens() as u64,
+            #[cfg(feature = "cuda")]
+            done: done_at,
+        };
+        // Blocks while the finisher still reads the batch before this one.
+        if done.send(launched).is_err() {
+            return;
+        }
+    }
+}
+
+/// Reads each launched batch back and answers its entries. `model_busy_us` counts from a
+/// batch's launch (or the previous batch's end, if later) to its outputs being read.
+fn finisher_loop(done: mpsc::Receiver<Launched>, stats: &EngineStats, device: &Device) {
+    let mut previous_end: Option<Instant> = None;
+    while let Ok(batch) = done.recv() {
+        #[cfg(feature = "cuda")]
+        if let (Device::Cuda(dev), Some(event)) = (device, &batch.done) {
+            // This thread's stream copies the outputs back once the batch has run.
+            let _ = super::cuda::wait(dev, event);
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = device;
+        let result = batch
+            .output
+            .and_then(|o| o.read().map_err(|e| e.to_string()));
+        let end = Instant::now();
+        let from = previous_end.map_or(batch.started, |p| p.max(batch.started));
+        previous_end = Some(end);
+        stats.model_busy_us.fetch_add(
+            end.duration_since(from).as_micros() as u64,
+            Ordering::Relaxed,
+        );
         stats.batches.fetch_add(1, Ordering::Relaxed);
-        stats
-            .rows
-            .fetch_add(batch.outputs as u64, Ordering::Relaxed);
-        stats
-            .tokens
-            .fetch_add(batch.tokens() as u64, Ordering::Relaxed);
+        stats.rows.fetch_add(batch.rows, Ordering::Relaxed);
+        stats.tokens.fetch_add(batch.tokens, Ordering::Relaxed);
         stats
             .attended_tokens
-            .fetch_add(batch.attended_tokens() as u64, Ordering::Relaxed);
+            .fetch_add(batch.attended_tokens, Ordering::Relaxed);
         match result {
             Ok(ModelOutput::Vectors(rows)) => {
-                for (reply, v) in replies.into_iter().zip(rows) {
+                for (reply, v) in batch.replies.into_iter().zip(rows) {
                     let _ = reply.send(Ok(RowOutput::Vector(v)));
                 }
             }
             Ok(ModelOutput::Scores(scores)) => {
-                for (reply, s) in replies.into_iter().zip(scores) {
+                for (reply, s) in batch.replies.into_iter().zip(scores) {
                     let _ = reply.send(Ok(RowOutput::Score(s)));
                 }
             }
             Err(e) => {
-                tracing::error!(error = %e, rows = batch.rows(), "model failed on a batch");
-                let err = InferenceError::Model(e.to_string());
-                for reply in replies {
+                tracing::error!(error = %e, rows = batch.rows, "model failed on a batch");
+                let err = InferenceError::Model(e);
+                for reply in batch.replies {
                     let _ = reply.send(Err(err.clone()));
                 }
             }

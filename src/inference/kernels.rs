@@ -8,11 +8,13 @@
 //!   index_select or index_add, a division, a host copy and a host loop.
 //! * [`cosine_matrix`]: the gate's `n × m` cosines between probe vectors and a fingerprint.
 //!
-//! [`self_check`] runs both on a device against their CPU bodies (`fantom-sidecar
-//! kernel-check`, the GPU script).
+//! `kernel_check` runs them, with the attention and layer kernels, on a device against their
+//! CPU bodies (`fantom-sidecar kernel-check`, the GPU script).
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
+#[cfg(feature = "cuda")]
+use super::launch::KernelModule;
 use crate::model_spec::Pooling;
 
 /// Threads per block of both kernels (a power of two).
@@ -197,8 +199,9 @@ impl CustomOp3 for PoolNormalize {
             DType::BF16 => "pool_normalize_bf16",
             other => candle_core::bail!("pool_normalize takes f32 or bf16 states, not {other:?}"),
         };
-        let func = dev.get_or_load_custom_func(name, "fantom_pool_normalize", POOL_PTX)?;
-        let mut launch = func.builder();
+        let func = super::cuda::function(&dev, KernelModule::Pooling, name)?;
+        let stream = dev.cuda_stream();
+        let mut launch = stream.launch_builder(&func);
         let hidden_f32;
         let hidden_bf16;
         match s1.dtype() {
@@ -288,9 +291,9 @@ impl CustomOp2 for CosineMatrix {
             shared_mem_bytes: 3 * BLOCK * 4,
         };
         let (nu, mu, du) = (n as u32, m as u32, d as u32);
-        let func =
-            dev.get_or_load_custom_func("cosine_matrix_f32", "fantom_cosine_matrix", COSINE_PTX)?;
-        let mut launch = func.builder();
+        let func = super::cuda::function(&dev, KernelModule::Cosine, "cosine_matrix_f32")?;
+        let stream = dev.cuda_stream();
+        let mut launch = stream.launch_builder(&func);
         launch.arg(&a);
         launch.arg(&b);
         launch.arg(&nu);
@@ -314,122 +317,12 @@ fn offset(layout: &Layout) -> Result<usize> {
     }
 }
 
-#[cfg(feature = "cuda")]
-const POOL_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/pool_normalize.ptx"));
-#[cfg(feature = "cuda")]
-const COSINE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/cosine_matrix.ptx"));
-
-/// One comparison of a kernel on a device with its CPU body.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct KernelCheck {
-    pub kernel: String,
-    pub case: String,
-    /// Largest absolute difference from the CPU body.
-    pub max_abs_diff: f32,
-    pub tolerance: f32,
-    pub passed: bool,
-}
-
-/// Deterministic test data: `len` values in [-1, 1) from `seed`.
-fn data(len: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    let (a, b) = (
-        a.flatten_all()?.to_vec1::<f32>()?,
-        b.flatten_all()?.to_vec1::<f32>()?,
-    );
-    if a.len() != b.len() {
-        candle_core::bail!("shapes differ: {} and {}", a.len(), b.len());
-    }
-    Ok(a.iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max))
-}
-
-/// Runs both kernels on `device` and compares each with its CPU body (rows of uneven lengths,
-/// an empty row, every pooling, truncated and full width, f32 and bf16 states).
-pub fn self_check(device: &Device) -> Result<Vec<KernelCheck>> {
-    let mut checks = Vec::new();
-    let (h, lengths) = (96usize, [5u32, 1, 17, 0, 9]);
-    let tokens: u32 = lengths.iter().sum();
-    let starts: Vec<u32> = lengths
-        .iter()
-        .scan(0u32, |at, &l| {
-            let s = *at;
-            *at += l;
-            Some(s)
-        })
-        .collect();
-    let hidden = Tensor::from_vec(
-        data(tokens as usize * h, 7),
-        (tokens as usize, h),
-        &Device::Cpu,
-    )?;
-    let (s_cpu, l_cpu) = (
-        Tensor::new(starts.as_slice(), &Device::Cpu)?,
-        Tensor::new(lengths.as_slice(), &Device::Cpu)?,
-    );
-    for dtype in [DType::F32, DType::BF16] {
-        let states = hidden.to_dtype(dtype)?;
-        let on_dev = (
-            states.to_device(device)?,
-            s_cpu.to_device(device)?,
-            l_cpu.to_device(device)?,
-        );
-        for pooling in [Pooling::Cls, Pooling::Last, Pooling::Mean] {
-            for (dims, normalize) in [(h, true), (32, true), (h, false)] {
-                let want = pool_normalize(&states, &s_cpu, &l_cpu, pooling, dims, normalize)?;
-                let got =
-                    pool_normalize(&on_dev.0, &on_dev.1, &on_dev.2, pooling, dims, normalize)?
-                        .to_device(&Device::Cpu)?;
-                let diff = max_abs_diff(&want, &got)?;
-                let tolerance = 1e-5;
-                checks.push(KernelCheck {
-                    kernel: "pool_normalize".into(),
-                    case: format!("{dtype:?} {pooling:?} dims={dims} normalize={normalize}"),
-                    max_abs_diff: diff,
-                    tolerance,
-                    passed: diff <= tolerance,
-                });
-            }
-        }
-    }
-    for (n, m, d) in [(12usize, 12usize, 4096usize), (3, 5, 7), (1, 1, 1024)] {
-        let a = Tensor::from_vec(data(n * d, 11), (n, d), &Device::Cpu)?;
-        let mut b_data = data(m * d, 13);
-        b_data[..d].iter_mut().for_each(|v| *v = 0.0); // a zero row: cosine 0
-        let b = Tensor::from_vec(b_data, (m, d), &Device::Cpu)?;
-        let want = cosine_matrix(&a, &b)?;
-        let got =
-            cosine_matrix(&a.to_device(device)?, &b.to_device(device)?)?.to_device(&Device::Cpu)?;
-        let diff = max_abs_diff(&want, &got)?;
-        let tolerance = 1e-5;
-        checks.push(KernelCheck {
-            kernel: "cosine_matrix".into(),
-            case: format!("{n}x{m} d={d}"),
-            max_abs_diff: diff,
-            tolerance,
-            passed: diff <= tolerance,
-        });
-    }
-    Ok(checks)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::inference::kernel_check::test_data;
     use crate::inference::pooling::finish;
+    use candle_core::Device;
 
     fn rows_of(t: &Tensor) -> Vec<Vec<f32>> {
         t.to_vec2::<f32>().unwrap()
@@ -438,7 +331,7 @@ mod tests {
     #[test]
     fn the_cpu_body_pools_truncates_and_normalises_like_the_engine() {
         let (h, lengths) = (8usize, [3u32, 1, 4]);
-        let states = data(8 * h, 3);
+        let states = test_data(8 * h, 3);
         let hidden = Tensor::from_vec(states.clone(), (8, h), &Device::Cpu).unwrap();
         let starts = Tensor::new(&[0u32, 3, 4], &Device::Cpu).unwrap();
         let lens = Tensor::new(&lengths, &Device::Cpu).unwrap();
@@ -484,7 +377,7 @@ mod tests {
     #[test]
     fn the_cpu_cosine_matrix_matches_the_cosine_in_f64() {
         let (n, m, d) = (3, 4, 64);
-        let (a, b) = (data(n * d, 5), data(m * d, 6));
+        let (a, b) = (test_data(n * d, 5), test_data(m * d, 6));
         let ta = Tensor::from_vec(a.clone(), (n, d), &Device::Cpu).unwrap();
         let tb = Tensor::from_vec(b.clone(), (m, d), &Device::Cpu).unwrap();
         let got = rows_of(&cosine_matrix(&ta, &tb).unwrap());
@@ -508,27 +401,5 @@ mod tests {
             )
             .is_err()
         );
-    }
-
-    #[test]
-    fn the_self_check_passes_on_the_cpu() {
-        let checks = self_check(&Device::Cpu).unwrap();
-        assert!(checks.len() > 10);
-        assert!(
-            checks.iter().all(|c| c.passed && c.max_abs_diff == 0.0),
-            "{checks:?}"
-        );
-    }
-
-    /// On a CUDA machine: the kernels against their CPU bodies (skipped without a device).
-    #[cfg(feature = "cuda")]
-    #[test]
-    fn the_cuda_kernels_match_their_cpu_bodies() {
-        let Ok(device) = Device::new_cuda(0) else {
-            eprintln!("no CUDA device: skipped");
-            return;
-        };
-        let checks = self_check(&device).unwrap();
-        assert!(checks.iter().all(|c| c.passed), "{checks:?}");
     }
 }

@@ -6,13 +6,21 @@
 //! one thread that owns the model ([`engine`]). At start the batch budget is sized and the
 //! worst-case batch run once ([`warmup`]).
 
+pub mod attention;
 pub mod batch;
 pub mod batcher;
 pub mod cpu_ops;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
+#[cfg(test)]
+mod emulator;
 pub mod engine;
 pub mod heap;
+pub mod kernel_check;
 pub mod kernels;
+pub mod launch;
+pub mod layer_ops;
 pub mod models;
 pub mod pooling;
 pub mod tokenize;

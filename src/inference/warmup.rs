@@ -7,6 +7,13 @@
 //! already and not counted): the residual stream, Q/K/V, and the larger of attention (padded:
 //! per-row copies and the `rows × heads × longest²` scores) and the MLP, with a quarter more for
 //! the allocator and temporaries.
+//!
+//! Memory is not the only bound on a GPU: candle's CUDA kernels index with u32 and cuBLAS with
+//! i32, so no tensor may hold 2³¹ elements or more, and a batched GEMM holds at most 65 535
+//! matrices ([`kernel_limit`]). A budget the sizer picks respects both, so it passes its
+//! warm-up; a configured one past them is refused with the largest that respects them; and when
+//! a warm-up still fails, the advice is a smaller budget whose warm-up was run and passed
+//! ([`largest_that_runs`]), never a guess.
 
 use candle_core::{DType, Device};
 
@@ -22,6 +29,12 @@ pub const MAX_AUTO_BATCH_TOKENS: usize = 1 << 18;
 /// Of the memory free after loading, what activations may take (the rest: cuBLAS workspaces,
 /// the allocator's slack, another process on the card).
 const USABLE_FRACTION: f64 = 0.8;
+/// The most elements one tensor may hold on a GPU (candle's kernels and cuBLAS index with 32
+/// bits; measured on the H200: padded scores of exactly 2³¹ elements ran, 1.5 × 2³¹ failed in
+/// cuBLAS).
+pub const MAX_TENSOR_ELEMENTS: u64 = 1 << 31;
+/// The most matrices one batched cuBLAS GEMM may hold (its grid's z).
+pub const MAX_GEMM_BATCH: u64 = 65_535;
 
 /// How much of a warm-up runs at boot.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -115,6 +128,47 @@ pub fn activation_bytes(
     ((residual + qkv + attention.max(mlp)) * 1.25) as u64
 }
 
+/// Why a batch of `rows` rows of `longest` tokens cannot run on a GPU whatever its memory (a
+/// tensor past [`MAX_TENSOR_ELEMENTS`], a batched GEMM past [`MAX_GEMM_BATCH`]), or `None`.
+pub fn kernel_limit(
+    shape: &ActivationShape,
+    rows: usize,
+    longest: usize,
+    attention: AttentionMode,
+) -> Option<String> {
+    let (rows, longest) = (rows as u64, longest as u64);
+    let tokens = rows * longest;
+    let (h, i) = (shape.hidden as u64, shape.intermediate as u64);
+    let (heads, kv, d) = (
+        shape.heads as u64,
+        shape.kv_heads as u64,
+        shape.head_dim as u64,
+    );
+    // The widest per-token tensor: fused gate/up, fused QKV, the residual with its norm.
+    let widest = (2 * i).max((heads + 2 * kv) * d).max(2 * h);
+    if tokens.saturating_mul(widest) > MAX_TENSOR_ELEMENTS {
+        return Some(format!(
+            "{tokens} tokens × {widest} per token is {} elements in one tensor, past 2^31",
+            tokens.saturating_mul(widest)
+        ));
+    }
+    if attention == AttentionMode::Padded {
+        let scores = (rows * heads).saturating_mul(longest * longest);
+        if scores > MAX_TENSOR_ELEMENTS {
+            return Some(format!(
+                "padded attention's scores ({rows} rows × {heads} heads × {longest}²) are {scores} elements, past 2^31"
+            ));
+        }
+        if rows * heads > MAX_GEMM_BATCH {
+            return Some(format!(
+                "padded attention batches {} matrices in one GEMM, past {MAX_GEMM_BATCH}",
+                rows * heads
+            ));
+        }
+    }
+    None
+}
+
 /// Memory on `device` free for activations now, in bytes (`None`: it cannot tell).
 pub fn free_bytes(device: &Device) -> Option<u64> {
     device::memory(device).map(|m| m.free_bytes)
@@ -143,11 +197,19 @@ pub fn budget(
         free,
         &device::describe(device),
         |rows| activation_bytes(shape, rows, max_tokens, attention, dtype, device),
+        |rows| {
+            if gpu {
+                kernel_limit(shape, rows, max_tokens, attention)
+            } else {
+                None
+            }
+        },
     )
 }
 
-/// [`budget`] with the estimate as `needs(rows)`; `gpu`: an unconfigured budget is sized from
-/// free memory.
+/// [`budget`] with the estimate as `needs_rows(rows)` and the kernels' limits as
+/// `limit_rows(rows)`; `gpu`: an unconfigured budget is sized from free memory.
+#[allow(clippy::too_many_arguments)]
 fn sized(
     configured: Option<usize>,
     max_batch_rows: usize,
@@ -156,16 +218,23 @@ fn sized(
     free: Option<u64>,
     device: &str,
     needs_rows: impl Fn(usize) -> u64,
+    limit_rows: impl Fn(usize) -> Option<String>,
 ) -> Result<(usize, BudgetSource), String> {
-    let needs = |tokens: usize| needs_rows(worst_rows(tokens, max_batch_rows, max_tokens));
+    let rows_of = |tokens: usize| worst_rows(tokens, max_batch_rows, max_tokens);
     let usable = free.map(|f| (f as f64 * USABLE_FRACTION) as u64);
-    // The largest multiple of `max_tokens` (up to `cap`) whose worst batch fits `usable`.
-    let largest_fitting = |usable: u64, cap: usize| -> Option<usize> {
+    // Whether the worst batch of a budget fits memory and the kernels' limits.
+    let runs = |tokens: usize| {
+        let rows = rows_of(tokens);
+        limit_rows(rows).is_none() && usable.is_none_or(|u| needs_rows(rows) <= u)
+    };
+    // The largest multiple of `max_tokens` (up to `cap`) whose worst batch runs: both grow with
+    // the rows, so a bisection finds it.
+    let largest_running = |cap: usize| -> Option<usize> {
         let most = (cap / max_tokens.max(1)).max(1);
         let (mut lo, mut hi) = (0usize, most);
         while lo < hi {
             let mid = (lo + hi).div_ceil(2);
-            if needs(mid * max_tokens) <= usable {
+            if runs(mid * max_tokens) {
                 lo = mid;
             } else {
                 hi = mid - 1;
@@ -173,24 +242,28 @@ fn sized(
         }
         (lo > 0).then_some(lo * max_tokens)
     };
+    if let Some(why) = limit_rows(1) {
+        return Err(format!(
+            "one input of max_tokens ({max_tokens}) is past what the kernels on {device} take: {why}; lower max_tokens"
+        ));
+    }
     let (tokens, source) = match (configured, usable) {
         (Some(t), _) => (t, BudgetSource::Configured),
-        (None, Some(usable)) if gpu => {
+        (None, Some(_)) if gpu => {
             let cap = MAX_AUTO_BATCH_TOKENS.min(max_batch_rows.saturating_mul(max_tokens));
-            match largest_fitting(usable, cap) {
-                Some(t) => (t.max(max_tokens), BudgetSource::FreeMemory),
-                None => (max_tokens, BudgetSource::FreeMemory),
-            }
+            let t = largest_running(cap).unwrap_or(max_tokens);
+            (t.max(max_tokens), BudgetSource::FreeMemory)
         }
         // The CPU's default, or less when even that does not fit the host's memory.
-        (None, usable) => {
+        (None, _) => {
             let default = DEFAULT_MAX_BATCH_TOKENS.max(max_tokens);
-            match usable.filter(|u| needs(default) > *u) {
-                Some(u) => (
-                    largest_fitting(u, default).unwrap_or(max_tokens),
+            if runs(default) {
+                (default, BudgetSource::Default)
+            } else {
+                (
+                    largest_running(default).unwrap_or(max_tokens),
                     BudgetSource::FreeMemory,
-                ),
-                None => (default, BudgetSource::Default),
+                )
             }
         }
     };
@@ -199,18 +272,27 @@ fn sized(
             "max_batch_tokens ({tokens}) must hold one input of max_tokens ({max_tokens})"
         ));
     }
+    let rows = rows_of(tokens);
+    let fix = || {
+        match largest_running(tokens) {
+        Some(t) => format!("set max_batch_tokens to at most {t}"),
+        None => "even one input of max_tokens does not fit: lower max_tokens, use a smaller dtype, or free memory".to_string(),
+    }
+    };
+    if let Some(why) = limit_rows(rows) {
+        return Err(format!(
+            "max_batch_tokens {tokens} ({rows} rows of {max_tokens} tokens at most) is past what the kernels on {device} take: {why}: {}",
+            fix()
+        ));
+    }
     if let Some(usable) = usable {
-        let need = needs(tokens);
+        let need = needs_rows(rows);
         if need > usable {
-            let rows = worst_rows(tokens, max_batch_rows, max_tokens);
-            let fix = match largest_fitting(usable, tokens) {
-                Some(t) => format!("set max_batch_tokens to at most {t}"),
-                None => "even one input of max_tokens does not fit: lower max_tokens, use a smaller dtype, or free memory".to_string(),
-            };
             return Err(format!(
-                "max_batch_tokens {tokens} ({rows} rows of {max_tokens} tokens at most) needs about {} of activations on {device}, and {} is free for them: {fix}",
+                "max_batch_tokens {tokens} ({rows} rows of {max_tokens} tokens at most) needs about {} of activations on {device}, and {} is free for them: {}",
                 gib(need),
-                gib(usable)
+                gib(usable),
+                fix()
             ));
         }
     }
@@ -221,16 +303,24 @@ fn gib(bytes: u64) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
-/// Runs the worst-case batch (or one row of it) once; the error says what to change.
+/// A warm-up that failed: its batch and the device's error.
+#[derive(Debug)]
+pub struct WarmupFailure {
+    pub rows: usize,
+    pub row_tokens: usize,
+    pub error: String,
+}
+
+/// Runs the worst-case batch (or one row of it) once: the rows it ran.
 pub fn run(
     model: &LoadedModel,
     mode: Warmup,
     device: &Device,
     attention: AttentionMode,
-    row: TokenizedInput,
+    row: &TokenizedInput,
     max_batch_tokens: usize,
     max_batch_rows: usize,
-) -> Result<usize, String> {
+) -> Result<usize, WarmupFailure> {
     let full = match mode {
         Warmup::Full => true,
         Warmup::OneRow => false,
@@ -241,8 +331,18 @@ pub fn run(
     } else {
         1
     };
+    run_rows(model, device, attention, row, rows)
+}
+
+fn run_rows(
+    model: &LoadedModel,
+    device: &Device,
+    attention: AttentionMode,
+    row: &TokenizedInput,
+    rows: usize,
+) -> Result<usize, WarmupFailure> {
     let inputs = vec![row; rows];
-    let batch = PreparedBatch::build(
+    PreparedBatch::build(
         inputs.iter().map(|input| RowInput {
             input,
             prefix: None,
@@ -250,16 +350,32 @@ pub fn run(
         device,
         attention,
     )
-    .and_then(|batch| model.run(&batch).map(|_| ()));
-    match batch {
-        Ok(()) => Ok(rows),
-        Err(e) => Err(format!(
-            "the warm-up batch ({rows} rows of {} tokens, max_batch_tokens {max_batch_tokens}) failed on {}: {e}; set max_batch_tokens to at most {} (or leave it unset on a GPU to size it from free memory)",
-            inputs.first().map_or(0, TokenizedInput::len),
-            device::describe(device),
-            (max_batch_tokens / 2).max(inputs.first().map_or(1, TokenizedInput::len))
-        )),
+    .and_then(|batch| model.run(&batch).map(|_| ()))
+    .map(|()| rows)
+    .map_err(|e| WarmupFailure {
+        rows,
+        row_tokens: row.len(),
+        error: e.to_string(),
+    })
+}
+
+/// After a warm-up of `failed_rows` rows failed: the largest budget of fewer rows (halving)
+/// whose warm-up runs, each run for real; `None` when not even one row runs.
+pub fn largest_that_runs(
+    model: &LoadedModel,
+    device: &Device,
+    attention: AttentionMode,
+    row: &TokenizedInput,
+    failed_rows: usize,
+) -> Option<usize> {
+    let mut rows = failed_rows / 2;
+    while rows >= 1 {
+        if run_rows(model, device, attention, row, rows).is_ok() {
+            return Some(rows * row.len());
+        }
+        rows /= 2;
     }
+    None
 }
 
 #[cfg(test)]
@@ -339,18 +455,139 @@ mod tests {
         // 1 MiB a row of 512 tokens; 100 MiB free: 80 usable, so 80 rows.
         let needs = |rows: usize| rows as u64 * (1 << 20);
         let free = Some(100u64 << 20);
-        let (t, source) = sized(None, 256, 512, true, free, "cuda:0", needs).unwrap();
+        let (t, source) = sized(None, 256, 512, true, free, "cuda:0", needs, |_| None).unwrap();
         assert_eq!((t, source), (80 * 512, BudgetSource::FreeMemory));
         // Capped by the rows a batch may have, and by the ceiling.
-        let (t, _) = sized(None, 16, 512, true, Some(1 << 40), "cuda:0", needs).unwrap();
+        let (t, _) = sized(None, 16, 512, true, Some(1 << 40), "cuda:0", needs, |_| {
+            None
+        })
+        .unwrap();
         assert_eq!(t, 16 * 512);
-        let (t, _) = sized(None, 1 << 20, 512, true, Some(1 << 50), "cuda:0", needs).unwrap();
+        let (t, _) = sized(
+            None,
+            1 << 20,
+            512,
+            true,
+            Some(1 << 50),
+            "cuda:0",
+            needs,
+            |_| None,
+        )
+        .unwrap();
         assert_eq!(t, MAX_AUTO_BATCH_TOKENS);
         // The CPU keeps the default.
-        let (t, source) = sized(None, 256, 512, false, free, "cpu", needs).unwrap();
+        let (t, source) = sized(None, 256, 512, false, free, "cpu", needs, |_| None).unwrap();
         assert_eq!(
             (t, source),
             (DEFAULT_MAX_BATCH_TOKENS, BudgetSource::Default)
         );
+    }
+
+    /// The Qwen3 shapes of every pinned manifest (hidden, intermediate, heads, kv heads).
+    fn qwen3(size: &str) -> ActivationShape {
+        let (hidden, intermediate, heads, kv_heads) = match size {
+            "0.6b" => (1024, 3072, 16, 8),
+            "4b" => (2560, 9728, 32, 8),
+            _ => (4096, 12288, 32, 8),
+        };
+        ActivationShape {
+            hidden,
+            intermediate,
+            heads,
+            kv_heads,
+            head_dim: 128,
+        }
+    }
+
+    /// What failed on the H200 (0.6B shapes, 8 192-token rows): 3 padded rows are past 2³¹
+    /// scores, and the sizer's 20 rows would have been too.
+    #[test]
+    fn the_kernels_limits_bound_a_batch() {
+        let s = qwen3("0.6b");
+        assert!(kernel_limit(&s, 2, 8192, AttentionMode::Padded).is_none());
+        let why = kernel_limit(&s, 3, 8192, AttentionMode::Padded).unwrap();
+        assert!(why.contains("scores"), "{why}");
+        assert!(kernel_limit(&s, 20, 8192, AttentionMode::Packed).is_none());
+        // Packed: the widest per-token tensor (4B's fused gate/up, 19 456 wide) bounds tokens.
+        let s = qwen3("4b");
+        assert!(kernel_limit(&s, 13, 8192, AttentionMode::Packed).is_none());
+        let why = kernel_limit(&s, 14, 8192, AttentionMode::Packed).unwrap();
+        assert!(why.contains("19456"), "{why}");
+        // Padded: no GEMM of more than 65 535 matrices.
+        assert!(
+            kernel_limit(&s, 2049, 8, AttentionMode::Padded)
+                .unwrap()
+                .contains("matrices")
+        );
+    }
+
+    /// Every pinned Qwen3 manifest (max_tokens 8192) gets a default budget on an H200 (141 GB,
+    /// about 125 GiB free after the weights) that is within the kernels' limits and memory, in
+    /// bf16 packed and in f32 padded; a configured budget past the limits is refused with one
+    /// that passes.
+    #[test]
+    fn every_pinned_qwen3_gets_a_budget_that_runs_on_an_h200() {
+        let free = Some(125u64 << 30);
+        for size in ["0.6b", "4b", "8b"] {
+            let s = qwen3(size);
+            for (attention, dtype) in [
+                (AttentionMode::Packed, DType::BF16),
+                (AttentionMode::Padded, DType::F32),
+            ] {
+                let (tokens, source) = sized(
+                    None,
+                    256,
+                    8192,
+                    true,
+                    free,
+                    "cuda:0",
+                    |rows| activation_bytes(&s, rows, 8192, attention, dtype, &Device::Cpu),
+                    |rows| kernel_limit(&s, rows, 8192, attention),
+                )
+                .unwrap();
+                assert_eq!(source, BudgetSource::FreeMemory);
+                let rows = worst_rows(tokens, 256, 8192);
+                assert!(
+                    kernel_limit(&s, rows, 8192, attention).is_none(),
+                    "{size} {attention:?}: {rows} rows"
+                );
+                assert!(rows >= 1 && tokens % 8192 == 0, "{size}: {tokens}");
+                if attention == AttentionMode::Packed {
+                    assert!(
+                        rows >= 8,
+                        "{size}: packed rows of 8192 should batch: {rows}"
+                    );
+                }
+            }
+            let limits = |rows| kernel_limit(&s, rows, 8192, AttentionMode::Padded);
+            let needs = |_rows| 1u64;
+            let err = sized(
+                Some(64 * 8192),
+                256,
+                8192,
+                true,
+                free,
+                "cuda:0",
+                needs,
+                limits,
+            )
+            .unwrap_err();
+            assert!(err.contains("past what the kernels"), "{err}");
+            let at_most: usize = err.rsplit(' ').next().unwrap().parse().unwrap();
+            assert!(
+                sized(
+                    Some(at_most),
+                    256,
+                    8192,
+                    true,
+                    free,
+                    "cuda:0",
+                    needs,
+                    limits
+                )
+                .is_ok(),
+                "{size}: {at_most}"
+            );
+        }
     }
 }

@@ -6,9 +6,10 @@
 //! * Q, K and V are one fused `[3h, h]` projection, and the `1/√d` attention scale is folded into
 //!   the Q weights at load, so each layer runs one matmul fewer and no scaling pass.
 //! * Tokens are packed (no padding rows, see `inference::batch`): every dense layer is one
-//!   2-D GEMM over real tokens only. Attention is our packed kernel on the CPU
-//!   (`inference::cpu_ops`) and masked matmul attention over gathered, right-padded rows
-//!   elsewhere.
+//!   2-D GEMM over real tokens only. Attention is packed attention (`inference::attention`: the
+//!   CPU body, or the CUDA kernel in bf16/f16 for head dims 32 and 64), reading Q, K and V in
+//!   place from the fused projection; masked matmul attention over gathered, right-padded rows
+//!   where the kernel does not run.
 //! * On the CPU, bias + GELU and bias + residual + LayerNorm run as fused in-place kernels
 //!   (`inference::cpu_ops`); elsewhere they are candle's ops.
 //!
@@ -19,9 +20,10 @@ use candle_core::{D, DType, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 use serde::Deserialize;
 
-use super::{Encoder, Head, ModelOutput};
+use super::{DeviceOutput, Encoder, Head};
+use crate::inference::attention::PackedAttention;
 use crate::inference::batch::{PaddedLayout, PreparedBatch};
-use crate::inference::cpu_ops::{BiasGelu, BiasResidualLayerNorm, PackedAttention, host_vec};
+use crate::inference::cpu_ops::{BiasGelu, BiasResidualLayerNorm, host_vec};
 
 /// The fields of a BERT `config.json` the encoder reads.
 #[derive(Debug, Clone, Deserialize)]
@@ -243,8 +245,8 @@ impl Layer {
 
 /// What attention needs besides Q, K and V, computed once per batch.
 enum AttentionInputs<'a> {
-    /// Packed tokens with row lengths: the CPU packed-attention kernel.
-    Packed { lengths: &'a [usize] },
+    /// Packed tokens with row lengths: the packed attention op (its row table on CUDA).
+    Packed { op: PackedAttention },
     /// Right-padded rows: gather, masked matmul attention, scatter back.
     Padded {
         layout: &'a PaddedLayout,
@@ -262,24 +264,15 @@ impl AttentionInputs<'_> {
         let h = h3 / 3;
         let d = h / heads;
         match self {
-            Self::Packed { lengths } => {
+            Self::Packed { op } => {
                 // Column slices of the fused projection, read in place by the kernel.
                 let (q, k, v) = (
                     qkv.narrow(1, 0, h)?,
                     qkv.narrow(1, h, h)?,
                     qkv.narrow(1, 2 * h, h)?,
                 );
-                let op = PackedAttention {
-                    lengths: lengths.to_vec(),
-                    // Bidirectional attention cannot share prefixes.
-                    prefix_of: Vec::new(),
-                    q_heads: heads,
-                    kv_heads: heads,
-                    head_dim: d,
-                    scale: 1.0,
-                    causal: false,
-                };
-                let out = q.apply_op3_no_bwd(&k, &v, &op)?;
+                debug_assert_eq!((op.q_heads, op.head_dim), (heads, d));
+                let out = q.apply_op3_no_bwd(&k, &v, op)?;
                 debug_assert_eq!(out.dims2()?, (tokens, h));
                 Ok(out)
             }
@@ -415,8 +408,13 @@ impl Encoder for BertEncoder {
         let mut x = self.embed_norm.forward(&x)?;
         let attn =
             match &batch.padded {
+                // Bidirectional: no shared prefixes (refused above); the scale is in Q.
                 None => AttentionInputs::Packed {
-                    lengths: &batch.lengths,
+                    op: batch.attention(
+                        (self.heads, self.heads, self.hidden / self.heads),
+                        1.0,
+                        false,
+                    ),
                 },
                 Some(layout) => {
                     let mask_bias = ((layout.mask.to_dtype(self.dtype)? - 1.0)? * 1e4)?
@@ -460,10 +458,10 @@ impl ClassifierHead {
 }
 
 impl Head for ClassifierHead {
-    fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> Result<ModelOutput> {
+    fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> Result<DeviceOutput> {
         let cls = hidden.index_select(&batch.first_token, 0)?;
         let pooled = self.pooler.forward(&cls)?.tanh()?;
         let logits = self.classifier.forward(&pooled)?.squeeze(D::Minus1)?;
-        Ok(ModelOutput::Scores(logits.to_dtype(DType::F32)?.to_vec1()?))
+        Ok(DeviceOutput::Scores(logits.to_dtype(DType::F32)?))
     }
 }

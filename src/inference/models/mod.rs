@@ -23,6 +23,26 @@ pub enum ModelOutput {
     Scores(Vec<f32>),
 }
 
+/// A batch's outputs still on its device (f32): read back by the engine's finisher thread while
+/// the model thread launches the next batch.
+#[derive(Debug)]
+pub enum DeviceOutput {
+    /// `[rows, h]` pooled vectors.
+    Vectors(Tensor),
+    /// `[rows]` raw relevance logits.
+    Scores(Tensor),
+}
+
+impl DeviceOutput {
+    /// Copies the outputs to the host.
+    pub fn read(&self) -> candle_core::Result<ModelOutput> {
+        Ok(match self {
+            DeviceOutput::Vectors(t) => ModelOutput::Vectors(t.to_dtype(DType::F32)?.to_vec2()?),
+            DeviceOutput::Scores(t) => ModelOutput::Scores(t.to_dtype(DType::F32)?.to_vec1()?),
+        })
+    }
+}
+
 /// The widths that decide how much memory a batch's activations take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ActivationShape {
@@ -61,7 +81,7 @@ pub(crate) fn attention_softmax(scores: &Tensor) -> candle_core::Result<Tensor> 
 
 /// What turns token states into one output per row.
 pub trait Head: Send {
-    fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> candle_core::Result<ModelOutput>;
+    fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> candle_core::Result<DeviceOutput>;
 }
 
 /// Embedders: pooled token states.
@@ -70,14 +90,15 @@ pub struct PooledHead {
     /// Whether the model's vectors are unit length (the host normalises again after any
     /// Matryoshka truncation).
     pub normalize: bool,
-    /// Pool (and normalise) with our fused CUDA kernel on CUDA devices
-    /// (`FANTOM_FUSED_POOLING=1`; off until measured on a GPU, see docs/gpu.md).
+    /// Pool (and normalise) from the row offsets with our fused CUDA kernel on CUDA devices: on
+    /// by default (checked against its CPU body on an H200); `FANTOM_FUSED_POOLING=0` turns it
+    /// off.
     pub fused: bool,
 }
 
 impl PooledHead {
     pub fn new(pooling: Pooling, normalize: bool) -> Self {
-        let fused = std::env::var("FANTOM_FUSED_POOLING").is_ok_and(|v| v == "1");
+        let fused = std::env::var("FANTOM_FUSED_POOLING").map_or(true, |v| v != "0");
         PooledHead {
             pooling,
             normalize,
@@ -87,8 +108,9 @@ impl PooledHead {
 }
 
 impl Head for PooledHead {
-    fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> candle_core::Result<ModelOutput> {
-        if self.fused && hidden.device().is_cuda() && !batch.has_prefixes() {
+    fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> candle_core::Result<DeviceOutput> {
+        let fusable = matches!(hidden.dtype(), DType::F32 | DType::BF16);
+        if self.fused && fusable && hidden.device().is_cuda() && !batch.has_prefixes() {
             let lengths: Vec<u32> = batch.lengths.iter().map(|&l| l as u32).collect();
             let lengths = Tensor::new(lengths.as_slice(), hidden.device())?;
             let width = hidden.dim(1)?;
@@ -100,12 +122,10 @@ impl Head for PooledHead {
                 width,
                 self.normalize,
             )?;
-            return Ok(ModelOutput::Vectors(pooled.to_vec2()?));
+            return Ok(DeviceOutput::Vectors(pooled));
         }
         let pooled = pooling::pool(hidden, batch, self.pooling)?;
-        Ok(ModelOutput::Vectors(
-            pooled.to_dtype(DType::F32)?.to_vec2()?,
-        ))
+        Ok(DeviceOutput::Vectors(pooled.to_dtype(DType::F32)?))
     }
 }
 
@@ -116,7 +136,15 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
+    /// Runs a batch and reads its outputs back.
     pub fn run(&self, batch: &PreparedBatch) -> candle_core::Result<ModelOutput> {
+        self.start(batch)?.read()
+    }
+
+    /// Launches a batch; its outputs stay on the device until read. The thread's stream first
+    /// waits for the batch's upload.
+    pub fn start(&self, batch: &PreparedBatch) -> candle_core::Result<DeviceOutput> {
+        batch.wait_uploaded(batch.input_ids.device())?;
         self.head.apply(&self.encoder.forward(batch)?, batch)
     }
 }

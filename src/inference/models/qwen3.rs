@@ -6,26 +6,31 @@
 //! `../shared/reference/inference-notes.md` §0.1). Here:
 //! * no KV cache: one forward per batch, nothing carried between calls;
 //! * tokens are packed (`inference::batch`), positions restart at 0 for each row, so padding
-//!   side never matters; attention is causal within each row: our packed kernel on the CPU,
-//!   masked matmul attention over right-padded rows elsewhere (with right padding a causal mask
-//!   already keeps real tokens from seeing padding);
+//!   side never matters; attention is causal within each row: packed attention
+//!   (`inference::attention`: the CPU body, or the CUDA kernel in bf16/f16), or masked matmul
+//!   attention over right-padded rows where the kernel does not run (with right padding a
+//!   causal mask already keeps real tokens from seeing padding);
 //! * RMSNorm before attention and MLP, plus per-head RMSNorm on Q and K before RoPE
 //!   (rotate-half RoPE, θ from the config), grouped-query attention, SiLU-gated MLP;
+//! * the layer runs without copies around its four GEMMs (`inference::layer_ops`): Q and K are
+//!   normed and rotated in place in the fused QKV rows and attention reads Q, K and V there;
+//!   the residual add and the next RMSNorm are one pass; SwiGLU reads the fused gate/up rows;
 //! * the reranker's head is one vector, `W_lm[yes] − W_lm[no]`, dotted with the last hidden
 //!   state: the full-vocabulary matmul (151k rows) is never computed.
 //!
 //! bf16/f16/f32: weights load in the engine's dtype. The steps a half dtype would spoil run in
-//! f32: RMSNorm's sum of squares (candle's kernel), attention's softmax
-//! ([`super::attention_softmax`]), the final norm (its output is f32, what pooling reads), and
-//! the reranker's yes/no dot product.
+//! f32: every norm, RoPE and SwiGLU (rounded once), attention's softmax (the packed kernel's
+//! accumulators; [`super::attention_softmax`] on the padded path), the final norm (its output is
+//! f32, what pooling reads), and the reranker's yes/no dot product.
 
 use candle_core::{D, DType, Device, IndexOp, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 use serde::Deserialize;
 
-use super::{Encoder, Head, ModelOutput};
+use super::{DeviceOutput, Encoder, Head};
+use crate::inference::attention::PackedAttention;
 use crate::inference::batch::{PaddedLayout, PreparedBatch, SharedKeys};
-use crate::inference::cpu_ops::PackedAttention;
+use crate::inference::layer_ops::{AddRmsNorm, NormOutput, QkNormRope, SwiGlu};
 
 /// Qwen3-Reranker's frozen chat template, before the body (the Hugging Face model card's).
 pub const RERANK_PREFIX: &str = "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n";
@@ -149,6 +154,7 @@ impl Linear {
     }
 }
 
+/// An RMSNorm's weight and epsilon (applied by `layer_ops`, fused with what comes before).
 struct RmsNorm {
     weight: Tensor,
     eps: f32,
@@ -162,46 +168,19 @@ impl RmsNorm {
         })
     }
 
-    /// Normalises over the last dimension (contiguous input).
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)
-    }
-
-    /// As [`RmsNorm::forward`], wholly in f32, with an f32 output (the final norm, whose
-    /// output the heads read).
-    fn forward_f32(&self, x: &Tensor) -> Result<Tensor> {
-        let weight = self.weight.to_dtype(DType::F32)?;
-        candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?.contiguous()?, &weight, self.eps)
+    /// `RMSNorm(x + delta)`, and the sum: the next residual and the next layer's input.
+    fn add(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor)> {
+        AddRmsNorm::sum_and_normed(&self.weight, self.eps, x, delta)
     }
 }
 
-/// Rotate-half RoPE tables: `cos`/`sin` for any positions, computed per batch.
-struct Rope {
-    inv_freq: Tensor,
-}
-
-impl Rope {
-    fn new(cfg: &Qwen3Config, device: &Device) -> Result<Self> {
-        let d = cfg.head_dim();
-        let inv: Vec<f32> = (0..d / 2)
-            .map(|i| 1.0 / cfg.rope_theta().powf(2.0 * i as f64 / d as f64) as f32)
-            .collect();
-        Ok(Self {
-            inv_freq: Tensor::from_vec(inv, (1, d / 2), device)?,
-        })
-    }
-
-    /// `(cos, sin)`, each `[tokens, head_dim / 2]` in `dtype`, for per-token positions.
-    fn tables(&self, positions: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
-        let angles = positions
-            .to_dtype(DType::F32)?
-            .unsqueeze(1)?
-            .broadcast_mul(&self.inv_freq)?;
-        Ok((
-            angles.cos()?.to_dtype(dtype)?,
-            angles.sin()?.to_dtype(dtype)?,
-        ))
-    }
+/// RoPE's inverse frequencies θ^(−2i/d), `[head_dim / 2]` f32, computed in f64.
+fn inv_freq(cfg: &Qwen3Config, device: &Device) -> Result<Tensor> {
+    let d = cfg.head_dim();
+    let inv: Vec<f32> = (0..d / 2)
+        .map(|i| 1.0 / cfg.rope_theta().powf(2.0 * i as f64 / d as f64) as f32)
+        .collect();
+    Tensor::from_vec(inv, d / 2, device)
 }
 
 struct Layer {
@@ -215,7 +194,6 @@ struct Layer {
     /// Gate and up projections fused: `[h, 2·intermediate]`.
     gate_up: Linear,
     down: Linear,
-    intermediate: usize,
 }
 
 impl Layer {
@@ -251,30 +229,37 @@ impl Layer {
             post_norm: RmsNorm::load(&vb.pp("post_attention_layernorm"), h, cfg.rms_norm_eps)?,
             gate_up: Linear::from_weight(gate_up)?,
             down: Linear::load(&mlp.pp("down_proj"), cfg.intermediate_size, h)?,
-            intermediate: cfg.intermediate_size,
         })
     }
 
-    fn forward(&self, x: &Tensor, ctx: &ForwardContext) -> Result<Tensor> {
-        let (tokens, _) = x.dims2()?;
+    /// Attention and the MLP on the residual `x` and its normed copy `normed`: `(x after
+    /// attention, the MLP's output)`; the caller adds the latter with the next norm.
+    fn forward(
+        &self,
+        x: &Tensor,
+        normed: &Tensor,
+        ctx: &ForwardContext,
+    ) -> Result<(Tensor, Tensor)> {
         let (heads, kv, d) = (ctx.heads, ctx.kv_heads, ctx.head_dim);
-        let qkv = self.qkv.forward(&self.input_norm.forward(x)?)?;
-        // Per-head RMSNorm, then RoPE, on Q and K (`[1, tokens, heads, d]` for rope_thd).
-        let rotate = |t: Tensor, n: usize, norm: &RmsNorm| -> Result<Tensor> {
-            let t = norm.forward(&t.contiguous()?.reshape((tokens, n, d))?)?;
-            candle_nn::rotary_emb::rope_thd(&t.unsqueeze(0)?, &ctx.cos, &ctx.sin)?
-                .reshape((tokens, n * d))
-        };
-        let q = rotate(qkv.narrow(1, 0, heads * d)?, heads, &self.q_norm)?;
-        let k = rotate(qkv.narrow(1, heads * d, kv * d)?, kv, &self.k_norm)?;
+        let qkv = self.qkv.forward(normed)?;
+        // Per-head RMSNorm and RoPE on Q and K, in place in the fused rows.
+        qkv.inplace_op1(&QkNormRope {
+            positions: ctx.positions.clone(),
+            q_weight: self.q_norm.weight.clone(),
+            k_weight: self.k_norm.weight.clone(),
+            inv_freq: ctx.inv_freq.clone(),
+            q_heads: heads,
+            kv_heads: kv,
+            head_dim: d,
+            eps: self.q_norm.eps,
+        })?;
+        let q = qkv.narrow(1, 0, heads * d)?;
+        let k = qkv.narrow(1, heads * d, kv * d)?;
         let v = qkv.narrow(1, (heads + kv) * d, kv * d)?;
         let attn = ctx.attend(&q, &k, &v)?;
-        let x = (x + self.o_proj.forward(&attn)?)?;
-        let gu = self.gate_up.forward(&self.post_norm.forward(&x)?)?;
-        let gate = gu.narrow(1, 0, self.intermediate)?;
-        let up = gu.narrow(1, self.intermediate, self.intermediate)?;
-        let act = (candle_nn::ops::silu(&gate.contiguous()?)? * up)?;
-        x + self.down.forward(&act)?
+        let (x, normed) = self.post_norm.add(x, &self.o_proj.forward(&attn)?)?;
+        let act = self.gate_up.forward(&normed)?.apply_op1_no_bwd(&SwiGlu)?;
+        Ok((x, self.down.forward(&act)?))
     }
 }
 
@@ -283,11 +268,12 @@ struct ForwardContext<'a> {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    cos: Tensor,
-    sin: Tensor,
-    lengths: &'a [usize],
-    prefix_of: &'a [Option<usize>],
+    /// `[tokens]` u32 positions and RoPE's inverse frequencies.
+    positions: Tensor,
+    inv_freq: Tensor,
+    /// The packed attention op of this batch (its row table on CUDA), or
     padded: Option<(&'a PaddedLayout, Tensor)>,
+    packed: Option<PackedAttention>,
 }
 
 impl ForwardContext<'_> {
@@ -295,21 +281,12 @@ impl ForwardContext<'_> {
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let (heads, kv, d) = (self.heads, self.kv_heads, self.head_dim);
         let scale = 1.0 / (d as f32).sqrt();
-        match &self.padded {
-            None => {
-                let op = PackedAttention {
-                    lengths: self.lengths.to_vec(),
-                    prefix_of: self.prefix_of.to_vec(),
-                    q_heads: heads,
-                    kv_heads: kv,
-                    head_dim: d,
-                    scale,
-                    causal: true,
-                };
-                q.apply_op3_no_bwd(k, v, &op)
-            }
-            Some((layout, mask)) => {
-                let (b, s) = (self.lengths.len(), layout.longest);
+        match (&self.packed, &self.padded) {
+            (Some(op), _) => q.apply_op3_no_bwd(k, v, op),
+            (None, None) => candle_core::bail!("a batch with neither packed nor padded attention"),
+            (None, Some((layout, mask))) => {
+                let b = layout.gather.dim(0)? / layout.longest.max(1);
+                let s = layout.longest;
                 let rows = |t: &Tensor, n: usize| -> Result<Tensor> {
                     t.contiguous()?
                         .index_select(&layout.gather, 0)?
@@ -360,7 +337,7 @@ pub struct Qwen3Encoder {
     embed: Embedding,
     layers: Vec<Layer>,
     norm: RmsNorm,
-    rope: Rope,
+    inv_freq: Tensor,
     cfg: Qwen3Config,
     dtype: DType,
 }
@@ -377,7 +354,7 @@ impl Qwen3Encoder {
             embed: Embedding::new(vb.pp("embed_tokens").get((cfg.vocab_size, h), "weight")?, h),
             layers,
             norm: RmsNorm::load(&vb.pp("norm"), h, cfg.rms_norm_eps)?,
-            rope: Rope::new(cfg, vb.device())?,
+            inv_freq: inv_freq(cfg, vb.device())?,
             cfg: cfg.clone(),
             dtype: vb.dtype(),
         })
@@ -404,7 +381,6 @@ impl Encoder for Qwen3Encoder {
                 self.cfg.max_position_embeddings
             );
         }
-        let (cos, sin) = self.rope.tables(&batch.positions, self.dtype)?;
         let padded = match &batch.padded {
             None => None,
             Some(layout) => {
@@ -430,21 +406,51 @@ impl Encoder for Qwen3Encoder {
                 Some((layout, mask.to_dtype(self.dtype)?))
             }
         };
+        let (heads, kv_heads, head_dim) = (
+            self.cfg.num_attention_heads,
+            self.cfg.num_key_value_heads,
+            self.cfg.head_dim(),
+        );
         let ctx = ForwardContext {
-            heads: self.cfg.num_attention_heads,
-            kv_heads: self.cfg.num_key_value_heads,
-            head_dim: self.cfg.head_dim(),
-            cos,
-            sin,
-            lengths: &batch.lengths,
-            prefix_of: &batch.prefix_of,
+            heads,
+            kv_heads,
+            head_dim,
+            positions: batch.positions.clone(),
+            inv_freq: self.inv_freq.clone(),
+            packed: padded.is_none().then(|| {
+                batch.attention(
+                    (heads, kv_heads, head_dim),
+                    1.0 / (head_dim as f32).sqrt(),
+                    true,
+                )
+            }),
             padded,
         };
         let mut x = self.embed.forward(&batch.input_ids)?;
+        // Each layer's input norm runs fused with the previous layer's residual add.
+        let mut mlp: Option<Tensor> = None;
         for layer in &self.layers {
-            x = layer.forward(&x, &ctx)?;
+            let norm = &layer.input_norm;
+            let normed = match mlp.take() {
+                None => AddRmsNorm::normed(&norm.weight, norm.eps, &x, None, NormOutput::Normed)?,
+                Some(delta) => {
+                    let (sum, normed) = norm.add(&x, &delta)?;
+                    x = sum;
+                    normed
+                }
+            };
+            let (after_attention, out) = layer.forward(&x, &normed, &ctx)?;
+            x = after_attention;
+            mlp = Some(out);
         }
-        self.norm.forward_f32(&x)
+        // The final norm, in f32: what the heads read.
+        AddRmsNorm::normed(
+            &self.norm.weight,
+            self.norm.eps,
+            &x,
+            mlp.as_ref(),
+            NormOutput::NormedF32,
+        )
     }
 
     fn hidden_size(&self) -> usize {
@@ -525,11 +531,11 @@ impl YesNoHead {
 }
 
 impl Head for YesNoHead {
-    fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> Result<ModelOutput> {
+    fn apply(&self, hidden: &Tensor, batch: &PreparedBatch) -> Result<DeviceOutput> {
         let last = hidden
             .index_select(&batch.last_token, 0)?
             .to_dtype(DType::F32)?;
         let logits = last.matmul(&self.direction)?.squeeze(D::Minus1)?;
-        Ok(ModelOutput::Scores(logits.to_vec1()?))
+        Ok(DeviceOutput::Scores(logits))
     }
 }

@@ -1,0 +1,3 @@
+// The emulator's stand-in for CUDA's cuda_fp16.h (kernels/emu/cuda_emu.h).
+#pragma once
+#include "../cuda_emu.h"
