@@ -102,6 +102,7 @@ fn reranker() -> ProviderInfo {
         max_batch_tokens: 1 << 20,
         score_activation: Some(ScoreActivation::Sigmoid),
         server: None,
+        attention: None,
     }
 }
 

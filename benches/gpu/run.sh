@@ -1,40 +1,61 @@
 #!/usr/bin/env bash
-# The GPU check in one call, on the GPU machine. Builds nothing: it runs a binary built here with
-# `--features cuda` (docs/cuda-build.md) against the checkout's fixtures.
+# The GPU check in one call, on the GPU machine, in about five minutes. Builds nothing: it runs a
+# binary built here with `--features cuda` (scripts/build-cuda.sh) against the checkout's files.
 #
-#   benches/gpu/run.sh [BINARY]          default BINARY: target/release/fantom-sidecar (or BINARY.gz)
+#   benches/gpu/run.sh [BINARY]          default BINARY: fantom-sidecar-cuda.gz (or a plain binary)
 #
-# 1. kernels: our CUDA kernels (kernels/*.cu: fused pooling + normalisation, the gate's cosine
-#    matrix) against their CPU bodies (`fantom-sidecar kernel-check`);
-# 2. correctness: the tiny Qwen3 embedder and reranker (tests/fixtures/qwen3) on the GPU in f32,
-#    bf16 and f16, against the CPU's f32 path of the same binary (the checks the CPU runs in CI
-#    through the GPU's code path: tests/local_inference/half.rs), on the fixture texts plus
-#    max-length and one-token rows in one batch, with candle's pooling and with our fused
-#    kernel (FANTOM_FUSED_POOLING=1): embeddings (and MRL) min cosine >= 0.9999 in f32, >= 0.999
-#    in bf16/f16; reranker probabilities within 1e-3 in f32, 2e-2 in bf16/f16; nothing NaN;
-# 3. throughput: the Qwen3-4B architecture with random weights (same FLOPs as the real model) at
-#    batch sizes 1, 32, 256 × 512 tokens, tokens/s and the fraction of the card's dense bf16
-#    peak, with candle's pooling and with the fused kernel.
-# Full numbers go to $OUT (default /tmp/fantom-gpu); a short table is printed last.
-# Env: DEVICE (cuda:0), OUT, PEAK_TFLOPS (default: from nvidia-smi's product name, e.g. 989 for an
-# H200 SXM, 835 for an H200 NVL), SECONDS_PER_SIZE (5), DEVICE_CHECK_ONLY=1 to skip the
-# throughput part. Needs python3 (for the comparison only) and the CUDA 13 libraries (pip
-# `nvidia-*` wheels or /usr/local/nvidia); never the build machine's libcuda stub. Takes about
-# two minutes on an H200 (under 8: the device call's budget).
+#  1. kernels: every kernel of ours (packed attention, the layer ops, pooling, the gate's cosines)
+#     against its CPU body on the device (`fantom-sidecar kernel-check`);
+#  2. correctness: the tiny Qwen3 embedder and reranker (tests/fixtures/qwen3) on the GPU in f32
+#     (padded attention), bf16 and f16 (packed), against the CPU's f32 path of the same binary,
+#     on the fixture texts plus one-token and max-length rows in one batch, with and without the
+#     fused pooling kernel; embeddings (and MRL at 32) min cosine >= 0.9999 in f32, >= 0.999 in
+#     bf16/f16; reranker probabilities within 1e-3 / 2e-2; nothing NaN;
+#  3. throughput: ours (`fantom-sidecar bench`, random weights of benches/gpu/qwen3-*.config.json)
+#     against torch + transformers with SDPA attention (benches/gpu/torch_peer.py) on the same
+#     shapes: Qwen3-0.6B and 4B at 1, 32 and 256 rows of 512 tokens and at 8 192-token rows, with
+#     the fraction of the card's dense bf16 peak;
+#  4. every pinned Qwen3 manifest (0.6B, 4B, 8B embedders and rerankers, max_tokens 8192) started
+#     with its defaults on random weights of its shapes (the budget sized from free memory, the
+#     full warm-up), and one request served;
+#  5. serve against the one-shot embed: the same committed texts (benches/texts.jsonl), model
+#     (0.6B shapes, --max-tokens 512) and device, from clients outside (benches/gpu/serve_load.py),
+#     with the GPU defaults and two other pipeline settings;
+#  6. where the time goes: `ncu` per-kernel times of one 32 × 512 batch (bounded launches), when
+#     ncu is there and may read the counters.
+# It prints the summary (benches/gpu/summarize.py: every goal beside its measurement) last and
+# writes two files to $OUT: summary.txt and results.tar.gz (every output and log).
+# Env: DEVICE (cuda:0), OUT (/tmp/fantom-gpu), PEAK_TFLOPS (default: from nvidia-smi's product
+# name), SECONDS_PER_SIZE (2), BUDGET_S (290: later parts are skipped past it), SKIP (space-
+# separated parts to skip: torch manifests serve ncu), DEVICE_CHECK_ONLY=1 (parts 1 and 2 only).
+# Needs python3; torch/transformers for the peer and ncu are used when present. Never the build
+# machine's libcuda stub.
 
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/../.."
-BIN=${1:-target/release/fantom-sidecar}
+BIN=${1:-fantom-sidecar-cuda.gz}
 DEV=${DEVICE:-cuda:0}
 OUT=${OUT:-/tmp/fantom-gpu}
-SECS=${SECONDS_PER_SIZE:-5}
+SECS=${SECONDS_PER_SIZE:-2}
+BUDGET=${BUDGET_S:-290}
+SKIP=" ${SKIP:-} "
 FX=tests/fixtures/qwen3
+G=benches/gpu
+START=$(date +%s)
 mkdir -p "$OUT"
-# A gzipped binary (what scripts/build-cuda.sh writes to carry) is unpacked first.
+W=$(mktemp -d /tmp/fantom-gpu-work.XXXXXX)
+# A gzipped binary (what scripts/build-cuda.sh writes to carry) is unpacked outside $OUT.
 if [[ "$BIN" == *.gz ]]; then
-  gunzip -c "$BIN" > "$OUT/fantom-sidecar" && chmod +x "$OUT/fantom-sidecar"
-  BIN="$OUT/fantom-sidecar"
+  gunzip -c "$BIN" > "$W/fantom-sidecar" && chmod +x "$W/fantom-sidecar"
+  BIN="$W/fantom-sidecar"
 fi
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+# Runs part $1 unless skipped or out of time (it needs about $2 seconds).
+part() {
+  if [[ "$SKIP" == *" $1 "* ]]; then echo "[$1 skipped: SKIP]"; return 1; fi
+  if [ "$(left)" -lt "$2" ]; then echo "[$1 skipped: $(left) s left of the budget]"; echo "$1" >> "$W/skipped.txt"; return 1; fi
+  echo "[$1: $(( $(date +%s) - START )) s in]"
+}
 
 # CUDA libraries from pip wheels, if python has them (the driver's libcuda comes from the system).
 if command -v python3 >/dev/null; then
@@ -44,8 +65,7 @@ if command -v python3 >/dev/null; then
   fi
 fi
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:/usr/local/nvidia/lib64:/usr/local/nvidia/lib"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt" || true
-# The card's dense (not sparse) bf16 peak, from its product name, unless PEAK_TFLOPS says.
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 > "$W/gpu.txt" || true
 peak_of() {
   case "$1" in
     *H200*NVL*) echo 835 ;;
@@ -57,18 +77,28 @@ peak_of() {
     *) echo "" ;;
   esac
 }
-NAME=$(head -1 "$OUT/gpu.txt" 2>/dev/null | cut -d, -f1)
+NAME=$(cut -d, -f1 "$W/gpu.txt" 2>/dev/null)
 PEAK=${PEAK_TFLOPS:-$(peak_of "$NAME")}
-if [ -z "$PEAK" ]; then
-  echo "no known bf16 peak for '${NAME:-no GPU name}': set PEAK_TFLOPS; using 1 (fractions are then TFLOP/s)"
-  PEAK=1
-fi
-echo "card: ${NAME:-unknown}; dense bf16 peak: $PEAK TFLOP/s" | tee "$OUT/peak.txt"
+[ -n "$PEAK" ] || PEAK=1
+echo "card: ${NAME:-unknown}; dense bf16 peak: $PEAK TFLOP/s" > "$W/peak.txt"
+cat "$W/peak.txt"
+"$BIN" --version > "$W/version.txt" 2>&1
 
-python3 - "$FX" "$OUT" <<'PY'
+# Model folders of random weights: each config with the fixture tokenizer (ids are random; any
+# tokenizer will do, and this one has the reranker's `yes` and `no`).
+for size in 0.6b 4b 8b; do
+  mkdir -p "$W/qwen3-$size"
+  cp "$G/qwen3-$size.config.json" "$W/qwen3-$size/config.json"
+  cp "$FX/tokenizer.json" "$W/qwen3-$size/tokenizer.json"
+done
+
+# 1. kernels
+"$BIN" kernel-check --device "$DEV" > "$W/kernels.jsonl" 2> "$W/kernels.txt" || echo "kernel-check on $DEV failed; see kernels.txt"
+
+# 2. correctness
+python3 - "$FX" "$W" <<'PY'
 import json, sys
 fx, out = sys.argv[1], sys.argv[2]
-# One-token rows between rows longer than the models take (cut to exactly their max length).
 long = " ".join(["fn lease(queue: &mut Queue) -> Option<Item> { queue.pop_front() }"] * 64)
 mixed = ["x", long, "x", long]
 e = json.load(open(f"{fx}/embedding_reference.json"))
@@ -77,73 +107,147 @@ r = json.load(open(f"{fx}/reranker_reference.json"))["cases"][0]
 open(f"{out}/rerank-docs.jsonl", "w").write("".join(json.dumps(t) + "\n" for t in r["documents"] + mixed))
 open(f"{out}/rerank-query.txt", "w").write(r["query"])
 PY
-
-run_embed() { "$BIN" embed --log-format json --model-dir "$FX/tiny-qwen3-embedding" --device "$1" --dtype "$2" ${DIMS:+--dimensions "$DIMS"} < "$OUT/docs.jsonl" > "$OUT/embed-$3.jsonl" 2>>"$OUT/log.jsonl"; }
-run_rerank() { "$BIN" rerank --log-format json --model-dir "$FX/tiny-qwen3-reranker" --max-tokens 160 --device "$1" --dtype "$2" --query "$(cat "$OUT/rerank-query.txt")" < "$OUT/rerank-docs.jsonl" > "$OUT/rerank-$3.jsonl" 2>>"$OUT/log.jsonl"; }
-status=0
-"$BIN" kernel-check --device "$DEV" > "$OUT/kernels.jsonl" 2> "$OUT/kernels.txt" || { echo "kernel-check on $DEV failed; see $OUT/kernels.txt"; status=1; }
+run_embed() { "$BIN" embed --log-format json --model-dir "$FX/tiny-qwen3-embedding" --device "$1" --dtype "$2" ${DIMS:+--dimensions "$DIMS"} < "$W/docs.jsonl" > "$W/embed-$3.jsonl" 2>>"$W/log.jsonl"; }
+run_rerank() { "$BIN" rerank --log-format json --model-dir "$FX/tiny-qwen3-reranker" --max-tokens 160 --device "$1" --dtype "$2" --query "$(cat "$W/rerank-query.txt")" < "$W/rerank-docs.jsonl" > "$W/rerank-$3.jsonl" 2>>"$W/log.jsonl"; }
 run_embed cpu f32 cpu
 DIMS=32 run_embed cpu f32 cpu-mrl
 run_rerank cpu f32 cpu
 for dt in f32 bf16 f16; do
-  run_embed "$DEV" "$dt" "gpu-$dt" || { echo "embed on $DEV ($dt) failed; see $OUT/log.jsonl"; status=1; }
-  DIMS=32 run_embed "$DEV" "$dt" "gpu-mrl-$dt" || { echo "MRL embed on $DEV ($dt) failed; see $OUT/log.jsonl"; status=1; }
-  FANTOM_FUSED_POOLING=1 run_embed "$DEV" "$dt" "gpu-fused-$dt" || { echo "fused embed on $DEV ($dt) failed; see $OUT/log.jsonl"; status=1; }
-  run_rerank "$DEV" "$dt" "gpu-$dt" || { echo "rerank on $DEV ($dt) failed; see $OUT/log.jsonl"; status=1; }
+  run_embed "$DEV" "$dt" "gpu-$dt" || echo "embed on $DEV ($dt) failed"
+  DIMS=32 run_embed "$DEV" "$dt" "gpu-mrl-$dt" || echo "MRL embed on $DEV ($dt) failed"
+  FANTOM_FUSED_POOLING=0 run_embed "$DEV" "$dt" "gpu-unfused-$dt" || echo "unfused embed on $DEV ($dt) failed"
+  run_rerank "$DEV" "$dt" "gpu-$dt" || echo "rerank on $DEV ($dt) failed"
 done
-
-python3 - "$OUT" <<'PY' | tee "$OUT/correctness.txt"
+python3 - "$W" > "$W/correctness.txt" <<'PY'
 import json, math, sys, os
 out = sys.argv[1]
 def lines(p): return [json.loads(l) for l in open(p)] if os.path.exists(p) and os.path.getsize(p) else []
 def cos(a, b):
     d = sum(x * y for x, y in zip(a, b)); return d / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
-cpu_e, cpu_r = lines(f"{out}/embed-cpu.jsonl"), lines(f"{out}/rerank-cpu.jsonl")
-cpu_m = lines(f"{out}/embed-cpu-mrl.jsonl")
+cpu_e, cpu_r, cpu_m = lines(f"{out}/embed-cpu.jsonl"), lines(f"{out}/rerank-cpu.jsonl"), lines(f"{out}/embed-cpu-mrl.jsonl")
 limits = {"f32": (0.9999, 1e-3), "bf16": (0.999, 2e-2), "f16": (0.999, 2e-2)}
 def finite(rows, key): return all(math.isfinite(x) for r in rows for x in (r[key] if isinstance(r[key], list) else [r[key]]))
-ok = True
-print(f"{'check':<28} {'value':>12} {'limit':>10}  verdict")
+print(f"{'check':<30} {'value':>10} {'limit':>8}  verdict")
 for dt, (min_cos, max_dp) in limits.items():
     ge, gr = lines(f"{out}/embed-gpu-{dt}.jsonl"), lines(f"{out}/rerank-gpu-{dt}.jsonl")
-    if len(ge) != len(cpu_e) or len(gr) != len(cpu_r):
-        print(f"{'GPU ' + dt:<28} {'no output':>12} {'':>10}  FAIL"); ok = False; continue
-    gf, gm = lines(f"{out}/embed-gpu-fused-{dt}.jsonl"), lines(f"{out}/embed-gpu-mrl-{dt}.jsonl")
-    if len(gf) != len(cpu_e) or len(gm) != len(cpu_m):
-        print(f"{'fused/MRL ' + dt:<28} {'no output':>12} {'':>10}  FAIL"); ok = False; continue
-    c = min(cos(a["embedding"], b["embedding"]) for a, b in zip(ge, cpu_e))
-    cm = min(cos(a["embedding"], b["embedding"]) for a, b in zip(gm, cpu_m))
-    cf = min(cos(a["embedding"], b["embedding"]) for a, b in zip(gf, cpu_e))
-    p = max(abs(a["probability"] - b["probability"]) for a, b in zip(gr, cpu_r))
-    fin = finite(ge, "embedding") and finite(gm, "embedding") and finite(gf, "embedding") and finite(gr, "probability")
-    for name, v, lim, good in [(f"embed min cosine ({dt})", c, min_cos, c >= min_cos),
-                               (f"MRL embed min cos ({dt})", cm, min_cos, cm >= min_cos),
-                               (f"fused embed min cos ({dt})", cf, min_cos, cf >= min_cos),
-                               (f"rerank max |dp| ({dt})", p, max_dp, p <= max_dp),
-                               (f"all finite ({dt})", float(fin), 1, fin)]:
-        print(f"{name:<28} {v:>12.6f} {lim:>10}  {'ok' if good else 'FAIL'}"); ok &= good
-sys.exit(0 if ok else 1)
+    gu, gm = lines(f"{out}/embed-gpu-unfused-{dt}.jsonl"), lines(f"{out}/embed-gpu-mrl-{dt}.jsonl")
+    if not cpu_e or len(ge) != len(cpu_e) or len(gr) != len(cpu_r) or len(gu) != len(cpu_e) or len(gm) != len(cpu_m):
+        print(f"{'GPU ' + dt:<30} {'no output':>10} {'':>8}  FAIL"); continue
+    checks = [(f"embed min cosine ({dt})", min(cos(a["embedding"], b["embedding"]) for a, b in zip(ge, cpu_e)), min_cos, True),
+              (f"MRL 32 min cosine ({dt})", min(cos(a["embedding"], b["embedding"]) for a, b in zip(gm, cpu_m)), min_cos, True),
+              (f"unfused pooling min cos ({dt})", min(cos(a["embedding"], b["embedding"]) for a, b in zip(gu, cpu_e)), min_cos, True),
+              (f"rerank max |dp| ({dt})", max(abs(a["probability"] - b["probability"]) for a, b in zip(gr, cpu_r)), max_dp, False)]
+    for name, v, lim, at_least in checks:
+        ok = v >= lim if at_least else v <= lim
+        print(f"{name:<30} {v:>10.6f} {lim:>8}  {'ok' if ok else 'FAIL'}")
+    fin = finite(ge, "embedding") and finite(gm, "embedding") and finite(gu, "embedding") and finite(gr, "probability")
+    print(f"{'all finite (' + dt + ')':<30} {'yes' if fin else 'NO':>10} {'':>8}  {'ok' if fin else 'FAIL'}")
 PY
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
+grep -h '"model loaded"' "$W/log.jsonl" | tail -3 > "$W/attention-paths.txt" || true
 
 if [ "${DEVICE_CHECK_ONLY:-0}" != 1 ]; then
-  CFG="$OUT/qwen3-4b"
-  mkdir -p "$CFG"
-  cp benches/gpu/qwen3-4b.config.json "$CFG/config.json"
-  cp "$FX/tokenizer.json" "$CFG/tokenizer.json"   # ids are random; any tokenizer will do
-  "$BIN" bench --log-format json --model-dir "$CFG" --random-weights --device "$DEV" \
-    --batch-sizes 1,32,256 --tokens 512 --seconds "$SECS" --peak-tflops "$PEAK" \
-    --json "$OUT/throughput.json" > "$OUT/throughput.txt" 2>>"$OUT/log.jsonl" || { echo "throughput run failed; see $OUT/log.jsonl"; status=1; }
-  FANTOM_FUSED_POOLING=1 "$BIN" bench --log-format json --model-dir "$CFG" --random-weights --device "$DEV" \
-    --batch-sizes 1,32,256 --tokens 512 --seconds "$SECS" --peak-tflops "$PEAK" \
-    --json "$OUT/throughput-fused.json" > "$OUT/throughput-fused.txt" 2>>"$OUT/log.jsonl" || { echo "fused throughput run failed; see $OUT/log.jsonl"; status=1; }
+  # 3. throughput, ours and torch's
+  for size in 0.6b 4b; do
+    if part "ours-$size" 40; then
+      "$BIN" bench --log-format json --model-dir "$W/qwen3-$size" --random-weights --device "$DEV" \
+        --batch-sizes 1,32,256 --tokens 512 --seconds "$SECS" --peak-tflops "$PEAK" \
+        --json "$W/bench-$size-512.json" > "$W/bench-$size-512.txt" 2>>"$W/log.jsonl" || echo "bench $size x 512 failed"
+      "$BIN" bench --log-format json --model-dir "$W/qwen3-$size" --random-weights --device "$DEV" \
+        --batch-sizes 1,4 --tokens 8192 --seconds "$SECS" --peak-tflops "$PEAK" \
+        --json "$W/bench-$size-8192.json" > "$W/bench-$size-8192.txt" 2>>"$W/log.jsonl" || echo "bench $size x 8192 failed"
+    fi
+    if part torch 40; then
+      timeout 120 python3 "$G/torch_peer.py" "$W/qwen3-$size/config.json" 1x512,32x512,256x512,1x8192,4x8192 "$SECS" "$size" \
+        > "$W/torch-$size.jsonl" 2>"$W/torch-$size.log" || echo "torch peer $size failed"
+    fi
+  done
+
+  # 4. every pinned Qwen3 manifest starts with its defaults
+  if part manifests 60; then
+    for id in qwen3-embedding-0.6b qwen3-embedding-4b qwen3-embedding-8b qwen3-reranker-0.6b qwen3-reranker-4b qwen3-reranker-8b; do
+      size=${id##*-}
+      t0=$(date +%s.%N)
+      if [[ "$id" == *reranker* ]]; then
+        printf '"%s"\n' "fn lease(queue: &mut Queue)" "bananas are yellow" | timeout 90 "$BIN" rerank --log-format json \
+          --model "$id" --model-dir "$W/qwen3-$size" --random-weights --device "$DEV" --query "how does a lease end" \
+          > "$W/start-$id.jsonl" 2> "$W/start-$id.log"
+      else
+        printf '"%s"\n' "fn lease(queue: &mut Queue)" "bananas are yellow" | timeout 90 "$BIN" embed --log-format json \
+          --model "$id" --model-dir "$W/qwen3-$size" --random-weights --device "$DEV" \
+          > "$W/start-$id.jsonl" 2> "$W/start-$id.log"
+      fi
+      rc=$?
+      python3 - "$id" "$rc" "$t0" "$W/start-$id.jsonl" "$W/start-$id.log" >> "$W/manifests.jsonl" <<'PY'
+import json, sys, time
+ident, rc, t0, out, log = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
+row = {"id": ident, "started": False, "seconds": time.time() - t0}
+answers = [l for l in open(out) if l.strip()]
+for line in open(log):
+    try: e = json.loads(line)
+    except ValueError: continue
+    f = e.get("fields", {})
+    if f.get("message") == "model loaded":
+        row.update(max_batch_tokens=f.get("max_batch_tokens"), source=f.get("max_batch_tokens_from"),
+                   warmup_rows=f.get("warmup_rows"), attention=f.get("attention"))
+    if e.get("level") == "ERROR" or "error" in f.get("message", ""):
+        row.setdefault("error", f.get("message", line.strip()))
+if rc == 0 and len(answers) == 2:
+    row["started"] = True
+else:
+    row.setdefault("error", f"exit {rc}; " + open(log).read()[-300:])
+print(json.dumps(row))
+PY
+    done
+  fi
+
+  # 5. serve against the one-shot embed, same texts, model and device
+  if part serve 60; then
+    for i in 1 2 3 4 5 6 7 8; do cat benches/texts.jsonl; done > "$W/serve-texts.jsonl"
+    "$BIN" embed --log-format json --model qwen3-embedding-0.6b --model-dir "$W/qwen3-0.6b" --random-weights \
+      --device "$DEV" --max-tokens 512 < "$W/serve-texts.jsonl" > /dev/null 2> "$W/oneshot.log"
+    python3 - "$W/oneshot.log" > "$W/oneshot.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    try: f = json.loads(line).get("fields", {})
+    except ValueError: continue
+    if "seconds" in f and "tokens" in f:
+        print(json.dumps({"tokens": f["tokens"], "seconds": f["seconds"], "tokens_per_s": f["tokens"] / max(f["seconds"], 1e-9)}))
+PY
+    port=18090
+    for setting in "defaults" "--pipeline-depth 2 --max-items-per-work 64" "--pipeline-depth 8 --max-items-per-work 256"; do
+      [ "$(left)" -lt 25 ] && { echo "[serve $setting skipped: out of time]"; break; }
+      port=$((port + 1))
+      rm -rf "$W/state"
+      extra=""; [ "$setting" = defaults ] || extra="$setting"
+      # shellcheck disable=SC2086
+      "$BIN" serve --log-format json --model qwen3-embedding-0.6b --model-dir "$W/qwen3-0.6b" --random-weights \
+        --device "$DEV" --max-tokens 512 --state-dir "$W/state" --listen "127.0.0.1:$port" $extra \
+        > "$W/serve-$port.log" 2>&1 &
+      pid=$!
+      for clients in 8 32; do
+        timeout 90 python3 "$G/serve_load.py" "http://127.0.0.1:$port" "$W/serve-texts.jsonl" 1 32 "$clients" \
+          | python3 -c 'import json,sys; r=json.loads(sys.stdin.read() or "{}"); r["setting"]=sys.argv[1]; print(json.dumps(r))' "$setting" \
+          >> "$W/serve.jsonl"
+      done
+      kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+    done
+  fi
+
+  # 6. per-kernel times
+  if command -v ncu >/dev/null && part ncu 60; then
+    timeout 90 ncu --csv --page raw --metrics gpu__time_duration.sum --launch-count 400 -o "$W/prof" \
+      "$BIN" bench --model-dir "$W/qwen3-0.6b" --random-weights --device "$DEV" --batch-sizes 32 --tokens 512 --seconds 0 \
+      > "$W/ncu.log" 2>&1 \
+      && ncu --import "$W/prof.ncu-rep" --csv --page raw --metrics gpu__time_duration.sum > "$W/ncu.csv" 2>>"$W/ncu.log" \
+      && python3 "$G/ncu_summary.py" "$W/ncu.csv" > "$W/ncu-summary.txt" 2>>"$W/ncu.log" \
+      || echo "ncu could not profile (see ncu.log)" | tee "$W/ncu-summary.txt"
+  fi
 fi
 
-echo
-echo "== GPU check ($DEV) =="
-tail -1 "$OUT/kernels.txt"
-cat "$OUT/correctness.txt"
-[ -f "$OUT/throughput.txt" ] && { echo "-- candle pooling"; cat "$OUT/throughput.txt"; }
-[ -f "$OUT/throughput-fused.txt" ] && { echo "-- fused pooling kernel"; cat "$OUT/throughput-fused.txt"; }
-echo "full results: $OUT"
-exit $status
+python3 "$G/summarize.py" "$W" "$PEAK" > "$OUT/summary.txt" 2>&1
+echo "total: $(( $(date +%s) - START )) s; skipped: $(tr '\n' ' ' < "$W/skipped.txt" 2>/dev/null)" >> "$OUT/summary.txt"
+rm -f "$W/fantom-sidecar"
+tar -czf "$OUT/results.tar.gz" -C "$(dirname "$W")" "$(basename "$W")" 2>/dev/null
+cat "$OUT/summary.txt"
+grep -q "FAIL\|MISSED\|DID NOT START" "$OUT/summary.txt" && exit 1
+exit 0

@@ -29,6 +29,7 @@ impl Provider for NullProvider {
             max_batch_tokens: 1 << 20,
             score_activation: None,
             server: None,
+            attention: None,
         }
     }
 

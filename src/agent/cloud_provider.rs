@@ -61,6 +61,7 @@ impl CloudProvider {
             // them below), so a cloud reranker's scale is the sigmoid one.
             score_activation: (role.op() == Op::Rerank).then_some(ScoreActivation::Sigmoid),
             server: None,
+            attention: None,
         };
         Self {
             route: Arc::new(route),

@@ -461,8 +461,7 @@ pub async fn load_providers(
             providers.push(Arc::new(provider::LocalProvider::new(
                 role,
                 engine.clone(),
-                served.pipeline_depth,
-                served.max_items_per_work,
+                served.pipeline(&engine.info().device),
             )));
         }
     }

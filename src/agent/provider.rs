@@ -90,7 +90,8 @@ pub struct LocalProvider {
 }
 
 impl LocalProvider {
-    pub fn new(role: Role, engine: Engine, depth: u32, max_items: usize) -> Self {
+    pub fn new(role: Role, engine: Engine, pipeline: crate::config::agent::Pipeline) -> Self {
+        let (depth, max_items) = (pipeline.depth, pipeline.max_items);
         let e = engine.info();
         // Pinned: the commit. Unpinned: the digest of the folder's files, so changed bytes are
         // a new provider identity the gate checks again before it serves.
@@ -123,6 +124,7 @@ impl LocalProvider {
             max_batch_tokens: e.max_batch_tokens,
             score_activation: (role.op() == crate::roles::Op::Rerank).then_some(e.score_activation),
             server: None,
+            attention: Some(e.attention.clone()),
         };
         Self {
             info,

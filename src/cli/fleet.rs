@@ -206,12 +206,12 @@ pub struct ServeCommand {
     /// The reranker's files.
     #[arg(long)]
     reranker_model_dir: Option<PathBuf>,
-    /// Work frames in flight per provider.
-    #[arg(long, default_value_t = 2)]
-    pipeline_depth: u32,
-    /// Items per work frame.
-    #[arg(long, default_value_t = 64)]
-    max_items_per_work: usize,
+    /// Work frames in flight per provider [default: 2 on the CPU, 4 on a GPU].
+    #[arg(long)]
+    pipeline_depth: Option<u32>,
+    /// Items per work frame [default: 64 on the CPU, 256 on a GPU].
+    #[arg(long)]
+    max_items_per_work: Option<usize>,
     /// The embedded agent's id (default: the hostname).
     #[arg(long)]
     agent_id: Option<String>,

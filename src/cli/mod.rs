@@ -101,7 +101,9 @@ pub struct ModelArgs {
     model_dir: Option<PathBuf>,
     /// With --model-dir: take config.json and tokenizer.json from it and draw the weights at
     /// random (throughput of an architecture without its download; outputs are meaningless).
-    #[arg(long, requires = "model_dir", conflicts_with = "model")]
+    /// With --model too: that pinned model's settings (task, pooling, max tokens, prompts,
+    /// head) on those random weights, as it would start.
+    #[arg(long, requires = "model_dir")]
     random_weights: bool,
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]

@@ -13,7 +13,8 @@
 //! roles = ["embedding", "code-embedding"]
 //! model = "qwen3-embedding-4b"
 //! model_dir = "/var/lib/fantom-sidecar/models/qwen3-embedding-4b"
-//! pipeline_depth = 2
+//! # pipeline_depth = 4          # default: 2 on the CPU, 4 on a GPU
+//! # max_items_per_work = 256    # default: 64 on the CPU, 256 on a GPU
 //! ```
 //!
 //! Model servers the operator already runs (vLLM, Ollama, llama.cpp, TEI, any OpenAI-compatible
@@ -143,14 +144,59 @@ impl FantomMaster {
 #[serde(deny_unknown_fields)]
 pub struct ServedModel {
     pub roles: Vec<Role>,
-    /// Work frames in flight at once per role (the credits of each pull loop).
-    #[serde(default = "default_depth")]
-    pub pipeline_depth: u32,
-    /// The most items one work frame may carry.
-    #[serde(default = "default_items")]
-    pub max_items_per_work: usize,
+    /// Work frames in flight at once per role (the credits of each pull loop); unset: the
+    /// device's default ([`Pipeline::for_device`]).
+    #[serde(default)]
+    pub pipeline_depth: Option<u32>,
+    /// The most items one work frame may carry; unset: the device's default.
+    #[serde(default)]
+    pub max_items_per_work: Option<usize>,
     #[serde(flatten)]
     pub model: ModelChoice,
+}
+
+/// How much work a local model takes from the hub at once: frames in flight and items a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pipeline {
+    pub depth: u32,
+    pub max_items: usize,
+}
+
+impl Pipeline {
+    /// The CPU's: two frames of 64 (the hub's fairness bounds were measured with these).
+    pub const CPU: Pipeline = Pipeline {
+        depth: 2,
+        max_items: 64,
+    };
+    /// A GPU's: four frames of 256, so the engine always holds the next frames while one runs
+    /// (a batch there is up to 256 rows; the last credit stays for interactive work) and the
+    /// model thread never waits for the hub's round trip. Chosen from the engine's batch
+    /// shapes, not yet measured on a GPU: the GPU check (benches/gpu/run.sh) runs `serve` with
+    /// these and with 2 × 64 and 8 × 256 (docs/gpu.md).
+    pub const GPU: Pipeline = Pipeline {
+        depth: 4,
+        max_items: 256,
+    };
+
+    /// The default for a model running on `device` (`cpu`, `cuda:0`, …).
+    pub fn for_device(device: &str) -> Pipeline {
+        if device == "cpu" {
+            Self::CPU
+        } else {
+            Self::GPU
+        }
+    }
+}
+
+impl ServedModel {
+    /// The pipeline for this model on `device`: what the table sets, else the device's default.
+    pub fn pipeline(&self, device: &str) -> Pipeline {
+        let default = Pipeline::for_device(device);
+        Pipeline {
+            depth: self.pipeline_depth.unwrap_or(default.depth),
+            max_items: self.max_items_per_work.unwrap_or(default.max_items),
+        }
+    }
 }
 
 fn default_systemctl() -> PathBuf {
@@ -161,12 +207,6 @@ fn default_drain_s() -> u64 {
 }
 fn default_cloud_depth() -> u32 {
     8
-}
-fn default_depth() -> u32 {
-    2
-}
-fn default_items() -> usize {
-    64
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -306,7 +346,7 @@ impl AgentConfig {
             if m.roles.is_empty() {
                 return Err("a [[models]] table needs at least one role".into());
             }
-            if m.pipeline_depth == 0 || m.max_items_per_work == 0 {
+            if m.pipeline_depth == Some(0) || m.max_items_per_work == Some(0) {
                 return Err("pipeline_depth and max_items_per_work must be at least 1".into());
             }
         }
@@ -375,7 +415,9 @@ mod tests {
         .unwrap();
         assert_eq!(cfg.models[0].roles.len(), 2);
         assert_eq!(cfg.models[0].model.max_batch_rows, 32);
-        assert_eq!(cfg.models[0].pipeline_depth, 2);
+        assert_eq!(cfg.models[0].pipeline_depth, None);
+        assert_eq!(cfg.models[0].pipeline("cpu"), Pipeline::CPU);
+        assert_eq!(cfg.models[0].pipeline("cuda:0"), Pipeline::GPU);
         let bad_role = AgentConfig::parse(
             "hub_url = \"ws://h/v1/agent\"\n[[models]]\nroles = [\"embeddings\"]\nmodel = \"x\"",
         );

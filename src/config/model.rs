@@ -25,7 +25,8 @@ pub struct ModelChoice {
     /// The model's files: with `model`, verified against the pin; alone, any HF folder.
     #[serde(default)]
     pub model_dir: Option<PathBuf>,
-    /// Config and tokenizer from `model_dir`, weights random (benchmarks only).
+    /// Config and tokenizer from `model_dir`, weights random (benchmarks only); with `model`,
+    /// that pinned manifest's settings.
     #[serde(default)]
     pub random_weights: bool,
     #[serde(default = "default_device", with = "from_str")]
@@ -72,7 +73,10 @@ impl ModelChoice {
         if self.random_weights
             && let Some(dir) = &self.model_dir
         {
-            return Ok(ModelSelector::RandomWeights(dir.clone()));
+            return Ok(ModelSelector::RandomWeights {
+                dir: dir.clone(),
+                like: self.model.clone(),
+            });
         }
         Ok(ModelSelector::from_flags(
             self.model.clone(),

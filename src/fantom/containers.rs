@@ -410,10 +410,10 @@ async fn load(container: &LocalContainer) -> Result<Arc<dyn Provider>, Container
         .load(task)
         .await
         .map_err(|e| fail(format!("{e:#}")))?;
+    let pipeline = served.pipeline(&engine.info().device);
     Ok(Arc::new(LocalProvider::new(
         container.role,
         engine,
-        served.pipeline_depth,
-        served.max_items_per_work,
+        pipeline,
     )))
 }

@@ -131,6 +131,7 @@ mod tests {
             max_batch_tokens: 1024,
             score_activation: None,
             server: None,
+            attention: None,
         }))
     }
 

@@ -323,6 +323,7 @@ mod tests {
             max_batch_tokens: 1024,
             score_activation: Some(ScoreActivation::Sigmoid),
             server: None,
+            attention: None,
         }
     }
 

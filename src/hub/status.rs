@@ -70,6 +70,9 @@ pub struct ProviderView {
     /// sized at start: configured, default, or from free device memory).
     pub max_batch_items: usize,
     pub max_batch_tokens: usize,
+    /// A local model's attention path (`packed` or `padded`), as its agent announced it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attention: Option<String>,
     pub credits: u32,
     pub in_flight: u32,
     pub served_items: u64,
@@ -172,6 +175,7 @@ impl Hub {
                         dims: p.info.dims,
                         max_batch_items: p.info.max_batch_items,
                         max_batch_tokens: p.info.max_batch_tokens,
+                        attention: p.info.attention.clone(),
                         credits: p.credits,
                         in_flight: p.in_flight,
                         served_items: p.served_items,

@@ -306,8 +306,9 @@ impl CustomOp3 for PackedAttention {
                     k_stride,
                     v,
                     v_stride,
+                    weights: WeightPrecision::F32,
                 };
-                let out = cpu_ops::packed_attention(self, &views, tokens, WeightPrecision::F32);
+                let out = cpu_ops::packed_attention(self, &views, tokens);
                 Ok((CpuStorage::F32(out), shape))
             }
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
@@ -324,8 +325,9 @@ impl CustomOp3 for PackedAttention {
                     k_stride: kv_width,
                     v: &v,
                     v_stride: kv_width,
+                    weights: WeightPrecision::Bf16,
                 };
-                let out = cpu_ops::packed_attention(self, &views, tokens, WeightPrecision::Bf16);
+                let out = cpu_ops::packed_attention(self, &views, tokens);
                 Ok((
                     CpuStorage::BF16(out.into_iter().map(half::bf16::from_f32).collect()),
                     shape,
@@ -345,8 +347,9 @@ impl CustomOp3 for PackedAttention {
                     k_stride: kv_width,
                     v: &v,
                     v_stride: kv_width,
+                    weights: WeightPrecision::F16,
                 };
-                let out = cpu_ops::packed_attention(self, &views, tokens, WeightPrecision::F16);
+                let out = cpu_ops::packed_attention(self, &views, tokens);
                 Ok((
                     CpuStorage::F16(out.into_iter().map(half::f16::from_f32).collect()),
                     shape,

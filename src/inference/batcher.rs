@@ -1,13 +1,15 @@
-//! Forming batches: a token budget over padded rows, with length bucketing.
+//! Forming batches: a token budget, with length bucketing.
 //!
-//! Our attention is padded (no varlen kernels), so a batch costs `longest row × rows` tokens and
+//! With packed attention (the CPU, and CUDA in bf16/f16) a batch costs its real tokens. Where
+//! attention runs padded (the fallback on a GPU), a batch costs `longest row × rows` tokens and
 //! mixing a 10-token text with a 250-token one wastes 96% of the short row. The queue therefore
 //! starts every batch with its **oldest** entry (nothing starves: every entry becomes the oldest
 //! eventually) and fills it with the entries whose lengths are **nearest** to that one, until
-//! the next would break `max_batch_tokens` (padded) or `max_batch_rows`. This is TEI's budget
-//! FIFO plus the length sorting that Infinity and sentence-transformers use, without their
-//! unbounded reordering. Urgent entries (interactive work: queries, reranks) start a batch
-//! before older batch entries, so a query waits at most for the batches already formed.
+//! the next would break `max_batch_tokens` (real or padded tokens, as the path pays) or
+//! `max_batch_rows`. This is TEI's budget FIFO plus the length sorting that Infinity and
+//! sentence-transformers use, without their unbounded reordering. Urgent entries (interactive
+//! work: queries, reranks) start a batch before older batch entries, so a query waits at most
+//! for the batches already formed.
 //!
 //! The queue is plain data (no threads, no tensors) so its policy is unit-tested directly.
 

@@ -203,7 +203,8 @@ impl InplaceOp2 for BiasResidualLayerNorm {
     }
 }
 
-/// Q, K and V as f32 slices from their first element, with their row strides.
+/// Q, K and V as f32 slices from their first element, with their row strides, and how the
+/// softmax weights are held when they multiply V.
 pub(crate) struct AttentionViews<'a> {
     pub q: &'a [f32],
     pub q_stride: usize,
@@ -211,6 +212,7 @@ pub(crate) struct AttentionViews<'a> {
     pub k_stride: usize,
     pub v: &'a [f32],
     pub v_stride: usize,
+    pub weights: WeightPrecision,
 }
 
 /// Max of a slice in eight lanes (a plain fold is a serial dependency chain).
@@ -342,7 +344,6 @@ simd_kernel! {
         row: (usize, usize),
         prefix: Option<(usize, usize)>,
         scratch: &mut AttentionScratch,
-        weights: WeightPrecision,
         out: &mut [f32],
     ) {
         let (start, len) = row;
@@ -381,7 +382,7 @@ simd_kernel! {
                     *w = exp_f32(*w - max);
                 }
                 let inv = 1.0 / lanes_sum(seen);
-                match weights {
+                match x.weights {
                     WeightPrecision::F32 => seen.iter_mut().for_each(|w| *w *= inv),
                     WeightPrecision::Bf16 => seen
                         .iter_mut()
@@ -436,7 +437,6 @@ pub(crate) fn packed_attention(
     op: &PackedAttention,
     views: &AttentionViews,
     tokens: usize,
-    weights: WeightPrecision,
 ) -> Vec<f32> {
     let d = op.head_dim;
     let width = op.q_heads * d;
@@ -473,7 +473,7 @@ pub(crate) fn packed_attention(
             scores: vec![0f32; QUERY_BLOCK * widest],
         },
         |scratch, (head, row, prefix, out)| {
-            attention_row(op, views, head, row, prefix, scratch, weights, out)
+            attention_row(op, views, head, row, prefix, scratch, out)
         },
     );
     // Back to token-major `[token][head × d]`.

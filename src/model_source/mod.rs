@@ -40,8 +40,10 @@ pub enum ModelSelector {
     /// Any Hugging Face folder, unpinned.
     Folder(PathBuf),
     /// `config.json` and `tokenizer.json` from a folder, weights drawn at random: benchmarks
-    /// only, never pinned.
-    RandomWeights(PathBuf),
+    /// only, never pinned. With `like`, a pinned manifest's settings (task, pooling, max
+    /// tokens, prompts, head) instead of what the folder's files say: how that model starts
+    /// and runs, without its download.
+    RandomWeights { dir: PathBuf, like: Option<String> },
 }
 
 impl ModelSelector {
@@ -335,7 +337,29 @@ pub async fn resolve(
             resolve_pinned(manifest, dir.as_deref(), opts).await?
         }
         ModelSelector::Folder(dir) => resolve_folder(dir, task, overrides, false)?,
-        ModelSelector::RandomWeights(dir) => resolve_folder(dir, task, overrides, true)?,
+        ModelSelector::RandomWeights { dir, like } => {
+            let mut resolved = resolve_folder(dir, task, overrides, true)?;
+            if let Some(id) = like {
+                let manifest = opts.registry.get(id)?;
+                if manifest.spec.task != task {
+                    return Err(SourceError::TaskMismatch {
+                        id: id.clone(),
+                        model_task: manifest.spec.task,
+                        wanted: task,
+                    });
+                }
+                if manifest.spec.architecture != resolved.spec.architecture {
+                    return Err(SourceError::Folder(format!(
+                        "{} holds a {} config, and `{id}` is {}",
+                        dir.display(),
+                        resolved.spec.architecture,
+                        manifest.spec.architecture
+                    )));
+                }
+                resolved.spec = manifest.spec.clone();
+            }
+            resolved
+        }
     };
     if let Some(max) = overrides.max_tokens {
         let cfg =

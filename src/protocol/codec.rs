@@ -198,6 +198,7 @@ mod tests {
             max_batch_tokens: 16384,
             score_activation: None,
             server: None,
+            attention: None,
         }
     }
 

@@ -197,6 +197,11 @@ pub struct ProviderInfo {
     /// gate's reference.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server: Option<String>,
+    /// A local model's attention path: `packed` (no padding token computed: the CPU's kernel,
+    /// or the CUDA kernel in bf16/f16) or `padded` (masked matmul over right-padded rows, where
+    /// the kernel does not run). Informational: it changes speed, not the vectors' space.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention: Option<String>,
 }
 
 /// A compute device and its memory (absent where the backend cannot tell).

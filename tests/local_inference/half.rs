@@ -1,9 +1,11 @@
-//! The GPU's code path on the CPU: bf16 and f16 through padded attention (candle's generic ops,
-//! the gather/scatter indexes and masks a CUDA device runs), against the f32 packed path, for
-//! the tiny Qwen3 embedder and reranker and for MiniLM. Embeddings (MRL too) keep a cosine of at
-//! least 0.999, reranker probabilities stay within 2e-2, and no number is NaN or infinite, on
-//! the gate's probe texts, inputs of exactly the max length, and batches that mix one-token
-//! rows with max-length ones.
+//! The GPU's code paths on the CPU: bf16 and f16 through packed attention (what a CUDA device
+//! runs by default: the CPU body widens the half inputs and rounds the softmax weights as the
+//! CUDA kernel does, with the fused layer ops in the half dtype) and through padded attention
+//! (the fallback where the kernel does not run: candle's generic ops, the gather/scatter
+//! indexes and masks), against the f32 packed path, for the tiny Qwen3 embedder and reranker
+//! and for MiniLM. Embeddings (MRL too) keep a cosine of at least 0.999, reranker probabilities
+//! stay within 2e-2, and no number is NaN or infinite, on the gate's probe texts, inputs of
+//! exactly the max length, and batches that mix one-token rows with max-length ones.
 
 use fantom_sidecar::hub::gate::measure::probe_texts;
 use fantom_sidecar::inference::tokenize::InputTokenizer;
@@ -18,14 +20,25 @@ const HALF: [&str; 2] = ["bf16", "f16"];
 const MIN_COSINE: f64 = 0.999;
 const MAX_PROBABILITY_DIFF: f32 = 2e-2;
 
-/// The GPU's path on the CPU in `dtype`.
-fn gpu_path(dtype: &str) -> EngineConfig {
+/// A GPU path on the CPU in `dtype`: `Packed` (a CUDA device's default in bf16/f16) or
+/// `Padded` (its fallback).
+fn gpu_path(dtype: &str, attention: AttentionMode) -> EngineConfig {
     EngineConfig {
         device: "cpu".parse().unwrap(),
         dtype: dtype.parse().unwrap(),
-        attention: AttentionMode::Padded,
+        attention,
         ..EngineConfig::default()
     }
+}
+
+/// Each half dtype through each GPU path: `(name, config)`.
+fn half_paths() -> Vec<(String, EngineConfig)> {
+    HALF.iter()
+        .flat_map(|d| {
+            [AttentionMode::Packed, AttentionMode::Padded]
+                .map(|a| (format!("{d} {}", a.name()), gpu_path(d, a)))
+        })
+        .collect()
 }
 
 /// The gate's probe texts, then one-token rows between texts longer than the model takes
@@ -77,7 +90,7 @@ fn close(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) -> f64 {
 async fn embedder_holds(
     reference: Engine,
     tokenizer: &std::path::Path,
-    make: impl AsyncFn(&str) -> Engine,
+    make: impl AsyncFn(EngineConfig) -> Engine,
     mrl: usize,
 ) {
     let texts = inputs();
@@ -99,14 +112,15 @@ async fn embedder_holds(
     for (_, opts) in &options {
         want.push(reference.embed(texts.clone(), opts.clone()).await.unwrap());
     }
-    for dtype in HALF {
-        let engine = make(dtype).await;
-        assert_eq!(engine.info().dtype, dtype);
-        assert_eq!(engine.info().attention, "padded");
+    for (path, cfg) in half_paths() {
+        let attention = cfg.attention;
+        let engine = make(cfg).await;
+        assert!(path.starts_with(&engine.info().dtype), "{path}");
+        assert_eq!(engine.info().attention, attention.name());
         for ((name, opts), want) in options.iter().zip(&want) {
             let got = engine.embed(texts.clone(), opts.clone()).await.unwrap();
-            let lowest = close(&got, want, &format!("{dtype} {name}"));
-            println!("{dtype} {name}: lowest cosine {lowest:.6}");
+            let lowest = close(&got, want, &format!("{path} {name}"));
+            println!("{path} {name}: lowest cosine {lowest:.6}");
         }
     }
 }
@@ -117,7 +131,7 @@ async fn the_tiny_qwen3_embedder_in_bf16_and_f16_matches_f32() {
     embedder_holds(
         reference,
         &fixtures().join("qwen3/tiny-qwen3-embedding/tokenizer.json"),
-        async |dtype| qwen3_engine("tiny-qwen3-embedding", Task::Embed, gpu_path(dtype)).await,
+        async |cfg| qwen3_engine("tiny-qwen3-embedding", Task::Embed, cfg).await,
         32,
     )
     .await;
@@ -130,9 +144,9 @@ async fn minilm_in_bf16_and_f16_matches_f32() {
     embedder_holds(
         reference,
         &minilm_dir().join("tokenizer.json"),
-        async |dtype| {
+        async |cfg| {
             let tmp = tempfile::tempdir().unwrap();
-            minilm_engine(tmp.path(), gpu_path(dtype)).await
+            minilm_engine(tmp.path(), cfg).await
         },
         128,
     )
@@ -148,8 +162,8 @@ async fn the_tiny_qwen3_reranker_in_bf16_and_f16_matches_f32() {
         .rerank(query.clone(), docs.clone(), RerankOptions::default())
         .await
         .unwrap();
-    for dtype in HALF {
-        let engine = qwen3_engine("tiny-qwen3-reranker", Task::Rerank, gpu_path(dtype)).await;
+    for (dtype, cfg) in half_paths() {
+        let engine = qwen3_engine("tiny-qwen3-reranker", Task::Rerank, cfg).await;
         let got = engine
             .rerank(query.clone(), docs.clone(), RerankOptions::default())
             .await
@@ -193,10 +207,17 @@ async fn minilm_canaries_keep_their_fingerprint_in_any_batch_and_dtype() {
             })
             .collect()
     };
-    let configs = [("f32 packed", cpu()), ("f32 padded", gpu_path("f32"))]
-        .into_iter()
-        .chain(HALF.map(|d| (d, gpu_path(d))));
+    let configs = [
+        ("f32 packed".to_string(), cpu()),
+        (
+            "f32 padded".to_string(),
+            gpu_path("f32", AttentionMode::Padded),
+        ),
+    ]
+    .into_iter()
+    .chain(half_paths());
     for (name, cfg) in configs {
+        let name = name.as_str();
         let tmp = tempfile::tempdir().unwrap();
         let engine = minilm_engine(tmp.path(), cfg).await;
         let mut lowest = 1.0f64;
@@ -262,9 +283,11 @@ async fn minilm_canary_overhead_on_a_realistic_mix() {
 /// Canaries at every width (issue 27): a frame of a Matryoshka width under the space's is
 /// judged on the fingerprint's first entries (the gate's `check_canary`), at the space's own
 /// minimum cosine. Honest numerics must keep well above that floor (within a fifth of its
-/// allowance) at every width that carries a canary (`MIN_CANARY_DIMS` and up): each probe rides in batches of 1, 8 and 32 in f32
-/// (packed and padded) and both half dtypes, cut to each width, against the f32 fingerprint
-/// cut the same way. The lowest cosine per width is printed for `docs/operations.md`.
+/// allowance) at every width that carries a canary (`MIN_CANARY_DIMS` and up): each probe rides
+/// in batches of 1, 8 and 32 in f32 (packed and padded) and both half dtypes through both GPU
+/// paths (the packed kernel's numerics included), cut to each width, against the f32
+/// fingerprint cut the same way. The lowest cosine per width is printed for
+/// `docs/operations.md`.
 #[tokio::test]
 async fn canaries_keep_above_the_floor_at_every_width_that_carries_one() {
     use fantom_sidecar::hub::gate::measure::{HONEST_MARGIN, MIN_CANARY_DIMS, MIN_COSINE_FLOOR};
@@ -286,10 +309,10 @@ async fn canaries_keep_above_the_floor_at_every_width_that_carries_one() {
             .chain([full])
             .collect();
         let mut lowest = vec![1.0f64; widths.len()];
-        let configs = [("f32 packed", cpu()), ("f32 padded", gpu_path("f32"))]
+        let configs = [cpu(), gpu_path("f32", AttentionMode::Padded)]
             .into_iter()
-            .chain(HALF.map(|d| (d, gpu_path(d))));
-        for (_, cfg) in configs {
+            .chain(half_paths().into_iter().map(|(_, c)| c));
+        for cfg in configs {
             let engine = match model {
                 "minilm" => {
                     let tmp = tempfile::tempdir().unwrap();

@@ -59,6 +59,7 @@ impl ServerProvider {
             max_batch_tokens: MAX_TOKENS_PER_CALL,
             score_activation: reranks.then_some(super::rerank::ACTIVATION),
             server: Some(cfg.kind.as_str().to_string()),
+            attention: None,
         };
         Self {
             info,

@@ -25,6 +25,7 @@ fn provider(id: &str, role: Role, model: &str, max_items: usize) -> ProviderInfo
         score_activation: (role.op() == Op::Rerank)
             .then_some(crate::protocol::ScoreActivation::Sigmoid),
         server: None,
+        attention: None,
     }
 }
 
