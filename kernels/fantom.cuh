@@ -67,25 +67,17 @@ __device__ __forceinline__ float warp_sum(float v) {
 template <typename T>
 __device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]);
 
-template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float d[4], const uint32_t a[4],
-                                                         const uint32_t b[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-template <>
-__device__ __forceinline__ void mma_16816<__half>(float d[4], const uint32_t a[4],
-                                                  const uint32_t b[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
+#define FANTOM_MMA_16816(T, PTX)                                                               \
+    template <>                                                                                \
+    __device__ __forceinline__ void mma_16816<T>(float d[4], const uint32_t a[4],               \
+                                                 const uint32_t b[2]) {                         \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 "              \
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                 \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                          \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));       \
+    }
+FANTOM_MMA_16816(__nv_bfloat16, "bf16")
+FANTOM_MMA_16816(__half, "f16")
 
 // Four 8×8 matrices of 16-bit elements from shared memory: lane l gives the address of row
 // l % 8 of matrix l / 8 (16 contiguous bytes); register i gets matrix i's elements

@@ -27,7 +27,9 @@
 # writes two files to $OUT: summary.txt and results.tar.gz (every output and log).
 # Env: DEVICE (cuda:0), OUT (/tmp/fantom-gpu), PEAK_TFLOPS (default: from nvidia-smi's product
 # name), SECONDS_PER_SIZE (2), BUDGET_S (290: later parts are skipped past it), SKIP (space-
-# separated parts to skip: torch manifests serve ncu), DEVICE_CHECK_ONLY=1 (parts 1 and 2 only).
+# separated parts to skip: torch manifests serve ncu), DEVICE_CHECK_ONLY=1 (parts 1 and 2 only),
+# SMOKE=1 (every part on one-layer models of the same widths and short rows: the script's own
+# plumbing, e.g. `DEVICE=cpu SMOKE=1 benches/gpu/run.sh target/debug/fantom-sidecar` here).
 # Needs python3; torch/transformers for the peer and ncu are used when present. Never the build
 # machine's libcuda stub.
 
@@ -44,6 +46,7 @@ G=benches/gpu
 START=$(date +%s)
 mkdir -p "$OUT"
 W=$(mktemp -d /tmp/fantom-gpu-work.XXXXXX)
+: > "$W/skipped.txt"
 # A gzipped binary (what scripts/build-cuda.sh writes to carry) is unpacked outside $OUT.
 if [[ "$BIN" == *.gz ]]; then
   gunzip -c "$BIN" > "$W/fantom-sidecar" && chmod +x "$W/fantom-sidecar"
@@ -91,6 +94,19 @@ for size in 0.6b 4b 8b; do
   cp "$G/qwen3-$size.config.json" "$W/qwen3-$size/config.json"
   cp "$FX/tokenizer.json" "$W/qwen3-$size/tokenizer.json"
 done
+# The shapes each part runs: the real ones, or (SMOKE=1) short rows on one-layer models.
+SHORT_SIZES=1,32,256 LONG_SIZES=1,4 LONG=8192 PEER_SHAPES=1x512,32x512,256x512,1x8192,4x8192
+START_FLAGS="" SERVE_REPEAT=8 SERVE_SETTINGS=3
+if [ "${SMOKE:-0}" = 1 ]; then
+  for size in 0.6b 4b 8b; do
+    python3 - "$W/qwen3-$size/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); c.update(num_hidden_layers=1, vocab_size=2048, intermediate_size=c["hidden_size"])
+json.dump(c, open(sys.argv[1], "w"))
+PY
+  done
+  SHORT_SIZES=1,2 LONG_SIZES=1 LONG=1024 PEER_SHAPES=1x512,2x512,1x1024 START_FLAGS="--max-tokens 256" SERVE_REPEAT=1 SERVE_SETTINGS=1
+fi
 
 # 1. kernels
 "$BIN" kernel-check --device "$DEV" > "$W/kernels.jsonl" 2> "$W/kernels.txt" || echo "kernel-check on $DEV failed; see kernels.txt"
@@ -150,14 +166,14 @@ if [ "${DEVICE_CHECK_ONLY:-0}" != 1 ]; then
   for size in 0.6b 4b; do
     if part "ours-$size" 40; then
       "$BIN" bench --log-format json --model-dir "$W/qwen3-$size" --random-weights --device "$DEV" \
-        --batch-sizes 1,32,256 --tokens 512 --seconds "$SECS" --peak-tflops "$PEAK" \
+        --batch-sizes "$SHORT_SIZES" --tokens 512 --seconds "$SECS" --peak-tflops "$PEAK" \
         --json "$W/bench-$size-512.json" > "$W/bench-$size-512.txt" 2>>"$W/log.jsonl" || echo "bench $size x 512 failed"
       "$BIN" bench --log-format json --model-dir "$W/qwen3-$size" --random-weights --device "$DEV" \
-        --batch-sizes 1,4 --tokens 8192 --seconds "$SECS" --peak-tflops "$PEAK" \
-        --json "$W/bench-$size-8192.json" > "$W/bench-$size-8192.txt" 2>>"$W/log.jsonl" || echo "bench $size x 8192 failed"
+        --batch-sizes "$LONG_SIZES" --tokens "$LONG" --seconds "$SECS" --peak-tflops "$PEAK" \
+        --json "$W/bench-$size-long.json" > "$W/bench-$size-long.txt" 2>>"$W/log.jsonl" || echo "bench $size x $LONG failed"
     fi
     if part torch 40; then
-      timeout 120 python3 "$G/torch_peer.py" "$W/qwen3-$size/config.json" 1x512,32x512,256x512,1x8192,4x8192 "$SECS" "$size" \
+      timeout 120 python3 "$G/torch_peer.py" "$W/qwen3-$size/config.json" "$PEER_SHAPES" "$SECS" "$size" \
         > "$W/torch-$size.jsonl" 2>"$W/torch-$size.log" || echo "torch peer $size failed"
     fi
   done
@@ -169,11 +185,11 @@ if [ "${DEVICE_CHECK_ONLY:-0}" != 1 ]; then
       t0=$(date +%s.%N)
       if [[ "$id" == *reranker* ]]; then
         printf '"%s"\n' "fn lease(queue: &mut Queue)" "bananas are yellow" | timeout 90 "$BIN" rerank --log-format json \
-          --model "$id" --model-dir "$W/qwen3-$size" --random-weights --device "$DEV" --query "how does a lease end" \
+          --model "$id" --model-dir "$W/qwen3-$size" --random-weights --device "$DEV" $START_FLAGS --query "how does a lease end" \
           > "$W/start-$id.jsonl" 2> "$W/start-$id.log"
       else
         printf '"%s"\n' "fn lease(queue: &mut Queue)" "bananas are yellow" | timeout 90 "$BIN" embed --log-format json \
-          --model "$id" --model-dir "$W/qwen3-$size" --random-weights --device "$DEV" \
+          --model "$id" --model-dir "$W/qwen3-$size" --random-weights --device "$DEV" $START_FLAGS \
           > "$W/start-$id.jsonl" 2> "$W/start-$id.log"
       fi
       rc=$?
@@ -185,7 +201,7 @@ answers = [l for l in open(out) if l.strip()]
 for line in open(log):
     try: e = json.loads(line)
     except ValueError: continue
-    f = e.get("fields", {})
+    f = e.get("fields", e)  # tracing's JSON: the fields flattened into the line, or under "fields"
     if f.get("message") == "model loaded":
         row.update(max_batch_tokens=f.get("max_batch_tokens"), source=f.get("max_batch_tokens_from"),
                    warmup_rows=f.get("warmup_rows"), attention=f.get("attention"))
@@ -202,19 +218,21 @@ PY
 
   # 5. serve against the one-shot embed, same texts, model and device
   if part serve 60; then
-    for i in 1 2 3 4 5 6 7 8; do cat benches/texts.jsonl; done > "$W/serve-texts.jsonl"
+    for _ in $(seq "$SERVE_REPEAT"); do cat benches/texts.jsonl; done > "$W/serve-texts.jsonl"
     "$BIN" embed --log-format json --model qwen3-embedding-0.6b --model-dir "$W/qwen3-0.6b" --random-weights \
       --device "$DEV" --max-tokens 512 < "$W/serve-texts.jsonl" > /dev/null 2> "$W/oneshot.log"
     python3 - "$W/oneshot.log" > "$W/oneshot.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
-    try: f = json.loads(line).get("fields", {})
+    try: e = json.loads(line)
     except ValueError: continue
+    f = e.get("fields", e)
     if "seconds" in f and "tokens" in f:
         print(json.dumps({"tokens": f["tokens"], "seconds": f["seconds"], "tokens_per_s": f["tokens"] / max(f["seconds"], 1e-9)}))
 PY
     port=18090
-    for setting in "defaults" "--pipeline-depth 2 --max-items-per-work 64" "--pipeline-depth 8 --max-items-per-work 256"; do
+    settings=("defaults" "--pipeline-depth 2 --max-items-per-work 64" "--pipeline-depth 8 --max-items-per-work 256")
+    for setting in "${settings[@]:0:$SERVE_SETTINGS}"; do
       [ "$(left)" -lt 25 ] && { echo "[serve $setting skipped: out of time]"; break; }
       port=$((port + 1))
       rm -rf "$W/state"

@@ -75,7 +75,7 @@ for label in ("0.6b", "4b"):
             torch_rows[(label, r["batch_size"], r["tokens_per_row"])] = r
 measured = {}
 for label, name in (("0.6b", "0.6B"), ("4b", "4B")):
-    ours = bench(f"bench-{label}-512.json") | bench(f"bench-{label}-8192.json")
+    ours = bench(f"bench-{label}-512.json") | bench(f"bench-{label}-long.json")
     for (rows, tokens), r in sorted(ours.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         t = torch_rows.get((label, rows, tokens))
         ratio = r["tokens_per_s"] / t["tokens_per_s"] if t else None
@@ -100,7 +100,7 @@ def ratio_goal(name, rows, tokens, want):
 
 ratio_goal("4B", 32, 512, 1.5)
 ratio_goal("0.6B", 32, 512, 1.5)
-long4b = [v for k, v in measured.items() if k[0] == "4B" and k[2] == 8192]
+long4b = [v for k, v in measured.items() if k[0] == "4B" and k[2] >= 8192]
 if long4b:
     best = max(v[2] for v in long4b)
     goal("4B at 8192-token rows >= 35% of peak", best >= 35, f"{best:.1f}%")

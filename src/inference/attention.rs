@@ -257,6 +257,37 @@ impl PackedAttention {
     }
 }
 
+impl PackedAttention {
+    /// The CPU body on half-precision Q, K, V: widened to contiguous f32, the softmax weights
+    /// rounded to `weights` (as the CUDA kernel holds them); f32 out, for the caller to round.
+    fn widened_body<T: Copy>(
+        &self,
+        [q, k, v]: [&[T]; 3],
+        [qv, kv, vv]: [RowView; 3],
+        tokens: usize,
+        weights: WeightPrecision,
+        f: impl Fn(T) -> f32 + Copy,
+    ) -> Result<Vec<f32>> {
+        let width = self.q_heads * self.head_dim;
+        let kv_width = self.kv_heads * self.head_dim;
+        let (q, k, v) = (
+            widened(q, qv, tokens, width, f)?,
+            widened(k, kv, tokens, kv_width, f)?,
+            widened(v, vv, tokens, kv_width, f)?,
+        );
+        let views = AttentionViews {
+            q: &q,
+            q_stride: width,
+            k: &k,
+            k_stride: kv_width,
+            v: &v,
+            v_stride: kv_width,
+            weights,
+        };
+        Ok(cpu_ops::packed_attention(self, &views, tokens))
+    }
+}
+
 /// A strided `[rows, width]` half-precision view widened to contiguous f32.
 fn widened<T: Copy>(
     data: &[T],
@@ -312,44 +343,26 @@ impl CustomOp3 for PackedAttention {
                 Ok((CpuStorage::F32(out), shape))
             }
             (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                let f = |x: half::bf16| x.to_f32();
-                let (q, k, v) = (
-                    widened(q, qv, tokens, width, f)?,
-                    widened(k, kv, tokens, kv_width, f)?,
-                    widened(v, vv, tokens, kv_width, f)?,
-                );
-                let views = AttentionViews {
-                    q: &q,
-                    q_stride: width,
-                    k: &k,
-                    k_stride: kv_width,
-                    v: &v,
-                    v_stride: kv_width,
-                    weights: WeightPrecision::Bf16,
-                };
-                let out = cpu_ops::packed_attention(self, &views, tokens);
+                let out = self.widened_body(
+                    [q, k, v],
+                    [qv, kv, vv],
+                    tokens,
+                    WeightPrecision::Bf16,
+                    |x| x.to_f32(),
+                )?;
                 Ok((
                     CpuStorage::BF16(out.into_iter().map(half::bf16::from_f32).collect()),
                     shape,
                 ))
             }
             (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
-                let f = |x: half::f16| x.to_f32();
-                let (q, k, v) = (
-                    widened(q, qv, tokens, width, f)?,
-                    widened(k, kv, tokens, kv_width, f)?,
-                    widened(v, vv, tokens, kv_width, f)?,
-                );
-                let views = AttentionViews {
-                    q: &q,
-                    q_stride: width,
-                    k: &k,
-                    k_stride: kv_width,
-                    v: &v,
-                    v_stride: kv_width,
-                    weights: WeightPrecision::F16,
-                };
-                let out = cpu_ops::packed_attention(self, &views, tokens);
+                let out = self.widened_body(
+                    [q, k, v],
+                    [qv, kv, vv],
+                    tokens,
+                    WeightPrecision::F16,
+                    |x| x.to_f32(),
+                )?;
                 Ok((
                     CpuStorage::F16(out.into_iter().map(half::f16::from_f32).collect()),
                     shape,

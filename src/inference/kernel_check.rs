@@ -83,17 +83,9 @@ fn pooling_and_cosine(device: &Device, checks: &mut Vec<KernelCheck>) -> Result<
             for (dims, normalize) in [(h, true), (32, true), (h, false)] {
                 let want = pool_normalize(&states, &s_cpu, &l_cpu, pooling, dims, normalize)?;
                 let got =
-                    pool_normalize(&on_dev.0, &on_dev.1, &on_dev.2, pooling, dims, normalize)?
-                        .to_device(&Device::Cpu)?;
-                let diff = max_abs_diff(&want, &got)?;
-                let tolerance = 1e-5;
-                checks.push(KernelCheck {
-                    kernel: "pool_normalize".into(),
-                    case: format!("{dtype:?} {pooling:?} dims={dims} normalize={normalize}"),
-                    max_abs_diff: diff,
-                    tolerance,
-                    passed: diff <= tolerance,
-                });
+                    pool_normalize(&on_dev.0, &on_dev.1, &on_dev.2, pooling, dims, normalize)?;
+                let case = format!("{dtype:?} {pooling:?} dims={dims} normalize={normalize}");
+                check(checks, "pool_normalize", case, &want, &got, 1e-5)?;
             }
         }
     }
@@ -103,17 +95,15 @@ fn pooling_and_cosine(device: &Device, checks: &mut Vec<KernelCheck>) -> Result<
         b_data[..d].iter_mut().for_each(|v| *v = 0.0); // a zero row: cosine 0
         let b = Tensor::from_vec(b_data, (m, d), &Device::Cpu)?;
         let want = cosine_matrix(&a, &b)?;
-        let got =
-            cosine_matrix(&a.to_device(device)?, &b.to_device(device)?)?.to_device(&Device::Cpu)?;
-        let diff = max_abs_diff(&want, &got)?;
-        let tolerance = 1e-5;
-        checks.push(KernelCheck {
-            kernel: "cosine_matrix".into(),
-            case: format!("{n}x{m} d={d}"),
-            max_abs_diff: diff,
-            tolerance,
-            passed: diff <= tolerance,
-        });
+        let got = cosine_matrix(&a.to_device(device)?, &b.to_device(device)?)?;
+        check(
+            checks,
+            "cosine_matrix",
+            format!("{n}x{m} d={d}"),
+            &want,
+            &got,
+            1e-5,
+        )?;
     }
     Ok(())
 }

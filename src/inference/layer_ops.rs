@@ -26,41 +26,25 @@ trait Elem: Copy + Send + Sync {
     fn storage(v: Vec<Self>) -> CpuStorage;
 }
 
-impl Elem for f32 {
-    fn widen(self) -> f32 {
-        self
-    }
-    fn round(x: f32) -> Self {
-        x
-    }
-    fn storage(v: Vec<Self>) -> CpuStorage {
-        CpuStorage::F32(v)
-    }
+macro_rules! elem {
+    ($t:ty, $variant:ident, $widen:expr, $round:expr) => {
+        impl Elem for $t {
+            fn widen(self) -> f32 {
+                $widen(self)
+            }
+            fn round(x: f32) -> Self {
+                $round(x)
+            }
+            fn storage(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$variant(v)
+            }
+        }
+    };
 }
 
-impl Elem for half::bf16 {
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
-    fn round(x: f32) -> Self {
-        half::bf16::from_f32(x)
-    }
-    fn storage(v: Vec<Self>) -> CpuStorage {
-        CpuStorage::BF16(v)
-    }
-}
-
-impl Elem for half::f16 {
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
-    fn round(x: f32) -> Self {
-        half::f16::from_f32(x)
-    }
-    fn storage(v: Vec<Self>) -> CpuStorage {
-        CpuStorage::F16(v)
-    }
-}
+elem!(f32, F32, |x: f32| x, |x: f32| x);
+elem!(half::bf16, BF16, half::bf16::to_f32, half::bf16::from_f32);
+elem!(half::f16, F16, half::f16::to_f32, half::f16::from_f32);
 
 /// The contiguous slice `layout` covers.
 fn covered<'a, T>(data: &'a [T], layout: &Layout, what: &str) -> Result<&'a [T]> {

@@ -320,14 +320,7 @@ pub async fn resolve(
 ) -> Result<ResolvedModel, SourceError> {
     let mut resolved = match selector {
         ModelSelector::Pinned { id, dir } => {
-            let manifest = opts.registry.get(id)?;
-            if manifest.spec.task != task {
-                return Err(SourceError::TaskMismatch {
-                    id: id.clone(),
-                    model_task: manifest.spec.task,
-                    wanted: task,
-                });
-            }
+            let manifest = manifest_for(opts, id, task)?;
             if let Some(p) = overrides.pooling.filter(|p| *p != manifest.spec.pooling) {
                 return Err(SourceError::Override(format!(
                     "model `{id}` is pinned with {} pooling; --pooling {p} applies only to unpinned --model-dir loads",
@@ -340,14 +333,7 @@ pub async fn resolve(
         ModelSelector::RandomWeights { dir, like } => {
             let mut resolved = resolve_folder(dir, task, overrides, true)?;
             if let Some(id) = like {
-                let manifest = opts.registry.get(id)?;
-                if manifest.spec.task != task {
-                    return Err(SourceError::TaskMismatch {
-                        id: id.clone(),
-                        model_task: manifest.spec.task,
-                        wanted: task,
-                    });
-                }
+                let manifest = manifest_for(opts, id, task)?;
                 if manifest.spec.architecture != resolved.spec.architecture {
                     return Err(SourceError::Folder(format!(
                         "{} holds a {} config, and `{id}` is {}",
@@ -604,6 +590,23 @@ fn verify_pinned(
         );
     }
     Ok(out)
+}
+
+/// The pinned manifest `id`, which must be a model for `task`.
+fn manifest_for<'a>(
+    opts: &'a SourceOptions,
+    id: &str,
+    task: Task,
+) -> Result<&'a crate::manifest::ModelManifest, SourceError> {
+    let manifest = opts.registry.get(id)?;
+    if manifest.spec.task != task {
+        return Err(SourceError::TaskMismatch {
+            id: id.to_string(),
+            model_task: manifest.spec.task,
+            wanted: task,
+        });
+    }
+    Ok(manifest)
 }
 
 fn resolve_folder(
