@@ -14,11 +14,14 @@
 // never stored, no padding token is computed, and K/V are never copied per query head (grouped
 // query heads read their kv head's columns).
 //
-// Host side (src/inference/attention/): `rows` holds 4 u32 per row (start, len, prefix start,
+// Host side (src/inference/attention.rs): `rows` holds 4 u32 per row (start, len, prefix start,
 // prefix len; the prefix len is 0 without one) and `tiles` 2 u32 per tile (row, first query),
-// longest work first; grid (tiles, q_heads), 128 threads, (64 + 4·64)·(D+8)·sizeof(T) bytes of
+// longest work first; a flat grid of tiles × q_heads blocks, block b serving tile b / q_heads
+// and head b % q_heads (the order holds across heads, and the query heads of one kv head run
+// side by side and share its K/V in L2); 128 threads, (64 + 4·64)·(D+8)·sizeof(T) bytes of
 // dynamic shared memory. Rows of shared memory are padded by 8 elements so ldmatrix's eight
-// 16-byte rows fall in distinct banks.
+// 16-byte rows fall in distinct banks. A warp whose 16 query rows are all past the row's end
+// (short rows) only takes part in the block's copies and barriers.
 #include "fantom.cuh"
 
 struct PackedAttentionParams {
@@ -35,7 +38,7 @@ struct PackedAttentionParams {
     unsigned int group;       // query heads per kv head
     unsigned int causal;
     float scale_log2;         // softmax scale × log2(e)
-    unsigned int reserved;
+    unsigned int q_heads;
 };
 
 namespace fantom {
@@ -56,7 +59,7 @@ __device__ __forceinline__ void packed_attention(const PackedAttentionParams& p)
     T* sK = smem + ATT_BM * SROW;          // [2][BN][SROW]
     T* sV = sK + 2 * ATT_BN * SROW;        // [2][BN][SROW]
 
-    const unsigned int tile = blockIdx.x, head = blockIdx.y;
+    const unsigned int tile = blockIdx.x / p.q_heads, head = blockIdx.x % p.q_heads;
     const unsigned int row = p.tiles[2 * tile], m0 = p.tiles[2 * tile + 1];
     const unsigned int start = p.rows[4 * row], len = p.rows[4 * row + 1];
     const unsigned int pre_start = p.rows[4 * row + 2], pre_len = p.rows[4 * row + 3];
@@ -72,6 +75,8 @@ __device__ __forceinline__ void packed_attention(const PackedAttentionParams& p)
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
+    // Whether any of this warp's 16 query rows exists (uniform across the warp).
+    const bool active = static_cast<unsigned int>(warp * 16) < m_rows;
 
     // Rows [first, first + 64) of a [tokens, ·] matrix into a shared tile; rows from `valid` on
     // are zeros (never read from global memory).
@@ -113,86 +118,88 @@ __device__ __forceinline__ void packed_attention(const PackedAttentionParams& p)
         cp_async_commit();
         cp_async_wait<1>();  // everything but the tile just requested has landed
         __syncthreads();
-        if (i == 0) {
-            // Q as A fragments, kept in registers: matrix m of each k-step is rows
-            // 8·(m % 2) .. +7, columns 8·(m / 2) .. +7 of the warp's 16 × 16 block.
+        if (active) {
+            if (i == 0) {
+                // Q as A fragments, kept in registers: matrix m of each k-step is rows
+                // 8·(m % 2) .. +7, columns 8·(m / 2) .. +7 of the warp's 16 × 16 block.
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const int r = warp * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+                    ldmatrix_x4(qf[kk], sQ + r * SROW + kk * 16 + (lane / 16) * 8);
+                }
+            }
+            const T* K = sK + buf * ATT_BN * SROW;
+            const T* V = sV + buf * ATT_BN * SROW;
+
+            // S = Q·Kᵀ: 16 query rows × 64 keys per warp, 8 fragments of 16 × 8.
+            float s[ATT_BN / 8][4];
+            for (int n = 0; n < ATT_BN / 8; ++n)
+                for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
             for (int kk = 0; kk < D / 16; ++kk) {
-                const int r = warp * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-                ldmatrix_x4(qf[kk], sQ + r * SROW + kk * 16 + (lane / 16) * 8);
+                for (int nb = 0; nb < ATT_BN / 16; ++nb) {
+                    // Keys 16·nb .. +15 as two B fragments: matrices (keys +0..7, d +0..7),
+                    // (keys +0..7, d +8..15), (keys +8..15, d +0..7), (keys +8..15, d +8..15).
+                    uint32_t kf[4];
+                    const int key = nb * 16 + (lane / 16) * 8 + lane % 8;
+                    ldmatrix_x4(kf, K + key * SROW + kk * 16 + ((lane / 8) % 2) * 8);
+                    const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
+                    mma_16816<T>(s[2 * nb], qf[kk], b0);
+                    mma_16816<T>(s[2 * nb + 1], qf[kk], b1);
+                }
             }
-        }
-        const T* K = sK + buf * ATT_BN * SROW;
-        const T* V = sV + buf * ATT_BN * SROW;
 
-        // S = Q·Kᵀ: 16 query rows × 64 keys per warp, 8 fragments of 16 × 8.
-        float s[ATT_BN / 8][4];
-        for (int n = 0; n < ATT_BN / 8; ++n)
-            for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
-        for (int kk = 0; kk < D / 16; ++kk) {
-            for (int nb = 0; nb < ATT_BN / 16; ++nb) {
-                // Keys 16·nb .. +15 as two B fragments: matrices (keys +0..7, d +0..7),
-                // (keys +0..7, d +8..15), (keys +8..15, d +0..7), (keys +8..15, d +8..15).
-                uint32_t kf[4];
-                const int key = nb * 16 + (lane / 16) * 8 + lane % 8;
-                ldmatrix_x4(kf, K + key * SROW + kk * 16 + ((lane / 8) % 2) * 8);
-                const uint32_t b0[2] = {kf[0], kf[1]}, b1[2] = {kf[2], kf[3]};
-                mma_16816<T>(s[2 * nb], qf[kk], b0);
-                mma_16816<T>(s[2 * nb + 1], qf[kk], b1);
-            }
-        }
-
-        // Scale into base 2 and mask: keys past the range's end, and own keys after the query.
-        const bool pre = i < pre_tiles;
-        const unsigned int n0 = (pre ? i : i - pre_tiles) * ATT_BN;
-        const unsigned int valid = umin(ATT_BN, (pre ? pre_len : own_keys) - n0);
-        const bool causal_here = !pre && p.causal && n0 + ATT_BN - 1 > m0;
-        for (int n = 0; n < ATT_BN / 8; ++n) {
-            for (int e = 0; e < 4; ++e) {
-                const unsigned int key = n * 8 + 2 * t + (e & 1);  // within the tile
-                bool visible = key < valid;
-                if (causal_here) visible = visible && n0 + key <= qi[e / 2];
-                s[n][e] = visible ? s[n][e] * p.scale_log2 : -INFINITY;
-            }
-        }
-
-        // Online softmax per query row (e / 2 picks the lane's row g or g + 8).
-        for (int r = 0; r < 2; ++r) {
-            float mx = -INFINITY;
-            for (int n = 0; n < ATT_BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-            mx = warp_max4(mx);
-            const float m_new = fmaxf(row_max[r], mx);
-            // A row that has seen only masked keys so far keeps a finite base (its p are 0).
-            const float base = m_new == -INFINITY ? 0.0f : m_new;
-            const float correction = exp2f(row_max[r] - base);
-            row_max[r] = m_new;
-            float sum = 0.0f;
+            // Scale into base 2 and mask: keys past the range's end, and own keys after the query.
+            const bool pre = i < pre_tiles;
+            const unsigned int n0 = (pre ? i : i - pre_tiles) * ATT_BN;
+            const unsigned int valid = umin(ATT_BN, (pre ? pre_len : own_keys) - n0);
+            const bool causal_here = !pre && p.causal && n0 + ATT_BN - 1 > m0;
             for (int n = 0; n < ATT_BN / 8; ++n) {
-                s[n][2 * r] = exp2f(s[n][2 * r] - base);
-                s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - base);
-                sum += s[n][2 * r] + s[n][2 * r + 1];
+                for (int e = 0; e < 4; ++e) {
+                    const unsigned int key = n * 8 + 2 * t + (e & 1);  // within the tile
+                    bool visible = key < valid;
+                    if (causal_here) visible = visible && n0 + key <= qi[e / 2];
+                    s[n][e] = visible ? s[n][e] * p.scale_log2 : -INFINITY;
+                }
             }
-            row_sum[r] = row_sum[r] * correction + sum;
-            for (int n = 0; n < D / 8; ++n) {
-                o[n][2 * r] *= correction;
-                o[n][2 * r + 1] *= correction;
-            }
-        }
 
-        // O += P·V. The accumulators of two adjacent 8-key fragments are one A fragment of
-        // 16 keys (rows g and g + 8, keys 2t, 2t+1 and 8+2t, 9+2t).
-        for (int kk = 0; kk < ATT_BN / 16; ++kk) {
-            const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                                   pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                   pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-            for (int nd = 0; nd < D / 16; ++nd) {
-                // V transposed: matrices (keys +0..7, d +0..7), (keys +8..15, d +0..7),
-                // (keys +0..7, d +8..15), (keys +8..15, d +8..15).
-                uint32_t vf[4];
-                const int key = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
-                ldmatrix_x4_trans(vf, V + key * SROW + nd * 16 + (lane / 16) * 8);
-                const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
-                mma_16816<T>(o[2 * nd], a, b0);
-                mma_16816<T>(o[2 * nd + 1], a, b1);
+            // Online softmax per query row (e / 2 picks the lane's row g or g + 8).
+            for (int r = 0; r < 2; ++r) {
+                float mx = -INFINITY;
+                for (int n = 0; n < ATT_BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+                mx = warp_max4(mx);
+                const float m_new = fmaxf(row_max[r], mx);
+                // A row that has seen only masked keys so far keeps a finite base (its p are 0).
+                const float base = m_new == -INFINITY ? 0.0f : m_new;
+                const float correction = exp2f(row_max[r] - base);
+                row_max[r] = m_new;
+                float sum = 0.0f;
+                for (int n = 0; n < ATT_BN / 8; ++n) {
+                    s[n][2 * r] = exp2f(s[n][2 * r] - base);
+                    s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - base);
+                    sum += s[n][2 * r] + s[n][2 * r + 1];
+                }
+                row_sum[r] = row_sum[r] * correction + sum;
+                for (int n = 0; n < D / 8; ++n) {
+                    o[n][2 * r] *= correction;
+                    o[n][2 * r + 1] *= correction;
+                }
+            }
+
+            // O += P·V. The accumulators of two adjacent 8-key fragments are one A fragment of
+            // 16 keys (rows g and g + 8, keys 2t, 2t+1 and 8+2t, 9+2t).
+            for (int kk = 0; kk < ATT_BN / 16; ++kk) {
+                const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                       pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                for (int nd = 0; nd < D / 16; ++nd) {
+                    // V transposed: matrices (keys +0..7, d +0..7), (keys +8..15, d +0..7),
+                    // (keys +0..7, d +8..15), (keys +8..15, d +8..15).
+                    uint32_t vf[4];
+                    const int key = kk * 16 + ((lane / 8) % 2) * 8 + lane % 8;
+                    ldmatrix_x4_trans(vf, V + key * SROW + nd * 16 + (lane / 16) * 8);
+                    const uint32_t b0[2] = {vf[0], vf[1]}, b1[2] = {vf[2], vf[3]};
+                    mma_16816<T>(o[2 * nd], a, b0);
+                    mma_16816<T>(o[2 * nd + 1], a, b1);
+                }
             }
         }
         __syncthreads();  // the buffer is free for the tile after next

@@ -159,7 +159,6 @@ for dt, (min_cos, max_dp) in limits.items():
     fin = finite(ge, "embedding") and finite(gm, "embedding") and finite(gu, "embedding") and finite(gr, "probability")
     print(f"{'all finite (' + dt + ')':<30} {'yes' if fin else 'NO':>10} {'':>8}  {'ok' if fin else 'FAIL'}")
 PY
-grep -h '"model loaded"' "$W/log.jsonl" | tail -3 > "$W/attention-paths.txt" || true
 
 if [ "${DEVICE_CHECK_ONLY:-0}" != 1 ]; then
   # 3. throughput, ours and torch's

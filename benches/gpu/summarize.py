@@ -61,10 +61,25 @@ def goal(name, ok, detail):
 say(f"== GPU check: {text('gpu.txt') or 'unknown card'} ==")
 say(text("peak.txt"))
 say()
-say("-- kernels: " + (text("kernels.txt").splitlines() or ["not run"])[-1])
+kernel_line = (text("kernels.txt").splitlines() or ["not run"])[-1]
+say("-- kernels: " + kernel_line)
+goal("kernel-check passes on the device", None if kernel_line == "not run" else kernel_line.endswith(" 0 failed"), kernel_line)
 say()
 say("-- correctness (the GPU against the CPU's f32 path)")
 say(text("correctness.txt") or "not run")
+# The attention path of every engine the correctness part started on the device.
+paths = {}
+for e in lines("log.jsonl"):
+    f = e.get("fields", e)
+    if f.get("message") == "model loaded" and f.get("device", "cpu") != "cpu":
+        paths.setdefault(f.get("dtype"), set()).add(f.get("attention"))
+        if f.get("attention_fallback"):
+            say(f"attention fallback ({f.get('dtype')}): {f['attention_fallback']}")
+say("attention paths on the device: " + (", ".join(f"{k} {sorted(v)}" for k, v in sorted(paths.items())) or "none seen"))
+half = [v for k, v in paths.items() if k in ("bf16", "f16")]
+goal("packed attention runs in bf16 and f16 on the device",
+     (len(half) == 2 and all(v == {"packed"} for v in half)) if paths else None,
+     ", ".join(f"{k}: {'/'.join(sorted(v))}" for k, v in sorted(paths.items())) or "no engine seen")
 say()
 say("-- throughput: ours against torch SDPA on the same shapes (random weights, bf16)")
 say(f"{'shapes':<6} {'rows x tokens':>14} {'ours tok/s':>11} {'torch tok/s':>12} {'ours/torch':>10} {'% peak':>7} {'batch ms':>9} {'1ec2907':>8}")

@@ -138,7 +138,7 @@ pub struct KernelParams {
     pub group: u32,
     pub causal: u32,
     pub scale_log2: f32,
-    pub reserved: u32,
+    pub q_heads: u32,
 }
 
 #[cfg(feature = "cuda")]
@@ -171,12 +171,17 @@ pub fn kernel_launch(
     let name = if dtype == DType::BF16 { "bf16" } else { "f16" };
     // The Q (then output) tile and two buffers each of K and V, rows padded by 8 elements.
     let shared = (QUERY_TILE + 4 * KEY_TILE) * (head_dim + 8) * dtype.size_in_bytes();
+    // One flat grid, tile-major: the longest tiles of every head start first, and the query
+    // heads of one kv head run side by side (they read the same K/V).
+    let blocks = n_tiles
+        .checked_mul(q_heads)
+        .ok_or_else(|| candle_core::Error::Msg("attention: too many blocks".into()))?;
     Ok(KernelLaunch {
         module: KernelModule::Attention,
         kernel: format!("packed_attention_{name}_d{head_dim}"),
         grid: [
-            launch::grid_dim(n_tiles, "query tiles", launch::MAX_GRID_X)?,
-            launch::grid_dim(q_heads, "query heads", launch::MAX_GRID_YZ)?,
+            launch::grid_dim(blocks, "attention blocks", launch::MAX_GRID_X)?,
+            1,
             1,
         ],
         block: THREADS,
@@ -226,7 +231,7 @@ impl PackedAttention {
             group: (self.q_heads / self.kv_heads.max(1)) as u32,
             causal: u32::from(self.causal),
             scale_log2: self.scale * std::f32::consts::LOG2_E,
-            reserved: 0,
+            q_heads: self.q_heads as u32,
         }
     }
 
@@ -687,15 +692,15 @@ mod tests {
     fn the_launch_fits_the_kernel() -> Result<()> {
         let l = kernel_launch(DType::BF16, 128, 10, 32)?;
         assert_eq!(l.kernel, "packed_attention_bf16_d128");
-        assert_eq!((l.grid, l.block), ([10, 32, 1], 128));
+        assert_eq!((l.grid, l.block), ([320, 1, 1], 128));
         // Q tile + 2 × (K, V) tiles of 64 rows of 136 bf16: 87 040 bytes (under the 227 KiB a
         // block may have on sm_90, and two blocks fit an SM).
         assert_eq!(l.shared_bytes, 87_040);
         assert!(kernel_launch(DType::F32, 128, 1, 1).is_err());
         assert!(kernel_launch(DType::F16, 80, 1, 1).is_err());
         assert!(
-            kernel_launch(DType::F16, 64, 1, 70_000).is_err(),
-            "grid y is at most 65 535"
+            kernel_launch(DType::F16, 64, 0, 8).is_err(),
+            "no block is no launch"
         );
         Ok(())
     }

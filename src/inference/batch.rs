@@ -117,9 +117,10 @@ pub struct SharedKeys {
     pub kv_longest: usize,
     /// For each key slot `[rows × kv_longest]`, the packed token it reads.
     pub kv_gather: Tensor,
-    /// `[rows, 1, 1, 1]` prefix length of each row (0 without one), f32.
+    /// `[rows, 1, 1, 1]` prefix length of each row (0 without one), u32 (uploaded with the
+    /// batch's other indexes, so the model's stream waits for them too).
     pub prefix_len: Tensor,
-    /// `[rows, 1, 1, 1]` own length of each row, f32.
+    /// `[rows, 1, 1, 1]` own length of each row, u32.
     pub own_len: Tensor,
 }
 
@@ -318,9 +319,13 @@ impl PreparedBatch {
                 up.add(&p.gather, &[rows * longest]),
                 up.add(&p.scatter, &[total]),
                 up.add(&p.mask, &[rows, longest]),
-                p.kv_gather
-                    .as_ref()
-                    .map(|(kv, kv_longest)| up.add(kv, &[rows * kv_longest])),
+                p.kv_gather.as_ref().map(|(kv, kv_longest)| {
+                    (
+                        up.add(kv, &[rows * kv_longest]),
+                        up.add(&p.prefix_len, &[rows, 1, 1, 1]),
+                        up.add(&p.own_len, &[rows, 1, 1, 1]),
+                    )
+                }),
             )
         });
         let (tensors, ready) = up.send(device)?;
@@ -336,16 +341,13 @@ impl PreparedBatch {
                 gather: take(gather),
                 scatter: take(scatter),
                 mask: take(mask),
-                shared: match (p.kv_gather, kv) {
-                    (Some((_, kv_longest)), Some(kv)) => {
-                        let col = |v: &[f32]| Tensor::from_slice(v, (v.len(), 1, 1, 1), device);
-                        Some(SharedKeys {
-                            kv_longest,
-                            kv_gather: take(kv),
-                            prefix_len: col(&p.prefix_len)?,
-                            own_len: col(&p.own_len)?,
-                        })
-                    }
+                shared: match (&p.kv_gather, kv) {
+                    (Some((_, kv_longest)), Some((kv, prefix_len, own_len))) => Some(SharedKeys {
+                        kv_longest: *kv_longest,
+                        kv_gather: take(kv),
+                        prefix_len: take(prefix_len),
+                        own_len: take(own_len),
+                    }),
                     _ => None,
                 },
             }),
@@ -443,8 +445,8 @@ struct PaddedIndexes {
     mask: Vec<u32>,
     /// Key indexes and their width, when rows continue prefixes.
     kv_gather: Option<(Vec<u32>, usize)>,
-    prefix_len: Vec<f32>,
-    own_len: Vec<f32>,
+    prefix_len: Vec<u32>,
+    own_len: Vec<u32>,
 }
 
 /// Gather/scatter indexes for padded attention; key indexes too when rows continue prefixes.
@@ -489,8 +491,8 @@ fn padded_indexes(
         scatter,
         mask,
         kv_gather,
-        prefix_len: (0..rows).map(|r| plen(r) as f32).collect(),
-        own_len: lengths.iter().map(|&l| l as f32).collect(),
+        prefix_len: (0..rows).map(|r| plen(r) as u32).collect(),
+        own_len: lengths.iter().map(|&l| l as u32).collect(),
     }
 }
 

@@ -2,7 +2,8 @@
 //!
 //! * **Modules**: `build.rs` compiles each `kernels/*.cu` to a fatbin (SASS for sm_80 and sm_90,
 //!   and the card `CUDA_COMPUTE_CAP` names, with PTX for newer cards), embedded here and loaded
-//!   once per device ([`function`]). No JIT on the cards we build for.
+//!   once per device, each function looked up once ([`function`]). No JIT on the cards we build
+//!   for.
 //! * **Launches**: [`launch`] runs a [`KernelLaunch`] with one `#[repr(C)]` parameter block;
 //!   [`storage_ptr`], [`tensor_ptr`] and [`alloc`] give the raw addresses it holds.
 //! * **Streams**: candle runs each thread on its own per-thread default stream. The batcher
@@ -39,31 +40,66 @@ fn image(module: KernelModule) -> &'static [u8] {
     }
 }
 
-type Modules = Mutex<HashMap<(usize, KernelModule), Arc<CudaModule>>>;
+/// Modules loaded per (device, module), and functions looked up per (device, kernel) with the
+/// dynamic shared memory each was granted: a launch costs no lookup after the first.
+#[derive(Default)]
+struct Loaded {
+    modules: HashMap<(usize, KernelModule), Arc<CudaModule>>,
+    functions: HashMap<(usize, String), (CudaFunction, u32)>,
+}
+
+fn loaded() -> std::sync::MutexGuard<'static, Loaded> {
+    static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
+    LOADED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Kernel `name` of `module` on `dev`, its module loaded on first use; granted at least
+/// `shared_bytes` of dynamic shared memory (past 48 KiB a block must ask for it).
+fn function_with(
+    dev: &CudaDevice,
+    module: KernelModule,
+    name: &str,
+    shared_bytes: u32,
+) -> Result<CudaFunction> {
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    let ordinal = ctx.ordinal();
+    let mut cache = loaded();
+    if let Some((f, granted)) = cache.functions.get(&(ordinal, name.to_string()))
+        && (*granted >= shared_bytes || shared_bytes <= 48 * 1024)
+    {
+        return Ok(f.clone());
+    }
+    let m = match cache.modules.get(&(ordinal, module)) {
+        Some(m) => m.clone(),
+        None => {
+            let m = ctx
+                .load_module(Ptx::from_binary(image(module).to_vec()))
+                .w()?;
+            cache.modules.insert((ordinal, module), m.clone());
+            m
+        }
+    };
+    let f = m.load_function(name).w()?;
+    if shared_bytes > 48 * 1024 {
+        f.set_attribute(
+            sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared_bytes as i32,
+        )
+        .w()?;
+    }
+    cache
+        .functions
+        .insert((ordinal, name.to_string()), (f.clone(), shared_bytes));
+    Ok(f)
+}
 
 /// Kernel `name` of `module` on `dev`, its module loaded on first use.
 pub fn function(dev: &CudaDevice, module: KernelModule, name: &str) -> Result<CudaFunction> {
-    static MODULES: OnceLock<Modules> = OnceLock::new();
-    let stream = dev.cuda_stream();
-    let ctx = stream.context();
-    let key = (ctx.ordinal(), module);
-    let loaded = {
-        let mut map = MODULES
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        match map.get(&key) {
-            Some(m) => m.clone(),
-            None => {
-                let m = ctx
-                    .load_module(Ptx::from_binary(image(module).to_vec()))
-                    .w()?;
-                map.insert(key, m.clone());
-                m
-            }
-        }
-    };
-    loaded.load_function(name).w()
+    function_with(dev, module, name, 0)
 }
 
 /// The device's compute capability `(major, minor)`.
@@ -81,15 +117,7 @@ pub fn compute_capability(dev: &CudaDevice) -> Result<(i32, i32)> {
 
 /// Launches `l` on this thread's stream with its one parameter block.
 pub fn launch<P: DeviceRepr>(dev: &CudaDevice, l: &KernelLaunch, params: &P) -> Result<()> {
-    let func = function(dev, l.module, &l.kernel)?;
-    if l.shared_bytes > 48 * 1024 {
-        // Past 48 KiB a block's dynamic shared memory must be asked for.
-        func.set_attribute(
-            sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            l.shared_bytes as i32,
-        )
-        .w()?;
-    }
+    let func = function_with(dev, l.module, &l.kernel, l.shared_bytes)?;
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
     builder.arg(params);

@@ -931,15 +931,23 @@ fn model_loop(
 fn finisher_loop(done: mpsc::Receiver<Launched>, stats: &EngineStats, device: &Device) {
     let mut previous_end: Option<Instant> = None;
     while let Ok(batch) = done.recv() {
+        // This thread's stream copies the outputs back only once the batch has run; a wait that
+        // cannot be set up fails the batch rather than read what may not be written yet.
         #[cfg(feature = "cuda")]
-        if let (Device::Cuda(dev), Some(event)) = (device, &batch.done) {
-            // This thread's stream copies the outputs back once the batch has run.
-            let _ = super::cuda::wait(dev, event);
-        }
+        let ordered = match (device, &batch.done) {
+            (Device::Cuda(dev), Some(event)) => {
+                super::cuda::wait(dev, event).map_err(|e| e.to_string())
+            }
+            (Device::Cuda(_), None) => Err("no event marks the batch's end on the GPU".to_string()),
+            _ => Ok(()),
+        };
         #[cfg(not(feature = "cuda"))]
-        let _ = device;
-        let result = batch
-            .output
+        let ordered: Result<(), String> = {
+            let _ = device;
+            Ok(())
+        };
+        let result = ordered
+            .and(batch.output)
             .and_then(|o| o.read().map_err(|e| e.to_string()));
         let end = Instant::now();
         let from = previous_end.map_or(batch.started, |p| p.max(batch.started));

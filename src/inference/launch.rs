@@ -39,7 +39,7 @@ pub struct KernelLaunch {
     pub shared_bytes: u32,
 }
 
-/// A grid dimension from a count, checked: the driver takes u32 (x) and 65 535 (y, z).
+/// A grid dimension from a count, checked against the driver's limit for that dimension.
 pub fn grid_dim(count: usize, what: &str, max: u32) -> candle_core::Result<u32> {
     match u32::try_from(count) {
         Ok(n) if n >= 1 && n <= max => Ok(n),
@@ -49,5 +49,3 @@ pub fn grid_dim(count: usize, what: &str, max: u32) -> candle_core::Result<u32> 
 
 /// The most blocks along grid x.
 pub const MAX_GRID_X: u32 = i32::MAX as u32;
-/// The most blocks along grid y or z.
-pub const MAX_GRID_YZ: u32 = 65_535;

@@ -12,6 +12,7 @@
 //! bodies launch `kernels/layer_ops.cu`, and `kernel-check` (on a GPU) and the emulator's tests
 //! (in CI) compare the two.
 
+use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, DType, InplaceOp1, Layout, Result, Shape, Tensor, bail,
 };
@@ -45,6 +46,18 @@ macro_rules! elem {
 elem!(f32, F32, |x: f32| x, |x: f32| x);
 elem!(half::bf16, BF16, half::bf16::to_f32, half::bf16::from_f32);
 elem!(half::f16, F16, half::f16::to_f32, half::f16::from_f32);
+
+/// Checks that a tensor an op holds has the dtype and element count its kernel reads.
+fn expect(t: &Tensor, dtype: DType, len: usize, what: &str) -> Result<()> {
+    if t.dtype() != dtype || t.elem_count() != len {
+        bail!(
+            "{what}: {:?} × {} where the kernel reads {dtype:?} × {len}",
+            t.dtype(),
+            t.elem_count()
+        );
+    }
+    Ok(())
+}
 
 /// The contiguous slice `layout` covers.
 fn covered<'a, T>(data: &'a [T], layout: &Layout, what: &str) -> Result<&'a [T]> {
@@ -151,8 +164,9 @@ fn u32_of(x: usize, what: &str) -> Result<u32> {
 }
 
 impl QkNormRope {
-    /// `(tokens, row stride)` of the fused rows, checked against the heads.
-    fn rows(&self, layout: &Layout) -> Result<(usize, usize)> {
+    /// `(tokens, row stride)` of the fused rows in `dtype`, checked against the heads, the
+    /// positions, the weights and the frequency table (a kernel would read past them).
+    fn rows(&self, layout: &Layout, dtype: DType) -> Result<(usize, usize)> {
         let (tokens, stride) = layout.shape().dims2()?;
         let d = self.head_dim;
         if d == 0 || !d.is_multiple_of(2) || d > MAX_ROPE_HEAD_DIM {
@@ -161,6 +175,15 @@ impl QkNormRope {
         if (self.q_heads + 2 * self.kv_heads) * d > stride {
             bail!("qk-norm-rope: rows of {stride} do not hold the Q, K and V heads");
         }
+        expect(
+            &self.positions,
+            DType::U32,
+            tokens,
+            "qk-norm-rope positions",
+        )?;
+        expect(&self.q_weight, dtype, d, "qk-norm-rope q_weight")?;
+        expect(&self.k_weight, dtype, d, "qk-norm-rope k_weight")?;
+        expect(&self.inv_freq, DType::F32, d / 2, "qk-norm-rope inv_freq")?;
         Ok((tokens, stride))
     }
 
@@ -224,7 +247,7 @@ impl InplaceOp1 for QkNormRope {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
-        let (_, stride) = self.rows(layout)?;
+        let (_, stride) = self.rows(layout, storage.dtype())?;
         let Some((start, end)) = layout.contiguous_offsets() else {
             bail!("qk-norm-rope: the QKV rows must be contiguous");
         };
@@ -239,8 +262,7 @@ impl InplaceOp1 for QkNormRope {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, storage: &mut candle_core::CudaStorage, layout: &Layout) -> Result<()> {
         use super::cuda;
-        use candle_core::backend::BackendStorage;
-        let (tokens, stride) = self.rows(layout)?;
+        let (tokens, stride) = self.rows(layout, storage.dtype())?;
         let Some((start, _)) = layout.contiguous_offsets() else {
             bail!("qk-norm-rope: the QKV rows must be contiguous");
         };
@@ -436,8 +458,13 @@ impl AddRmsNorm {
         delta: Option<(&candle_core::CudaStorage, &Layout)>,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use super::cuda;
-        use candle_core::backend::BackendStorage;
         let (tokens, width) = xl.shape().dims2()?;
+        expect(&self.weight, x.dtype(), width, "add-rms-norm weight")?;
+        if let Some((d, dl)) = delta
+            && (d.dtype() != x.dtype() || dl.shape().dims() != xl.shape().dims())
+        {
+            bail!("add-rms-norm: x and delta differ in dtype or shape");
+        }
         let launch = self.kernel_launch(x.dtype(), tokens)?;
         let out_dtype = if self.output == NormOutput::NormedF32 {
             DType::F32
@@ -571,7 +598,6 @@ impl CustomOp1 for SwiGlu {
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use super::cuda;
-        use candle_core::backend::BackendStorage;
         let (tokens, w2) = l.shape().dims2()?;
         if !w2.is_multiple_of(2) {
             bail!("swiglu: rows of {w2} are not gate and up halves");

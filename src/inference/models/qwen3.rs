@@ -485,13 +485,15 @@ fn shared_prefix_mask(queries: usize, shared: &SharedKeys, device: &Device) -> R
         1,
         shared.kv_longest,
     ))?;
-    let in_prefix = k.broadcast_lt(&shared.prefix_len)?.to_dtype(DType::F32)?;
-    let own = k.broadcast_sub(&shared.prefix_len)?; // position among the row's own keys
+    let prefix_len = shared.prefix_len.to_dtype(DType::F32)?;
+    let own_len = shared.own_len.to_dtype(DType::F32)?;
+    let in_prefix = k.broadcast_lt(&prefix_len)?.to_dtype(DType::F32)?;
+    let own = k.broadcast_sub(&prefix_len)?; // position among the row's own keys
     let own_seen = own
         .broadcast_ge(&Tensor::zeros((1, 1, 1, 1), DType::F32, device)?)?
         .to_dtype(DType::F32)?
         .broadcast_mul(&own.broadcast_le(&q)?.to_dtype(DType::F32)?)?
-        .broadcast_mul(&own.broadcast_lt(&shared.own_len)?.to_dtype(DType::F32)?)?;
+        .broadcast_mul(&own.broadcast_lt(&own_len)?.to_dtype(DType::F32)?)?;
     let visible = in_prefix.broadcast_add(&own_seen)?; // 0 or 1
     // 0 where visible, a huge negative (−inf in f16) elsewhere.
     visible.affine(1e30, -1e30)
