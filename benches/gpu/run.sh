@@ -258,6 +258,7 @@ PY
       && ncu --import "$W/prof.ncu-rep" --csv --page raw --metrics gpu__time_duration.sum > "$W/ncu.csv" 2>>"$W/ncu.log" \
       && python3 "$G/ncu_summary.py" "$W/ncu.csv" > "$W/ncu-summary.txt" 2>>"$W/ncu.log" \
       || echo "ncu could not profile (see ncu.log)" | tee "$W/ncu-summary.txt"
+    rm -f "$W/prof.ncu-rep"   # the CSV and the summary are what come back
   fi
 fi
 
