@@ -125,14 +125,16 @@ template <typename T> __device__ __forceinline__ void add_rms_norm(const AddRmsN
 }
 
 template <typename T> __device__ __forceinline__ void swiglu(const SwigluParams& p) {
-    const size_t n = (size_t)p.tokens * p.inter;
+    // Columns across x, tokens across y (a stride loop past 65 535 rows): no division.
     const T* gu = static_cast<const T*>(p.gate_up);
     T* out = static_cast<T*>(p.out);
-    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (size_t)gridDim.x * blockDim.x) {
-        const size_t token = idx / p.inter, j = idx % p.inter;
-        const float g = to_float(gu[token * 2 * p.inter + j]);
-        const float u = to_float(gu[token * 2 * p.inter + p.inter + j]);
-        out[idx] = from_float<T>(g / (1.0f + expf(-g)) * u);
+    const unsigned int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= p.inter) return;
+    for (unsigned int token = blockIdx.y; token < p.tokens; token += gridDim.y) {
+        const T* row = gu + (size_t)token * 2 * p.inter;
+        const float g = to_float(row[j]);
+        const float u = to_float(row[p.inter + j]);
+        out[(size_t)token * p.inter + j] = from_float<T>(g / (1.0f + expf(-g)) * u);
     }
 }
 

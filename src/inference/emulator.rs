@@ -446,7 +446,7 @@ mod tests {
                 tokens: tokens as u32,
                 inter: inter as u32,
             };
-            launch_one(&SwiGlu::kernel_launch(dtype, tokens * inter)?, &params, &[]);
+            launch_one(&SwiGlu::kernel_launch(dtype, tokens, inter)?, &params, &[]);
             let diff = max_diff(&out.tensor(dtype, &[tokens, inter])?, &want)?;
             assert!(diff <= tol, "swiglu {dtype:?}: {diff}");
         }

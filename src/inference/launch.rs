@@ -49,3 +49,5 @@ pub fn grid_dim(count: usize, what: &str, max: u32) -> candle_core::Result<u32> 
 
 /// The most blocks along grid x.
 pub const MAX_GRID_X: u32 = i32::MAX as u32;
+/// The most blocks along grid y or z.
+pub const MAX_GRID_YZ: u32 = 65_535;

@@ -544,13 +544,16 @@ impl CustomOp2 for AddRmsNorm {
 pub struct SwiGlu;
 
 impl SwiGlu {
-    pub fn kernel_launch(dtype: DType, elems: usize) -> Result<KernelLaunch> {
-        // A grid-stride loop: enough blocks to fill any card, no more.
-        let blocks = elems.div_ceil(256).clamp(1, 65_536);
+    /// Columns of the intermediate width across grid x (256 a block), tokens across grid y.
+    pub fn kernel_launch(dtype: DType, tokens: usize, inter: usize) -> Result<KernelLaunch> {
         Ok(KernelLaunch {
             module: KernelModule::LayerOps,
             kernel: format!("swiglu_{}", dtype_name(dtype)?),
-            grid: [blocks as u32, 1, 1],
+            grid: [
+                launch::grid_dim(inter.div_ceil(256), "swiglu blocks", launch::MAX_GRID_X)?,
+                tokens.clamp(1, launch::MAX_GRID_YZ as usize) as u32,
+                1,
+            ],
             block: 256,
             shared_bytes: 0,
         })
@@ -603,7 +606,7 @@ impl CustomOp1 for SwiGlu {
             bail!("swiglu: rows of {w2} are not gate and up halves");
         }
         let inter = w2 / 2;
-        let launch = Self::kernel_launch(s.dtype(), tokens * inter)?;
+        let launch = Self::kernel_launch(s.dtype(), tokens, inter)?;
         let (out, out_ptr) = cuda::alloc(s.device(), s.dtype(), tokens * inter)?;
         let params = SwigluParams {
             gate_up: cuda::storage_ptr(s, contiguous_start(l, "gate_up")?)?,
