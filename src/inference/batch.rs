@@ -64,6 +64,7 @@ impl AttentionMode {
 /// Whether packed attention runs on `device` in `dtype` for heads of `head_dim`: on the CPU
 /// always (bf16 and f16 widened); on CUDA in bf16 and f16, for the head dims its kernel is built
 /// for, on sm_80 or newer, where the kernel loads.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
 pub fn packed_runs(
     device: &Device,
     dtype: DType,
@@ -86,13 +87,10 @@ pub fn packed_runs(
                 .map(|_| ())
                 .map_err(|e| format!("the packed attention kernel does not load: {e}"))
         }
-        _ => {
-            let _ = (dtype, head_dim, attention::CUDA_HEAD_DIMS);
-            Err(format!(
-                "no packed attention kernel for {:?}",
-                device.location()
-            ))
-        }
+        _ => Err(format!(
+            "no packed attention kernel for {:?}",
+            device.location()
+        )),
     }
 }
 
@@ -168,9 +166,9 @@ pub struct PreparedBatch {
     pub row_table: Option<RowTable>,
     /// Present when attention runs padded.
     pub padded: Option<PaddedLayout>,
-    /// Where the batch's upload completes on the batcher's stream (CUDA).
-    #[cfg(feature = "cuda")]
-    uploaded: Option<Arc<candle_core::cuda_backend::cudarc::driver::CudaEvent>>,
+    /// Where the batch's upload completes on the batcher's stream (CUDA only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    uploaded: Option<UploadDone>,
 }
 
 /// The u32 arrays of a batch, on their way to the device in one upload.
@@ -186,7 +184,7 @@ impl<'a> Uploads<'a> {
     }
 
     /// One tensor per part, and (on CUDA) the event the copy completes at.
-    fn send(self, device: &Device) -> Result<(Vec<Tensor>, Option<Ready>)> {
+    fn send(self, device: &Device) -> Result<(Vec<Tensor>, Option<UploadDone>)> {
         match device {
             #[cfg(feature = "cuda")]
             Device::Cuda(dev) => {
@@ -211,10 +209,11 @@ impl<'a> Uploads<'a> {
     }
 }
 
+/// The event a CUDA upload completes at (no value exists without the `cuda` feature).
 #[cfg(feature = "cuda")]
-type Ready = Arc<candle_core::cuda_backend::cudarc::driver::CudaEvent>;
+type UploadDone = Arc<candle_core::cuda_backend::cudarc::driver::CudaEvent>;
 #[cfg(not(feature = "cuda"))]
-type Ready = std::convert::Infallible;
+type UploadDone = std::convert::Infallible;
 
 impl PreparedBatch {
     /// Packs `rows` (and the distinct prefixes they continue) and uploads them; adds the row
@@ -353,8 +352,6 @@ impl PreparedBatch {
             }),
             _ => None,
         };
-        #[cfg(not(feature = "cuda"))]
-        let _: Option<Ready> = ready;
         Ok(Self {
             input_ids: take(at[0]),
             type_ids: take(at[1]),
@@ -367,18 +364,17 @@ impl PreparedBatch {
             outputs,
             row_table,
             padded,
-            #[cfg(feature = "cuda")]
             uploaded: ready,
         })
     }
 
     /// Makes this thread's stream wait for the batch's upload (on CUDA; a no-op elsewhere).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub fn wait_uploaded(&self, device: &Device) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let (Device::Cuda(dev), Some(event)) = (device, &self.uploaded) {
             super::cuda::wait(dev, event)?;
         }
-        let _ = device;
         Ok(())
     }
 

@@ -3,11 +3,11 @@
 //! `kernels/emu/` emulates the CUDA execution model (threads, blocks, shared memory, barriers,
 //! warp shuffles, mma.sync, ldmatrix and cp.async with the PTX ISA's fragment layouts; see
 //! `kernels/emu/cuda_emu.h`). The first test that needs it compiles `kernels/emu/entry.cc` with
-//! the system's C++ compiler (`$CXX`, else `c++`) into a shared library and loads it; each test
-//! then runs the launch an op computes for the GPU (its [`KernelLaunch`] and `#[repr(C)]`
-//! parameters, over host memory) and compares the result with the op's CPU body. Inputs are
-//! registered as the only memory the kernel may read through cp.async, and outputs sit between
-//! guard zones that must come back untouched.
+//! the system's C++ compiler (`$CXX`, else `c++`) into a shared library in a temp dir, loads it
+//! and removes the dir; each test then runs the launch an op computes for the GPU (its
+//! [`KernelLaunch`] and `#[repr(C)]` parameters, over host memory) and compares the result
+//! with the op's CPU body. Inputs are registered as the only memory the kernel may read through
+//! cp.async, and outputs sit between guard zones that must come back untouched.
 
 use std::ffi::{CString, c_char, c_int, c_uint, c_void};
 use std::path::PathBuf;
@@ -62,6 +62,8 @@ fn library() -> &'static Library {
             assert!(!handle.is_null(), "cannot load {}", lib.display());
             let sym = libc::dlsym(handle, c"fantom_emu_launch".as_ptr());
             assert!(!sym.is_null(), "no fantom_emu_launch in {}", lib.display());
+            // Loaded: the file is no longer needed (nothing is left in the temp dir).
+            let _ = std::fs::remove_dir_all(&dir);
             Library {
                 launch: std::mem::transmute::<*mut c_void, LaunchFn>(sym),
             }

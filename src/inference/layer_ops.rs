@@ -544,6 +544,15 @@ impl CustomOp2 for AddRmsNorm {
 pub struct SwiGlu;
 
 impl SwiGlu {
+    /// `(tokens, intermediate width)` of fused gate/up rows.
+    fn halves(l: &Layout) -> Result<(usize, usize)> {
+        let (tokens, w2) = l.shape().dims2()?;
+        if !w2.is_multiple_of(2) {
+            bail!("swiglu: rows of {w2} are not gate and up halves");
+        }
+        Ok((tokens, w2 / 2))
+    }
+
     /// Columns of the intermediate width across grid x (256 a block), tokens across grid y.
     pub fn kernel_launch(dtype: DType, tokens: usize, inter: usize) -> Result<KernelLaunch> {
         Ok(KernelLaunch {
@@ -580,11 +589,7 @@ impl CustomOp1 for SwiGlu {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (tokens, w2) = l.shape().dims2()?;
-        if !w2.is_multiple_of(2) {
-            bail!("swiglu: rows of {w2} are not gate and up halves");
-        }
-        let inter = w2 / 2;
+        let (tokens, inter) = Self::halves(l)?;
         let out = match s {
             CpuStorage::F32(v) => Elem::storage(Self::cpu_rows(covered(v, l, "gate_up")?, inter)),
             CpuStorage::BF16(v) => Elem::storage(Self::cpu_rows(covered(v, l, "gate_up")?, inter)),
@@ -601,11 +606,7 @@ impl CustomOp1 for SwiGlu {
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use super::cuda;
-        let (tokens, w2) = l.shape().dims2()?;
-        if !w2.is_multiple_of(2) {
-            bail!("swiglu: rows of {w2} are not gate and up halves");
-        }
-        let inter = w2 / 2;
+        let (tokens, inter) = Self::halves(l)?;
         let launch = Self::kernel_launch(s.dtype(), tokens, inter)?;
         let (out, out_ptr) = cuda::alloc(s.device(), s.dtype(), tokens * inter)?;
         let params = SwigluParams {

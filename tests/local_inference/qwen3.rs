@@ -496,3 +496,72 @@ async fn a_full_warm_up_runs_the_worst_batch_once_at_start() {
 async fn engine_default() -> Engine {
     qwen3_engine("tiny-qwen3-embedding", Task::Embed, cpu()).await
 }
+
+/// `--model ID --model-dir DIR --random-weights`: a pinned manifest's settings (its dims, max
+/// tokens, task) on random weights of the folder's config, as the GPU check starts each pinned
+/// Qwen3 model without its download; a manifest of another task or a config narrower than its
+/// dims is refused.
+#[test]
+fn a_pinned_manifest_starts_on_random_weights_of_its_shapes() {
+    let tmp = tempfile::tempdir().unwrap();
+    // One layer of Qwen3-Embedding-0.6B's widths (1024 dims) with the fixture tokenizer.
+    let dir = tmp.path().join("qwen3-0.6b-shapes");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(qwen3_dir("tiny-qwen3-embedding").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    for (k, v) in [
+        ("hidden_size", 1024),
+        ("intermediate_size", 256),
+        ("num_attention_heads", 8),
+        ("num_key_value_heads", 4),
+        ("head_dim", 128),
+        ("num_hidden_layers", 1),
+        ("max_position_embeddings", 32768),
+    ] {
+        cfg[k] = v.into();
+    }
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    std::fs::copy(
+        fixtures().join("qwen3/tokenizer.json"),
+        dir.join("tokenizer.json"),
+    )
+    .unwrap();
+    let lock = tmp.path().join("models.lock");
+    let env = [("FANTOM_MODELS_LOCK", lock.to_str().unwrap())];
+    let flags = |id: &str, verb: &str| -> Vec<String> {
+        [verb, "--model", id, "--model-dir", dir.to_str().unwrap()]
+            .into_iter()
+            .chain(["--random-weights", "--device", "cpu", "--max-tokens", "64"])
+            .chain(["--log-format", "json"])
+            .map(String::from)
+            .collect()
+    };
+    let args = flags("qwen3-embedding-0.6b", "embed");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = run_cli(&args, "\"fn lease()\"\n\"bananas\"\n", &env);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["embedding"].as_array().unwrap().len(), 1024);
+    assert!(stderr.contains("random weights"), "{stderr}");
+    assert!(stderr.contains("\"attention\":\"packed\""), "{stderr}");
+    assert!(!lock.exists(), "random weights are never pinned");
+    // The reranker's manifest is not an embedder.
+    let args = flags("qwen3-reranker-0.6b", "embed");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = run_cli(&args, "\"x\"\n", &env);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("qwen3-reranker-0.6b"));
+    // Qwen3-Embedding-4B's 2560 dims are not this config's 1024.
+    let args = flags("qwen3-embedding-4b", "embed");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = run_cli(&args, "\"x\"\n", &env);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("2560"));
+}
