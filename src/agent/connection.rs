@@ -19,14 +19,12 @@ use futures_util::{SinkExt, StreamExt};
 use rand::Rng;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-use tokio_tungstenite::tungstenite::http::HeaderValue;
-use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::frame::CloseFrame;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
-use tokio_tungstenite::tungstenite::{self, Message};
 use tracing::Instrument;
 
+use super::hub_finder::{self, WsStream};
 use super::provider::{BoxFuture, Provider, ProviderFailure, WorkResult};
 use super::{Agent, devices};
 use crate::protocol::codec::encode_agent;
@@ -48,9 +46,6 @@ pub fn backoff_delay(attempt: u32, rng: &mut impl Rng) -> Duration {
     ceiling.mul_f64(rng.random::<f64>())
 }
 
-type WsStream =
-    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
-
 /// How a session ended.
 enum SessionEnd {
     /// The socket went away; dial again.
@@ -67,9 +62,6 @@ enum SessionEnd {
 #[error("the hub refused this agent: {0}")]
 pub struct Refused(pub String);
 
-/// How soon an agent dials again when only standby hubs answered (an election is under way).
-const STANDBY_REDIAL: Duration = Duration::from_millis(500);
-
 pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Result<(), Refused> {
     let mut attempt = 0u32;
     loop {
@@ -77,7 +69,7 @@ pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Resu
             return Ok(());
         }
         let dialled = tokio::select! {
-            r = dial(&agent) => r,
+            r = hub_finder::dial(&agent) => r,
             _ = shutdown.changed() => return Ok(()),
         };
         agent.note_dial();
@@ -100,12 +92,12 @@ pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Resu
                 }
             }
             Err(e) => {
-                electing = e.downcast_ref::<ElectionUnderWay>().is_some();
+                electing = e.downcast_ref::<hub_finder::ElectionUnderWay>().is_some();
                 tracing::warn!(hubs = ?agent.opts.hub_urls, error = %e, "cannot connect to the hub")
             }
         }
         let delay = if electing {
-            STANDBY_REDIAL
+            hub_finder::STANDBY_REDIAL
         } else {
             let delay = backoff_delay(attempt, &mut rand::rng());
             attempt = attempt.saturating_add(1);
@@ -121,166 +113,6 @@ pub async fn run(agent: Arc<Agent>, mut shutdown: watch::Receiver<bool>) -> Resu
             _ = shutdown.changed() => return Ok(()),
         }
     }
-}
-
-/// Dials the hubs of `hub_urls` until one welcomes the upgrade: first the last that did (or
-/// the leader a standby named), then the others in turn. A standby refuses with the leader's
-/// address; it is dialled next only when it is one of `hub_urls` (the fleet token never goes
-/// where a hub merely points).
-async fn dial(agent: &Agent) -> anyhow::Result<WsStream> {
-    let hubs = &agent.opts.hub_urls;
-    if hubs.is_empty() {
-        anyhow::bail!("no hub_url configured");
-    }
-    let first = agent.hub_at.load(Ordering::Relaxed) % hubs.len();
-    let mut order: Vec<usize> = (0..hubs.len()).map(|i| (first + i) % hubs.len()).collect();
-    let mut tried = Vec::new();
-    let mut last = None;
-    let mut standby_seen = false;
-    while let Some(at) = order.first().copied() {
-        order.retain(|i| *i != at);
-        tried.push(at);
-        match dial_one(agent, &hubs[at]).await {
-            Ok(ws) => {
-                agent.hub_at.store(at, Ordering::Relaxed);
-                return Ok(ws);
-            }
-            Err(DialError::Standby { leader }) => {
-                let next = leader.as_deref().and_then(|l| same_hub_in(hubs, l));
-                // Redial soon only while a leader this agent may dial is coming: none named
-                // yet (an election), or one of its own hubs.
-                standby_seen |= leader.is_none() || next.is_some();
-                match next {
-                    Some(j) if !tried.contains(&j) => {
-                        tracing::info!(standby = %hubs[at], leader = %hubs[j], "a standby hub named the leader; dialling it");
-                        order.retain(|i| *i != j);
-                        order.insert(0, j);
-                    }
-                    Some(_) => {}
-                    None => {
-                        if let Some(l) = &leader {
-                            tracing::warn!(standby = %hubs[at], leader = %l, "a standby hub named a leader that is not in hub_urls; not following it");
-                        }
-                    }
-                }
-                last = Some(anyhow::anyhow!(
-                    "{} is a standby (the leader: {})",
-                    hubs[at],
-                    leader.as_deref().unwrap_or("none yet")
-                ));
-            }
-            Err(DialError::Other(e)) => {
-                if hubs.len() > 1 {
-                    tracing::warn!(hub = %hubs[at], error = %e, "cannot connect to this hub; trying the next");
-                }
-                last = Some(e);
-            }
-        }
-    }
-    let last = last.unwrap_or_else(|| anyhow::anyhow!("no hub answered"));
-    if standby_seen {
-        return Err(ElectionUnderWay(last.to_string()).into());
-    }
-    Err(last)
-}
-
-/// No hub welcomed the agent, but a standby answered: the hubs are up and one will lead
-/// within seconds, so the agent dials again soon instead of backing off.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-struct ElectionUnderWay(String);
-
-enum DialError {
-    /// A standby hub refused the upgrade, naming the leader (an `http(s)://` base) if any.
-    Standby {
-        leader: Option<String>,
-    },
-    Other(anyhow::Error),
-}
-
-impl<E: Into<anyhow::Error>> From<E> for DialError {
-    fn from(e: E) -> Self {
-        DialError::Other(e.into())
-    }
-}
-
-/// The index of the hub in `hubs` that `leader` (`http(s)://host:port`) names: the same
-/// host and port, `ws` for `http` and `wss` for `https`.
-fn same_hub_in(hubs: &[String], leader: &str) -> Option<usize> {
-    let leader = reqwest::Url::parse(leader).ok()?;
-    let scheme = match leader.scheme() {
-        "http" => "ws",
-        "https" => "wss",
-        _ => return None,
-    };
-    hubs.iter().position(|h| {
-        reqwest::Url::parse(h).is_ok_and(|h| {
-            h.scheme() == scheme
-                && h.host_str() == leader.host_str()
-                && h.port_or_known_default() == leader.port_or_known_default()
-        })
-    })
-}
-
-async fn dial_one(agent: &Agent, hub_url: &str) -> Result<WsStream, DialError> {
-    let mut request = hub_url.into_client_request()?;
-    let mut auth = HeaderValue::from_str(&format!("Bearer {}", agent.opts.fleet_token.expose()))?;
-    auth.set_sensitive(true);
-    request.headers_mut().insert("authorization", auth);
-    let config = WebSocketConfig::default()
-        .max_message_size(Some(agent.opts.max_frame_bytes))
-        .max_frame_size(Some(agent.opts.max_frame_bytes));
-    let connector = match &agent.opts.ca_file {
-        Some(path) => Some(tokio_tungstenite::Connector::Rustls(Arc::new(client_tls(
-            path,
-        )?))),
-        None => None,
-    };
-    crate::http::install_crypto_provider();
-    let dial =
-        tokio_tungstenite::connect_async_tls_with_config(request, Some(config), true, connector);
-    let (ws, _) = match tokio::time::timeout(Duration::from_secs(10), dial).await {
-        Ok(Ok(ok)) => ok,
-        Ok(Err(tungstenite::Error::Http(response))) => {
-            let body: Option<serde_json::Value> = response
-                .body()
-                .as_deref()
-                .and_then(|b| serde_json::from_slice(b).ok());
-            if let Some(error) = body.as_ref().map(|b| &b["error"])
-                && error["code"] == "standby"
-            {
-                return Err(DialError::Standby {
-                    leader: error["leader"].as_str().map(String::from),
-                });
-            }
-            return Err(DialError::Other(anyhow::anyhow!(
-                "the hub answered {} (is the fleet token right?)",
-                response.status()
-            )));
-        }
-        Ok(Err(e)) => return Err(e.into()),
-        Err(_) => return Err(DialError::Other(anyhow::anyhow!("no answer within 10 s"))),
-    };
-    Ok(ws)
-}
-
-/// A rustls client that trusts the CA certificates in `path` (PEM).
-fn client_tls(path: &std::path::Path) -> anyhow::Result<rustls::ClientConfig> {
-    use anyhow::Context;
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    crate::http::install_crypto_provider();
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_file_iter(path)
-        .with_context(|| format!("cannot read the CA file {}", path.display()))?
-    {
-        roots.add(
-            cert.with_context(|| format!("a certificate in {} is invalid", path.display()))?,
-        )?;
-    }
-    Ok(rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_no_client_auth())
 }
 
 struct InFlight {
@@ -364,7 +196,9 @@ async fn session(
             }
         }
     };
-    let welcome = match tokio::time::timeout(Duration::from_secs(10), first).await {
+    // Bounded like the upgrade: a hub that upgrades and then stalls is passed over as fast.
+    let welcome_within = hub_finder::answer_timeout(agent.opts.hub_urls.len());
+    let welcome = match tokio::time::timeout(welcome_within, first).await {
         Ok(Some(Ok(Message::Text(text)))) => match protocol::decode_hub(text.as_str(), max_frame) {
             Ok(HubFrame::Welcome(w)) => w,
             Ok(HubFrame::Error {
@@ -388,7 +222,10 @@ async fn session(
         Ok(Some(Ok(_))) => return end(tx, writer, "unexpected first frame".into()).await,
         Ok(Some(Err(e))) => return end(tx, writer, e.to_string()).await,
         Ok(None) => return end(tx, writer, "the hub closed the socket".into()).await,
-        Err(_) => return end(tx, writer, "no welcome within 10 s".into()).await,
+        Err(_) => {
+            let ms = welcome_within.as_millis();
+            return end(tx, writer, format!("no welcome within {ms} ms")).await;
+        }
     };
     if let Some(epoch) = welcome.epoch {
         let seen = agent.hub_epoch.fetch_max(epoch, Ordering::SeqCst);
@@ -445,6 +282,14 @@ async fn session(
     let mut drain_deadline: Option<Instant> = None;
     let mut writer_done = false;
     let far = Duration::from_secs(365 * 24 * 3600);
+    // While the hub is silent, the other hubs are asked who leads (at most once a second, and
+    // one ask at a time): a frozen leader is left as soon as another leads under a newer epoch.
+    let watch_peers = welcome.epoch.filter(|_| agent.opts.hub_urls.len() > 1);
+    let current = agent.hub_at.load(Ordering::Relaxed);
+    let ask_every = heartbeat_every.min(Duration::from_secs(1));
+    let mut last_ask = Instant::now();
+    let mut asking = false;
+    let (moved_tx, mut moved) = mpsc::channel::<Option<String>>(1);
 
     let why = loop {
         let drain_sleep = tokio::time::sleep(
@@ -452,6 +297,8 @@ async fn session(
         );
         let silent =
             tokio::time::sleep((last_heard + silence).saturating_duration_since(Instant::now()));
+        let ask_at = (last_heard + heartbeat_every).max(last_ask + ask_every);
+        let ask = tokio::time::sleep(ask_at.saturating_duration_since(Instant::now()));
         tokio::select! {
             next = stream.next() => {
                 last_heard = Instant::now();
@@ -566,6 +413,20 @@ async fn session(
                     leases: jobs.by_lease.keys().copied().collect(),
                     config: agent.held_config(),
                 }));
+            }
+            () = ask, if watch_peers.is_some() && !asking => {
+                last_ask = Instant::now();
+                asking = true;
+                let (agent, tx, epoch) = (agent.clone(), moved_tx.clone(), watch_peers.unwrap_or(0));
+                tokio::spawn(async move {
+                    let _ = tx.send(hub_finder::probe_peers(agent, current, epoch).await).await;
+                });
+            }
+            Some(answer) = moved.recv() => {
+                asking = false;
+                if let Some(why) = answer {
+                    break format!("the hub went silent and {why}: moving");
+                }
             }
             _ = silent, if hub_pings => {
                 break format!("nothing from the hub for {} s (three heartbeats)", silence.as_secs_f64());

@@ -10,6 +10,7 @@
 pub mod cloud_provider;
 pub mod connection;
 pub mod http;
+pub mod hub_finder;
 pub mod local_server;
 pub mod provider;
 pub mod stats;

@@ -112,6 +112,12 @@ pub struct HubArgs {
     /// has offered counts too; `serve` adds the roles it loads).
     #[arg(long, value_delimiter = ',')]
     ready_roles: Option<Vec<Role>>,
+    /// Recovery, for one start: a stored part (or a field of the state file) that cannot be
+    /// read is copied into `<state dir>/unreadable/` and starts from its defaults, with an
+    /// error in the log and in `/admin/status` → `ha.set_aside` (without it such a start fails,
+    /// naming the part and the field).
+    #[arg(long)]
+    set_aside_unreadable_state: bool,
 }
 
 impl HubArgs {
@@ -290,9 +296,14 @@ fn bind(addr: SocketAddr, name: &str) -> anyhow::Result<std::net::TcpListener> {
 
 /// Opens the hub's state store. First, before anything else: a second hub on a held state dir
 /// stops here, before it loads a model or generates or reads a token.
-fn open_store(args: &HubConfig) -> anyhow::Result<StateStore> {
+fn open_store(args: &HubConfig, set_aside_unreadable: bool) -> anyhow::Result<StateStore> {
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
-    Ok(StateStore::File(FileStore::open(&state_dir)?))
+    let file = FileStore::open(&state_dir)?;
+    Ok(StateStore::File(if set_aside_unreadable {
+        file.setting_aside_unreadable()
+    } else {
+        file
+    }))
 }
 
 async fn open_hub(args: &HubConfig, store: StateStore) -> anyhow::Result<Hub> {
@@ -373,8 +384,32 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
         cmd.etcd.check_advertised(listener.local_addr()?)?;
         // Up and answering (as a standby) is what systemd waits for; leading may take long.
         notifier.ready("standby: campaigning for the lead");
-        let Some((store, leading)) =
-            lead_behind_standby(&cmd.etcd, &listener, tls.clone(), url, stop.clone()).await?
+        let state_dir = cfg.state_dir.clone().unwrap_or_else(default_state_dir);
+        let (admin_token, _) = tokens::load_or_generate(
+            cfg.admin_token_file.as_deref(),
+            credentials::ADMIN_TOKEN,
+            &state_dir,
+            "admin.token",
+        )?;
+        let me = http::standby::StandbySelf {
+            admin_token,
+            store: cmd.etcd.describe(),
+        };
+        let recovery = if cmd.hub.set_aside_unreadable_state {
+            crate::hub::store::parts::Recovery::set_aside_into(&state_dir)
+        } else {
+            crate::hub::store::parts::Recovery::refuse()
+        };
+        let Some((store, leading)) = lead_behind_standby(
+            &cmd.etcd,
+            &listener,
+            tls.clone(),
+            url,
+            me,
+            recovery,
+            stop.clone(),
+        )
+        .await?
         else {
             return Ok(());
         };
@@ -382,10 +417,14 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
         (open_hub(&cfg, store).await?, listener, Some(leading))
     } else {
         // The state dir is locked before anything else; the tokens exist before the listener.
-        let hub = open_hub(&cfg, open_store(&cfg)?).await?;
+        let hub = open_hub(&cfg, open_store(&cfg, cmd.hub.set_aside_unreadable_state)?).await?;
         (hub, bind(cfg.listen, "hub")?, None)
     };
     let _maintenance = hub.spawn_maintenance();
+    let _aside = leading
+        .as_ref()
+        .and_then(|l| hub.spawn_aside_watch(l.peers.clone()))
+        .map(AbortOnDrop);
     let (status_task, reload_task) = supervise_hub(
         &notifier,
         &hub,
@@ -410,24 +449,35 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Serves the standby surface on `listener` while campaigning; `None` when stopped first.
 async fn lead_behind_standby(
     etcd: &EtcdArgs,
     listener: &std::net::TcpListener,
     tls: Option<TlsFiles>,
     url: String,
+    me: http::standby::StandbySelf,
+    recovery: crate::hub::store::parts::Recovery,
     stop: watch::Receiver<bool>,
 ) -> anyhow::Result<Option<(crate::hub::store::StateStore, hub_etcd::Leading)>> {
     let seen = http::standby::SeenLeader::default();
     let (won_tx, won_rx) = watch::channel(false);
     let standby = tokio::spawn(http::serve(
         listener.try_clone()?,
-        http::standby::router(seen.clone(), won_rx.clone()),
+        http::standby::router(seen.clone(), won_rx.clone(), me),
         tls,
         signalled(won_rx),
     ));
     let outcome = tokio::select! {
-        led = etcd.lead(url, seen) => Some(led),
+        led = etcd.lead(url, seen, recovery) => Some(led),
         () = signalled(stop) => None,
     };
     // Forwards in flight end at once (503: send it again), idle connections close; a
@@ -803,7 +853,7 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
     let notifier = Notifier::from_env();
     let _watchdog = notifier.spawn_watchdog();
     let hub_cfg = cmd.hub.resolve(None)?;
-    let store = open_store(&hub_cfg)?;
+    let store = open_store(&hub_cfg, cmd.hub.set_aside_unreadable_state)?;
     notifier.status("loading models");
     let mut models = Vec::new();
     let embedder = cmd.model.choice();

@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use crate::config::tokens;
 use crate::hub::store::StateStore;
 use crate::hub::store::etcd::EtcdStore;
-use crate::hub::store::etcd::client::{EtcdClient, EtcdOptions, Op};
+use crate::hub::store::etcd::client::{EtcdClient, EtcdOptions};
 use crate::hub::store::etcd::election::{self, LeaderRecord, Standing};
 use crate::service::credentials;
 
@@ -70,6 +70,8 @@ pub struct EtcdArgs {
 pub struct Leading {
     /// Turns `Deposed` the moment the leader must stop.
     pub standing: watch::Receiver<Standing>,
+    /// The other hubs of the store, as last read (what a leader cut off from etcd asks).
+    pub peers: crate::hub::store::etcd::members::Peers,
     client: Arc<EtcdClient>,
     lease: i64,
     stop_renewing: watch::Sender<bool>,
@@ -140,6 +142,15 @@ impl EtcdArgs {
         })?)
     }
 
+    /// The store as status names it (endpoints and prefix; never a credential).
+    pub fn describe(&self) -> String {
+        format!(
+            "etcd {} under {}",
+            self.etcd_endpoints.join(","),
+            self.prefix()
+        )
+    }
+
     fn prefix(&self) -> String {
         let p = self.etcd_prefix.trim_end_matches('/');
         if p.starts_with('/') {
@@ -155,6 +166,7 @@ impl EtcdArgs {
         &self,
         listen_url: String,
         seen: crate::http::standby::SeenLeader,
+        recovery: crate::hub::store::parts::Recovery,
     ) -> anyhow::Result<(StateStore, Leading)> {
         let client = Arc::new(self.client()?);
         let prefix = self.prefix();
@@ -169,9 +181,19 @@ impl EtcdArgs {
         };
         tracing::info!(endpoints = %client.endpoints().join(","), prefix = %prefix, url = %me.url, "campaigning for the hub's lead");
         let ttl = Duration::from_secs(self.leader_ttl_s);
-        let leadership = election::campaign(&client, &prefix, &me, ttl, |leader| {
-            tracing::info!(leader = %leader.url, process = %leader.process, "standby: another hub leads");
-            *seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(leader.clone());
+        // Listed from the start, as a standby too: a leader cut off from etcd asks the hubs it
+        // last read who leads.
+        let peers = crate::hub::store::etcd::members::register(
+            Arc::clone(&client),
+            &prefix,
+            format!("{:016x}", rand::random::<u64>()),
+            me.url.clone(),
+            ttl,
+        );
+        let leadership = election::campaign(&client, &prefix, &me, ttl, |leader, epoch| {
+            tracing::info!(leader = %leader.url, process = %leader.process, epoch, "standby: another hub leads");
+            *seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                Some((leader.clone(), epoch));
         })
         .await
         .context("the election")?;
@@ -190,16 +212,15 @@ impl EtcdArgs {
             Arc::clone(&standing_tx),
         );
         let lease = leadership.lease;
-        let store = StateStore::Etcd(EtcdStore::new(
-            Arc::clone(&client),
-            &prefix,
-            leadership,
-            standing_tx,
-        ));
+        let store = StateStore::Etcd(
+            EtcdStore::new(Arc::clone(&client), &prefix, leadership, standing_tx)
+                .with_recovery(recovery),
+        );
         Ok((
             store,
             Leading {
                 standing,
+                peers,
                 client,
                 lease,
                 stop_renewing,
@@ -230,16 +251,6 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
             leader.url
         );
     }
-    if !client
-        .get_prefix(&format!("{prefix}/state/"))
-        .await?
-        .is_empty()
-    {
-        anyhow::bail!(
-            "the etcd store under {prefix} already holds a hub state: it is not overwritten \
-             (give another --etcd-prefix, or delete that prefix with etcdctl if it is unused)"
-        );
-    }
     let me = LeaderRecord {
         url: "migrate-state".into(),
         process: format!(
@@ -252,7 +263,7 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
     let ttl = Duration::from_secs(etcd.leader_ttl_s.max(10));
     let leadership = tokio::time::timeout(
         Duration::from_secs(30),
-        election::campaign(&client, &prefix, &me, ttl, |leader| {
+        election::campaign(&client, &prefix, &me, ttl, |leader, _| {
             tracing::warn!(leader = %leader.url, "a hub took the lead while migrating");
         }),
     )
@@ -274,32 +285,22 @@ pub async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
         leadership,
         Arc::new(standing_tx),
     );
-    let saved = store.save(&state).await;
-    if saved.is_err() {
-        // Half a state would look whole to a hub (and a rerun would refuse it): what was
-        // written goes, while this copy still holds the lead.
-        let guard = store.leadership().guard();
-        let cleared = client
-            .txn(
-                &[guard],
-                &[
-                    Op::DeletePrefix {
-                        prefix: format!("{prefix}/state/"),
-                    },
-                    Op::DeletePrefix {
-                        prefix: format!("{prefix}/blob/"),
-                    },
-                ],
-                &[],
-            )
-            .await;
-        if !cleared.is_ok_and(|o| o.succeeded) {
-            tracing::error!(prefix = %prefix, "a part of the state may be left in etcd: delete the prefix with etcdctl before trying again");
-        }
-    }
+    // Empty is checked under the lead, so no hub can write between the check and the copy.
+    // A save is whole: one that fails leaves no root, and deletes the chunks it wrote.
+    let saved = match store.is_empty().await {
+        Ok(true) => store
+            .save(&state)
+            .await
+            .context("writing the state into etcd"),
+        Ok(false) => Err(anyhow::anyhow!(
+            "the etcd store under {prefix} already holds a hub state: it is not overwritten \
+             (give another --etcd-prefix, or delete that prefix with etcdctl if it is unused)"
+        )),
+        Err(e) => Err(anyhow::Error::from(e).context("reading the etcd store")),
+    };
     let _ = stop_tx.send(true);
     let _ = client.revoke(lease).await;
-    saved.context("writing the state into etcd")?;
+    saved?;
     let tokens: Vec<String> = ["admin.token", "fleet.token", "client.token"]
         .iter()
         .map(|f| args.state_dir.join(f))

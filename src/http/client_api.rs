@@ -96,6 +96,15 @@ pub(super) fn client_auth(hub: &Hub, headers: &HeaderMap) -> Result<Client, ApiE
     let caller = hub
         .identify(auth::bearer(headers), sub, WorkClass::Batch)
         .map_err(|e| ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string()))?;
+    // Cut off from etcd and from every peer, this hub cannot know whether a leader it cannot
+    // see rotated or removed the key: a project's key waits (keyless local work goes on).
+    if &*caller.project != crate::hub::projects::DEFAULT_PROJECT
+        && let Some(crate::hub::aside::Aside::Isolated { reason }) = hub.aside()
+    {
+        let mut err = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "store_unreachable", reason);
+        err.retry_after_s = Some(5);
+        return Err(err);
+    }
     let span = tracing::Span::current();
     span.record("project", &*caller.project);
     if let Some(sub) = &caller.sub_project {

@@ -9,6 +9,7 @@
 //! ([`error::ErrorShape`]); everything else in OpenAI's.
 
 pub mod admin_api;
+pub mod aside;
 pub mod auth;
 pub mod chat_api;
 pub mod client_api;
@@ -82,6 +83,10 @@ pub fn hub_router(hub: Hub) -> Router {
             request_id::observe,
         ))
         .layer(tower_http::compression::CompressionLayer::new().gzip(true))
+        .layer(axum::middleware::from_fn_with_state(
+            aside::AsideRelay::new(hub.clone()),
+            aside::aside_layer,
+        ))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(hub)
 }
@@ -143,8 +148,11 @@ async fn agent_socket(
             e.body_text()
         ))
     })?;
-    let max = hub.core().settings.max_frame_bytes;
-    Ok(ws
+    let (max, epoch) = {
+        let core = hub.core();
+        (core.settings.max_frame_bytes, core.epoch)
+    };
+    let mut response = ws
         .max_message_size(max)
         .max_frame_size(max)
         // tungstenite zero-fills its read buffer up to this size on every read: its default
@@ -152,7 +160,16 @@ async fn agent_socket(
         // for a large frame.
         .read_buffer_size(AGENT_READ_BUFFER_BYTES)
         .on_upgrade(move |socket| serve_agent(socket, hub))
-        .into_response())
+        .into_response();
+    // A leader on etcd says its epoch before `hello`: an agent that dialled every hub picks
+    // the leader with the highest one and says hello there only.
+    if let Some(epoch) = epoch {
+        response.headers_mut().insert(
+            crate::protocol::EPOCH_HEADER,
+            axum::http::HeaderValue::from(epoch),
+        );
+    }
+    Ok(response)
 }
 
 /// Serves `router` on `listener` (TLS when `tls` is given) until `shutdown` resolves.

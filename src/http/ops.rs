@@ -25,13 +25,22 @@ pub struct Health {
     /// Agents connected now.
     pub agents: usize,
     pub uptime_s: u64,
+    /// A leader on etcd: the epoch it leads under (agents ask who leads: a standby answers
+    /// `{"status": "standby", "leader": …, "epoch": …}`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<i64>,
 }
 
 fn health_of(hub: &Hub) -> Json<Health> {
+    let (agents, epoch) = {
+        let core = hub.core();
+        (core.agents().len(), core.epoch)
+    };
     Json(Health {
         status: "ok",
-        agents: hub.core().agents().len(),
+        agents,
         uptime_s: hub.uptime().as_secs(),
+        epoch,
     })
 }
 

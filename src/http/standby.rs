@@ -5,6 +5,12 @@
 //!   balancer sends nothing here);
 //! * `/v1/agent` refuses the upgrade with 503 `standby` naming the leader (agents dial it
 //!   themselves, and only at an address of their own `hub_urls`);
+//! * `/metrics` and `/admin/status` answer for **this** hub: its own process, build and HA
+//!   series (`fantom_hub_ha_leader` 0, the epoch it sees), so that Prometheus scraping every
+//!   hub counts the leader once and sees each standby, even while no hub leads. Status checks
+//!   the admin token itself (every hub of a store holds the same), names this hub a standby
+//!   and the leader, and carries the leader's own document (its `ha` as `leader_ha`) when the
+//!   leader answers, or why it did not;
 //! * every other request is **forwarded** to the leader's advertised address: method, path,
 //!   query, headers (the client's bearer token among them: every hub of a store holds the same
 //!   tokens) and body, and the leader's answer streamed back as it comes (a streamed chat
@@ -28,10 +34,20 @@ use axum::routing::get;
 use serde_json::json;
 use tokio::sync::watch;
 
+use crate::hub::store::HaView;
 use crate::hub::store::etcd::election::LeaderRecord;
+use crate::secret::Secret;
 
-/// The leader a standby last saw (none yet: no hub leads).
-pub type SeenLeader = Arc<Mutex<Option<LeaderRecord>>>;
+/// The leader a standby last saw, with the epoch it leads under (none yet: no hub leads).
+pub type SeenLeader = Arc<Mutex<Option<(LeaderRecord, i64)>>>;
+
+/// What a standby knows of itself: the admin token it checks and its store, for its status.
+#[derive(Clone)]
+pub struct StandbySelf {
+    pub admin_token: Secret,
+    /// The store as `HaView::store` names it (endpoints and prefix; never a credential).
+    pub store: String,
+}
 
 #[derive(Clone)]
 struct Standby {
@@ -39,24 +55,63 @@ struct Standby {
     http: reqwest::Client,
     /// Turns true when this hub wins the election.
     won: watch::Receiver<bool>,
+    me: Arc<StandbySelf>,
+    metrics: Arc<crate::metrics::Registry>,
 }
 
 /// The standby surface; `won` turns true when this hub leads.
-pub fn router(leader: SeenLeader, won: watch::Receiver<bool>) -> Router {
+pub fn router(leader: SeenLeader, won: watch::Receiver<bool>, me: StandbySelf) -> Router {
     let http = reqwest::Client::builder()
         .no_proxy()
         .connect_timeout(Duration::from_secs(5))
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .unwrap_or_default();
-    let standby = Standby { leader, http, won };
+    let me = Arc::new(me);
+    let mut metrics = crate::metrics::registry("hub");
+    {
+        let (leader, me) = (leader.clone(), me.clone());
+        metrics.register_collector(Box::new(crate::metrics::Scrape::new(move |f| {
+            crate::hub::metrics::encode_ha(f, &ha_view(&leader, &me))
+        })));
+    }
+    let standby = Standby {
+        leader,
+        http,
+        won,
+        me,
+        metrics: Arc::new(metrics),
+    };
     Router::new()
         .route("/health", get(health))
         .route("/ready", get(refuse_now))
         .route("/v1/agent", get(refuse_now))
+        .route("/metrics", get(own_metrics))
+        .route("/admin/status", get(own_status))
         .fallback(forward)
         .layer(axum::extract::DefaultBodyLimit::max(super::MAX_BODY_BYTES))
         .with_state(standby)
+}
+
+/// A standby's own HA view: the leader it sees and that leader's epoch.
+fn ha_view(leader: &SeenLeader, me: &StandbySelf) -> HaView {
+    let seen = leader
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    HaView {
+        role: "standby",
+        store: me.store.clone(),
+        leader: seen
+            .as_ref()
+            .map(|(l, _)| l.url.trim_end_matches('/').to_string()),
+        epoch: seen.map(|(_, epoch)| epoch),
+        lease_ttl_s: None,
+        lease_renewals: None,
+        set_aside: Vec::new(),
+        aside: None,
+        fenced: None,
+    }
 }
 
 impl Standby {
@@ -65,12 +120,74 @@ impl Standby {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .as_ref()
-            .map(|l| l.url.trim_end_matches('/').to_string())
+            .map(|(l, _)| l.url.trim_end_matches('/').to_string())
+    }
+
+    fn epoch(&self) -> Option<i64> {
+        self.leader
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map(|(_, epoch)| *epoch)
     }
 }
 
 async fn health(State(s): State<Standby>) -> Response {
-    axum::Json(json!({"status": "standby", "leader": s.leader_url()})).into_response()
+    axum::Json(json!({"status": "standby", "leader": s.leader_url(), "epoch": s.epoch()}))
+        .into_response()
+}
+
+/// This hub's own series (never the leader's: a scraper of every hub counts each once).
+async fn own_metrics(State(s): State<Standby>, headers: HeaderMap) -> Response {
+    crate::metrics::response(&s.metrics, &headers)
+}
+
+/// This hub's own status (`ha`: a standby and the leader it sees), with the leader's document
+/// when the leader answers in time, else why not. The admin token is checked here first.
+async fn own_status(State(s): State<Standby>, headers: HeaderMap) -> Response {
+    if let Err(e) = super::auth::require(&headers, &s.me.admin_token, "admin") {
+        return e.into_response();
+    }
+    let mut body = json!({});
+    match s.leader_url() {
+        None => body["leader_unreachable"] = json!("no hub leads yet"),
+        Some(leader) => {
+            let mut forwarded = HeaderMap::new();
+            copy_headers(&headers, &mut forwarded);
+            forwarded.insert(FORWARDED_BY, HeaderValue::from_static("standby"));
+            let answer = s
+                .http
+                .get(format!("{leader}/admin/status"))
+                .headers(forwarded)
+                .timeout(Duration::from_secs(3))
+                .send()
+                .await;
+            let read = match answer {
+                Ok(r) if r.status().is_success() => r
+                    .json::<serde_json::Value>()
+                    .await
+                    .map_err(|e| format!("its answer could not be read: {}", e.without_url())),
+                Ok(r) => Err(format!("it answered {}", r.status())),
+                Err(e) => Err(format!("{leader} cannot be reached: {}", e.without_url())),
+            };
+            match read {
+                Ok(serde_json::Value::Object(mut leader_doc)) => {
+                    if let Some(ha) = leader_doc.remove("ha") {
+                        leader_doc.insert("leader_ha".into(), ha);
+                    }
+                    body = serde_json::Value::Object(leader_doc);
+                }
+                Ok(_) => body["leader_unreachable"] = json!("the leader's status is not an object"),
+                Err(why) => body["leader_unreachable"] = json!(why),
+            }
+        }
+    }
+    body["ha"] = serde_json::to_value(ha_view(&s.leader, &s.me)).unwrap_or_default();
+    let mut response = axum::Json(body).into_response();
+    response
+        .headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
 }
 
 async fn refuse_now(State(s): State<Standby>) -> Response {
@@ -82,10 +199,15 @@ async fn refuse_now(State(s): State<Standby>) -> Response {
 }
 
 fn refuse(s: &Standby, message: String) -> Response {
+    refusal(s.leader_url().as_deref(), s.epoch(), message)
+}
+
+/// 503 `standby` naming the leader and its epoch, with `Retry-After: 1`.
+pub(super) fn refusal(leader: Option<&str>, epoch: Option<i64>, message: String) -> Response {
     let mut response = (
         StatusCode::SERVICE_UNAVAILABLE,
         axum::Json(json!({"error": {"code": "standby", "message": message,
-            "leader": s.leader_url()}})),
+            "leader": leader, "epoch": epoch}})),
     )
         .into_response();
     response
@@ -134,16 +256,26 @@ async fn forward(State(s): State<Standby>, request: Request) -> Response {
             "this hub is a standby and no hub leads yet; try again shortly".into(),
         );
     };
+    relay(&s.http, &leader, s.epoch(), request, s.won.clone()).await
+}
+
+/// Forwards `request` to `leader` and streams its answer back; ends at once (503, "send it
+/// again") when `won` turns true. What a standby does, and a leader that stepped aside.
+pub(super) async fn relay(
+    http: &reqwest::Client,
+    leader: &str,
+    epoch: Option<i64>,
+    request: Request,
+    won: watch::Receiver<bool>,
+) -> Response {
+    let refuse = |message: String| refusal(Some(leader), epoch, message);
     let (parts, body) = request.into_parts();
     // A forwarded request reaching a standby again would go round (a leader advertised at an
     // address that is this hub's own, say): one hop only.
     if parts.headers.contains_key(FORWARDED_BY) {
-        return refuse(
-            &s,
-            format!(
-                "a request forwarded to the leader {leader} reached a standby: check the leader's --advertise-url"
-            ),
-        );
+        return refuse(format!(
+            "a request forwarded to the leader {leader} reached a standby: check the leader's --advertise-url"
+        ));
     }
     let path = parts
         .uri
@@ -163,27 +295,23 @@ async fn forward(State(s): State<Standby>, request: Request) -> Response {
     let mut headers = HeaderMap::new();
     copy_headers(&parts.headers, &mut headers);
     headers.insert(FORWARDED_BY, HeaderValue::from_static("standby"));
-    let send = s
-        .http
+    let send = http
         .request(parts.method.clone(), format!("{leader}{path}"))
         .headers(headers)
         .body(body)
         .send();
-    let mut won = s.won.clone();
+    let mut won = won;
     let sent = tokio::select! {
         sent = send => sent,
-        _ = won.wait_for(|w| *w) => return refuse(&s, WON.into()),
+        _ = won.wait_for(|w| *w) => return refuse(WON.into()),
     };
     let upstream = match sent {
         Ok(r) => r,
         Err(e) => {
             tracing::warn!(leader = %leader, error = %e.without_url(), "a standby cannot reach the leader to forward a request");
-            return refuse(
-                &s,
-                format!(
-                    "this hub is a standby and the leader {leader} cannot be reached now; try again shortly"
-                ),
-            );
+            return refuse(format!(
+                "this hub is a standby and the leader {leader} cannot be reached now; try again shortly"
+            ));
         }
     };
     let mut response = Response::builder().status(upstream.status());

@@ -293,8 +293,38 @@ impl Hub {
             "Tokens per completed request.",
             by_role(&c.request_tokens),
         )?;
-        encode_projects(&core, f)
+        encode_projects(&core, f)?;
+        drop(core);
+        encode_ha(f, &self.store().ha_view())
     }
+}
+
+/// The HA series every hub exports (a standby too, with its own view: `http::standby`):
+/// whether this hub is the one that serves (1 on a leader and on a single hub), the epoch it
+/// leads under or sees, whether it is fenced, and the lease renewals etcd answered.
+pub fn encode_ha(f: &mut Families, ha: &super::store::HaView) -> fmt::Result {
+    let one = |v: f64| [(Labels::new(), v)];
+    let serving = matches!(ha.role, "leader" | "single");
+    f.gauge(
+        "fantom_hub_ha_leader",
+        "1 on the hub that serves (an etcd leader or a single hub on a state file), 0 on a standby.",
+        [(label("role", ha.role), if serving { 1.0 } else { 0.0 })],
+    )?;
+    f.gauge(
+        "fantom_hub_ha_epoch",
+        "The epoch (the leader key's creation revision) this hub leads under, or a standby sees (0: a single hub, or no leader seen yet).",
+        one(ha.epoch.unwrap_or(0) as f64),
+    )?;
+    f.gauge(
+        "fantom_hub_ha_fenced",
+        "1 while this leader cannot renew its lead in etcd (no grants, passes or writes).",
+        one(if ha.fenced.is_some() { 1.0 } else { 0.0 }),
+    )?;
+    f.counter(
+        "fantom_hub_ha_lease_renewals_total",
+        "Renewals of the leader's etcd lease that etcd answered (0 off etcd and on a standby).",
+        one(ha.lease_renewals.unwrap_or(0) as f64),
+    )
 }
 
 /// The per-project series: a `project` label on each, for the configured projects and

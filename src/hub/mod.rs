@@ -8,11 +8,12 @@
 //! writers' lock, to their end even if the caller goes away; readers clone the last state
 //! written and never wait for a disk.
 
+pub mod aside;
 pub mod budget;
 pub mod core;
 pub mod gate;
 mod handover;
-mod metrics;
+pub mod metrics;
 pub mod policy;
 pub mod project_admin;
 pub mod projects;
@@ -75,6 +76,8 @@ struct Inner {
     usage_saved_ms: std::sync::atomic::AtomicU64,
     /// When the handover (verdicts, the budget's window) was last checkpointed.
     handover_saved_ms: std::sync::atomic::AtomicU64,
+    /// A fenced leader's peers' answer: another leads, or none could be asked.
+    aside: std::sync::Mutex<Option<aside::Aside>>,
 }
 
 /// Why a client request did not complete.
@@ -226,6 +229,7 @@ impl Hub {
                 started: Instant::now(),
                 usage_saved_ms: std::sync::atomic::AtomicU64::new(now_ms()),
                 handover_saved_ms: std::sync::atomic::AtomicU64::new(0),
+                aside: std::sync::Mutex::new(None),
             }),
         })
     }

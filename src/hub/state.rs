@@ -65,8 +65,6 @@ pub enum StateError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("the hub state {path} is not valid: {message}")]
-    Parse { path: PathBuf, message: String },
     #[error("cannot write the hub state {path}: {source}")]
     Write {
         path: PathBuf,
@@ -95,6 +93,24 @@ pub enum StateError {
     Fenced(String),
     #[error("the stored state at {at} is not valid: {message}")]
     Corrupt { at: String, message: String },
+    #[error(
+        "the stored part {part} cannot be read at {field}: {message}; start the hub once with \
+         --set-aside-unreadable-state to keep a copy of it and start it from its defaults"
+    )]
+    Unreadable {
+        part: String,
+        field: String,
+        message: String,
+    },
+    #[error(
+        "not saved: the part {part} would not read back at {field} ({message}); the store keeps \
+         the last state that loads"
+    )]
+    Unstorable {
+        part: String,
+        field: String,
+        message: String,
+    },
 }
 
 impl HubState {

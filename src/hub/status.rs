@@ -213,7 +213,11 @@ impl Hub {
             .collect();
         StatusView {
             projects,
-            ha: self.store().ha_view(),
+            ha: {
+                let mut ha = self.store().ha_view();
+                ha.aside = self.aside();
+                ha
+            },
             uptime_s: self.uptime().as_secs(),
             agents,
             sockets: core.sockets().clone(),

@@ -19,6 +19,10 @@ pub use codec::{FrameError, decode_agent, decode_hub, encode};
 /// The protocol version this build speaks; `hello` carries it and the hub refuses others.
 pub const PROTOCOL_VERSION: u32 = 1;
 
+/// The header a hub leading on etcd answers an agent's upgrade with: its epoch, so that an
+/// agent that dialled every hub says `hello` to the leader with the highest one only.
+pub const EPOCH_HEADER: &str = "x-fantom-epoch";
+
 /// The slowest link a healthy peer is assumed to have (bytes per second): a large frame may
 /// take its size at this rate to write before the peer is taken for stuck.
 pub const MIN_LINK_BYTES_PER_S: u64 = 256 * 1024;

@@ -74,6 +74,11 @@ pub struct Cluster {
 impl Cluster {
     /// Starts three members under `dir` and waits (bounded) until each reports healthy.
     pub async fn start(dir: &Path) -> Cluster {
+        Self::start_with(dir, &[]).await
+    }
+
+    /// [`Cluster::start`] with more arguments for every member.
+    pub async fn start_with(dir: &Path, more: &[String]) -> Cluster {
         let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
         let initial: Vec<String> = ports
             .iter()
@@ -107,6 +112,7 @@ impl Cluster {
                     "--initial-cluster-token",
                     &token,
                 ])
+                .args(more)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(log)
@@ -214,12 +220,62 @@ impl Cluster {
         None
     }
 
-    /// Whether `key` exists (read through a running member's JSON gateway).
-    pub async fn has_key(&self, key: &str) -> bool {
-        let body = serde_json::json!({"key": base64_key(key), "count_only": true});
-        self.gateway("/v3/kv/range", body)
+    /// `body` posted to `path` as `token`'s user (etcd auth); the answer, or etcd's error.
+    pub async fn call_as(
+        &self,
+        token: Option<&str>,
+        path: &str,
+        body: serde_json::Value,
+    ) -> serde_json::Value {
+        let http = reqwest::Client::new();
+        let m = self
+            .members
+            .iter()
+            .find(|m| m.child.is_some())
+            .expect("a running member");
+        let mut r = http.post(format!("{}{path}", m.client_url)).json(&body);
+        if let Some(t) = token {
+            r = r.header("authorization", t);
+        }
+        let answer: serde_json::Value = r
+            .timeout(Duration::from_secs(5))
+            .send()
             .await
-            .is_some_and(|v| v["count"].as_str().is_some_and(|c| c != "0"))
+            .expect("etcd answers")
+            .json()
+            .await
+            .expect("a JSON answer");
+        assert!(answer.get("error").is_none(), "{path}: {answer}");
+        answer
+    }
+
+    /// Turns etcd's auth on with a `root` user of `password` (as `etcdctl user add root`,
+    /// `role add root`, `user grant-role root root`, `auth enable` do); root's token after.
+    pub async fn enable_auth(&self, password: &str) -> String {
+        use serde_json::json;
+        self.call_as(
+            None,
+            "/v3/auth/user/add",
+            json!({"name": "root", "password": password}),
+        )
+        .await;
+        self.call_as(None, "/v3/auth/role/add", json!({"name": "root"}))
+            .await;
+        self.call_as(
+            None,
+            "/v3/auth/user/grant",
+            json!({"user": "root", "role": "root"}),
+        )
+        .await;
+        self.call_as(None, "/v3/auth/enable", json!({})).await;
+        let answer = self
+            .call_as(
+                None,
+                "/v3/auth/authenticate",
+                json!({"name": "root", "password": password}),
+            )
+            .await;
+        answer["token"].as_str().expect("a token").to_string()
     }
 
     /// Deletes `key` (through a running member's JSON gateway), as an operator with etcdctl
@@ -260,4 +316,120 @@ impl Drop for Cluster {
 fn base64_key(key: &str) -> String {
     use base64::Engine as _;
     base64::engine::general_purpose::STANDARD.encode(key)
+}
+
+/// A loopback HTTP forwarder in front of one etcd member that passes every call until it is
+/// armed with a number of transactions, then passes that many more and answers every call
+/// after them as a member without a Raft leader does (code 14): a store that fails midway.
+pub struct Cutter {
+    pub url: String,
+    budget: std::sync::Arc<std::sync::atomic::AtomicI64>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Cutter {
+    pub async fn start(member_url: &str) -> Cutter {
+        use axum::body::Bytes;
+        use axum::extract::{Request, State};
+        use axum::response::IntoResponse;
+        use std::sync::atomic::{AtomicI64, Ordering};
+        type Shared = (reqwest::Client, String, std::sync::Arc<AtomicI64>);
+        let budget = std::sync::Arc::new(AtomicI64::new(i64::MAX));
+        let shared: Shared = (
+            reqwest::Client::new(),
+            member_url.to_string(),
+            budget.clone(),
+        );
+        async fn pass(
+            State((http, to, budget)): State<Shared>,
+            req: Request,
+        ) -> axum::response::Response {
+            let path = req.uri().path().to_string();
+            let auth = req.headers().get("authorization").cloned();
+            let body: Bytes = axum::body::to_bytes(req.into_body(), 16 << 20)
+                .await
+                .unwrap_or_default();
+            let cut = budget.load(Ordering::SeqCst) <= 0
+                || (path == "/v3/kv/txn" && budget.fetch_sub(1, Ordering::SeqCst) <= 0);
+            if cut {
+                return (
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    axum::Json(serde_json::json!({"error": "cut by the test", "code": 14})),
+                )
+                    .into_response();
+            }
+            let mut r = http.post(format!("{to}{path}")).body(body);
+            if let Some(a) = auth {
+                r = r.header("authorization", a);
+            }
+            match r.send().await {
+                Ok(answer) => {
+                    let status = answer.status();
+                    let bytes = answer.bytes().await.unwrap_or_default();
+                    (status, bytes).into_response()
+                }
+                Err(_) => axum::http::StatusCode::BAD_GATEWAY.into_response(),
+            }
+        }
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let app = axum::Router::new().fallback(pass).with_state(shared);
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Cutter {
+            url,
+            budget,
+            server,
+        }
+    }
+
+    /// From now on, `n` more transactions pass; every call after them is cut.
+    pub fn cut_after(&self, n: i64) {
+        self.budget.store(n, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Every call passes again.
+    pub fn heal(&self) {
+        self.budget
+            .store(i64::MAX, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Cutter {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+impl Cluster {
+    /// The first running member's client URL.
+    pub fn first_url(&self) -> String {
+        self.members
+            .iter()
+            .find(|m| m.child.is_some())
+            .expect("a running member")
+            .client_url
+            .clone()
+    }
+
+    /// The part names the stored root under `prefix` names (empty: no root).
+    pub async fn stored_parts(&self, prefix: &str) -> Vec<String> {
+        use base64::Engine as _;
+        let body = serde_json::json!({"key": base64_key(&format!("{prefix}/state/root"))});
+        let Some(answer) = self.gateway("/v3/kv/range", body).await else {
+            return Vec::new();
+        };
+        let Some(value) = answer["kvs"][0]["value"].as_str() else {
+            return Vec::new();
+        };
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(value)
+            .unwrap();
+        let root: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        root["parts"]
+            .as_object()
+            .map(|o| o.keys().cloned().collect())
+            .unwrap_or_default()
+    }
 }

@@ -22,6 +22,7 @@ mod first_run;
 mod gate;
 mod ha;
 mod ha_degraded;
+mod ha_faults;
 mod integrity;
 mod kill;
 mod leases;

@@ -136,6 +136,14 @@ impl Core {
         Ok(session)
     }
 
+    /// Asks every connected agent's socket to close with `reason` (a hub stepping aside: the
+    /// agents dial again and find the leader); each session ends as its socket does.
+    pub fn close_agents(&mut self, reason: &str) {
+        for agent in self.agents.values() {
+            let _ = agent.tx.send(Outgoing::Close(reason.to_string()));
+        }
+    }
+
     /// A socket that said hello has ended. Only its own session is removed: a close on an
     /// old socket never tears down a newer one.
     pub fn disconnect(&mut self, agent: &str, session: u64) {

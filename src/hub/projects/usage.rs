@@ -194,20 +194,38 @@ impl ProjectUsage {
     /// without a cost counts its tokens and is counted as such).
     pub fn record_cloud(&mut self, tokens: u64, cost_usd: Option<f64>, now_ms: u64) {
         self.day.roll(now_ms);
-        self.cloud_calls += 1;
+        self.cloud_calls = self.cloud_calls.saturating_add(1);
         self.cloud_tokens = self.cloud_tokens.saturating_add(tokens);
         self.day.cloud_tokens = self.day.cloud_tokens.saturating_add(tokens);
-        match cost_usd.filter(|c| c.is_finite() && *c >= 0.0) {
+        match cost_usd.filter(|c| c.is_finite() && (0.0..=MAX_CALL_USD).contains(c)) {
             Some(usd) => {
-                self.cloud_usd += usd;
-                self.day.cloud_usd += usd;
+                self.cloud_usd = add_usd(self.cloud_usd, usd);
+                self.day.cloud_usd = add_usd(self.day.cloud_usd, usd);
             }
             None => {
-                self.calls_without_cost += 1;
-                self.day.calls_without_cost += 1;
+                if let Some(c) = cost_usd.filter(|c| *c != 0.0) {
+                    tracing::warn!(
+                        cost_usd = c,
+                        "an upstream reported a cost no call can have; counted as a call without a cost"
+                    );
+                }
+                self.calls_without_cost = self.calls_without_cost.saturating_add(1);
+                self.day.calls_without_cost = self.day.calls_without_cost.saturating_add(1);
             }
         }
     }
+}
+
+/// The most one cloud call may report (US dollars): more is an upstream's error, and is
+/// counted as a call without a cost rather than summed.
+pub const MAX_CALL_USD: f64 = 1_000_000.0;
+
+/// The most a sum of costs holds: a persisted number stays finite whatever upstreams report.
+pub const MAX_TOTAL_USD: f64 = 1e15;
+
+/// `a + b`, held at [`MAX_TOTAL_USD`] (both are finite and non-negative).
+fn add_usd(a: f64, b: f64) -> f64 {
+    (a + b).clamp(0.0, MAX_TOTAL_USD)
 }
 
 /// The share of the hub's room a project may fill alone; the rest waits for projects under
@@ -271,6 +289,30 @@ impl CloudShare {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn absurd_costs_never_make_the_days_usage_unstorable() {
+        let mut u = ProjectUsage::default();
+        u.record_cloud(10, Some(1e308), 0);
+        u.record_cloud(10, Some(1e308), 0);
+        u.record_cloud(10, Some(f64::INFINITY), 0);
+        u.record_cloud(10, Some(-1.0), 0);
+        assert_eq!(u.day.cloud_usd, 0.0);
+        assert_eq!(u.day.calls_without_cost, 4);
+        for _ in 0..3 {
+            u.record_cloud(1, Some(MAX_CALL_USD), 0);
+        }
+        assert_eq!(u.day.cloud_usd, 3.0 * MAX_CALL_USD);
+        u.day.cloud_usd = MAX_TOTAL_USD;
+        u.record_cloud(1, Some(MAX_CALL_USD), 0);
+        assert_eq!(u.day.cloud_usd, MAX_TOTAL_USD, "held at the bound");
+        let day = std::collections::BTreeMap::from([("alpha".to_string(), u.day.clone())]);
+        let stored = crate::hub::store::parts::encode("usage", &day).unwrap();
+        assert_eq!(
+            serde_json::from_slice::<BTreeMap<String, DayUsage>>(&stored).unwrap(),
+            day
+        );
+    }
 
     #[test]
     fn a_flood_leaves_room_for_the_others() {

@@ -32,6 +32,8 @@ struct Leased {
     valid_until_ms: AtomicU64,
     /// Set once: the lease is gone or etcd refused a write under the epoch.
     deposed: OnceLock<String>,
+    /// Renewals etcd answered (with the leader key read back at this epoch).
+    renewals: AtomicU64,
 }
 
 impl Fence {
@@ -47,6 +49,7 @@ impl Fence {
             base,
             valid_until_ms: AtomicU64::new(0),
             deposed: OnceLock::new(),
+            renewals: AtomicU64::new(0),
         })));
         fence.renewed(valid_until);
         fence
@@ -55,10 +58,24 @@ impl Fence {
     /// etcd answered a renewal: the lease is alive until `valid_until` (never moves back).
     pub fn renewed(&self, valid_until: Instant) {
         if let Some(l) = &self.0 {
+            l.renewals.fetch_add(1, Ordering::Relaxed);
             let ms = valid_until.saturating_duration_since(l.base).as_millis();
             l.valid_until_ms
                 .fetch_max(u64::try_from(ms).unwrap_or(u64::MAX), Ordering::SeqCst);
         }
+    }
+
+    /// Renewals etcd answered since this hub won (`None` for a state file). The grant's own
+    /// deadline counts as the first.
+    pub fn renewals(&self) -> Option<u64> {
+        self.0.as_ref().map(|l| l.renewals.load(Ordering::Relaxed))
+    }
+
+    /// Until when the lease is known alive (`None` for a state file).
+    pub fn valid_until(&self) -> Option<Instant> {
+        self.0
+            .as_ref()
+            .map(|l| l.base + Duration::from_millis(l.valid_until_ms.load(Ordering::SeqCst)))
     }
 
     /// The lead is lost for good: nothing is granted or written again.

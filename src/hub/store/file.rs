@@ -10,6 +10,7 @@ use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
+use super::parts::{self, Recovery};
 use crate::hub::state::{HubState, StateError};
 
 pub const STATE_FILE: &str = "hub-state.json";
@@ -21,6 +22,8 @@ pub struct FileStore {
     dir: PathBuf,
     /// Open for the hub's life: the lock lives as long as this descriptor.
     _lock: std::sync::Arc<File>,
+    /// How a load treats a field it cannot read.
+    recovery: std::sync::Arc<Recovery>,
 }
 
 impl FileStore {
@@ -72,7 +75,18 @@ impl FileStore {
         Ok(Self {
             dir: dir.to_path_buf(),
             _lock: std::sync::Arc::new(lock),
+            recovery: std::sync::Arc::new(Recovery::refuse()),
         })
+    }
+
+    /// Unreadable fields are copied aside into the state dir and start from their defaults.
+    pub fn setting_aside_unreadable(mut self) -> Self {
+        self.recovery = std::sync::Arc::new(Recovery::set_aside_into(&self.dir));
+        self
+    }
+
+    pub fn recovery(&self) -> &Recovery {
+        &self.recovery
     }
 
     pub fn dir(&self) -> &Path {
@@ -81,7 +95,7 @@ impl FileStore {
 
     /// Reads the state file; a missing file is a fresh hub.
     pub fn load(&self) -> Result<HubState, StateError> {
-        read(&self.dir)
+        read_with(&self.dir, &self.recovery)
     }
 
     /// Writes the state file atomically (blocking: callers run it off the async threads).
@@ -92,25 +106,32 @@ impl FileStore {
 
 /// Reads the state file of `dir` (no lock: for tools that only look).
 pub fn read(dir: &Path) -> Result<HubState, StateError> {
+    read_with(dir, &Recovery::refuse())
+}
+
+fn read_with(dir: &Path, recovery: &Recovery) -> Result<HubState, StateError> {
     let path = dir.join(STATE_FILE);
-    let text = match std::fs::read_to_string(&path) {
-        Ok(text) => text,
+    let bytes = match std::fs::read(&path) {
+        Ok(bytes) => bytes,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HubState::fresh()),
         Err(source) => return Err(StateError::Read { path, source }),
     };
-    serde_json::from_str(&text).map_err(|e| StateError::Parse {
-        path,
-        message: e.to_string(),
-    })
+    parts::decode_state(&path.display().to_string(), &bytes, recovery)
 }
 
 fn write(dir: &Path, state: &HubState) -> Result<(), StateError> {
     let path = dir.join(STATE_FILE);
+    // Checked to read back before anything is written; then pretty, for the operator's eyes.
+    parts::encode(&path.display().to_string(), state)?;
+    let bytes = serde_json::to_vec_pretty(state).map_err(|e| StateError::Write {
+        path: path.clone(),
+        source: e.into(),
+    })?;
     let write = || -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
         let tmp = dir.join(format!(".{STATE_FILE}.tmp"));
         let mut file = File::create(&tmp)?;
-        serde_json::to_writer_pretty(&mut file, state)?;
+        file.write_all(&bytes)?;
         file.write_all(b"\n")?;
         file.sync_all()?;
         std::fs::rename(&tmp, &path)?;
@@ -145,7 +166,7 @@ mod tests {
         assert!(!text.contains("sk-or-v1-xyz"), "{text}");
         assert_eq!(store.load().unwrap(), state);
         std::fs::write(dir.path().join(STATE_FILE), "{").unwrap();
-        assert!(matches!(store.load(), Err(StateError::Parse { .. })));
+        assert!(matches!(store.load(), Err(StateError::Unreadable { .. })));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 pub mod etcd;
 pub mod fence;
 pub mod file;
+pub mod parts;
 
 use serde::Serialize;
 
@@ -15,16 +16,30 @@ use crate::hub::state::{HubState, StateError};
 /// `/admin/status` → `ha`.
 #[derive(Clone, Debug, Serialize)]
 pub struct HaView {
-    /// `single` (a state file, one hub) or `leader` (etcd; a standby answers no status).
+    /// `single` (a state file, one hub) or `leader` (etcd; a standby's own status says
+    /// `standby`: `http::standby`).
     pub role: &'static str,
     /// The store: a path, or etcd's endpoints and prefix (never a credential).
     pub store: String,
+    /// On a standby: the leader it forwards to (its advertised URL), when one leads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leader: Option<String>,
     /// With etcd: the leader key's creation revision this hub leads under.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub epoch: Option<i64>,
     /// With etcd: the lease's TTL.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_ttl_s: Option<u64>,
+    /// With etcd: lease renewals etcd answered since this hub won.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease_renewals: Option<u64>,
+    /// Parts this hub could not read at start and set aside (`--set-aside-unreadable-state`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub set_aside: Vec<parts::SetAside>,
+    /// A fenced leader's peers' answer: another hub leads (this one forwards to it), or no
+    /// peer could be asked (`crate::hub::aside`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub aside: Option<crate::hub::aside::Aside>,
     /// With etcd, while the leader cannot renew its lead: why it grants and writes nothing
     /// (local work that passes goes on).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -78,18 +93,26 @@ impl StateStore {
 
     pub fn ha_view(&self) -> HaView {
         match self {
-            StateStore::File(_) => HaView {
+            StateStore::File(f) => HaView {
                 role: "single",
                 store: self.describe(),
+                leader: None,
                 epoch: None,
                 lease_ttl_s: None,
+                lease_renewals: None,
+                set_aside: f.recovery().taken(),
+                aside: None,
                 fenced: None,
             },
             StateStore::Etcd(e) => HaView {
                 role: "leader",
                 store: self.describe(),
+                leader: None,
                 epoch: Some(e.leadership().epoch),
                 lease_ttl_s: Some(e.leadership().ttl.as_secs()),
+                lease_renewals: e.leadership().fence.renewals(),
+                set_aside: e.recovery().taken(),
+                aside: None,
                 fenced: self
                     .fence()
                     .check(std::time::Instant::now())

@@ -7,7 +7,8 @@
 //! a Raft leader does) is tried on the next, and the endpoint that answered is tried first the
 //! next time. Every call is bounded by the per-endpoint timeout, so a store without quorum is
 //! an error within seconds, never a hang. With a user and password it authenticates and keeps
-//! the token (a [`Secret`]); a token etcd no longer knows is renewed once.
+//! the token (a [`Secret`]); a call refused for its token (unknown, older than an auth change,
+//! or without a user: [`needs_login`]) logs in again and is retried once.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -227,11 +228,15 @@ impl EtcdClient {
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
                 Err(EtcdError::Refused { message, .. })
-                    if !renewed
-                        && self.credentials.is_some()
-                        && message.contains("invalid auth token") =>
+                    if !renewed && self.credentials.is_some() && needs_login(&message) =>
                 {
-                    *self.token.lock().await = None;
+                    // Forget the token only if no other call has logged in again meanwhile.
+                    let mut stored = self.token.lock().await;
+                    let used = token.as_ref().map(Secret::expose);
+                    if stored.as_ref().map(Secret::expose) == used {
+                        *stored = None;
+                    }
+                    tracing::debug!(call = name, "etcd wants a new login; logging in again");
                     renewed = true;
                 }
                 other => return other,
@@ -348,6 +353,17 @@ impl EtcdClient {
         let body = json!({"key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix))});
         let answer = self.call("range", "/v3/kv/range", &body).await?;
         kvs("range", &answer)
+    }
+
+    /// The keys (no values) that start with `prefix`, in key order.
+    pub async fn keys_with_prefix(&self, prefix: &str) -> Result<Vec<String>, EtcdError> {
+        let body = json!({"key": b64(prefix.as_bytes()), "range_end": b64(&prefix_end(prefix)),
+            "keys_only": true});
+        let answer = self.call("range", "/v3/kv/range", &body).await?;
+        Ok(kvs("range", &answer)?
+            .into_iter()
+            .map(|kv| kv.key)
+            .collect())
     }
 
     /// Runs `success` if every compare holds, else `failure`.
@@ -604,9 +620,34 @@ fn kvs(call: &'static str, v: &Value) -> Result<Vec<Kv>, EtcdError> {
     Ok(out)
 }
 
+/// Whether etcd refused a call for its token rather than for what it asked: the token
+/// expired or is unknown (`invalid auth token`), was issued before an auth change (`revision
+/// of auth store is old`: any user, role or grant changed since), or carried no user (`user
+/// name is empty`: the member lost it). etcd's own Go client logs in again on exactly these.
+fn needs_login(message: &str) -> bool {
+    [
+        "invalid auth token",
+        "revision of auth store is old",
+        "user name is empty",
+    ]
+    .iter()
+    .any(|m| message.contains(m))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_older_than_an_auth_change_logs_in_again() {
+        assert!(needs_login("etcdserver: invalid auth token"));
+        assert!(needs_login("etcdserver: revision of auth store is old"));
+        assert!(needs_login("etcdserver: user name is empty"));
+        assert!(!needs_login("etcdserver: permission denied"));
+        assert!(!needs_login(
+            "etcdserver: authentication failed, invalid user ID or password"
+        ));
+    }
 
     #[test]
     fn prefix_ends_step_the_last_byte() {

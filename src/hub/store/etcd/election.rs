@@ -95,13 +95,14 @@ pub async fn current_leader(
         .and_then(|kv| Some((serde_json::from_slice(&kv.value).ok()?, kv.create_revision))))
 }
 
-/// Campaigns until this hub leads: `waiting` is told each leader seen while it waits.
+/// Campaigns until this hub leads: `waiting` is told each leader (and its epoch) seen while it
+/// waits.
 pub async fn campaign(
     client: &EtcdClient,
     prefix: &str,
     me: &LeaderRecord,
     ttl: Duration,
-    mut waiting: impl FnMut(&LeaderRecord),
+    mut waiting: impl FnMut(&LeaderRecord, i64),
 ) -> Result<Leadership, EtcdError> {
     let key = leader_key(prefix);
     let ttl_s = ttl.as_secs().max(1) as i64;
@@ -175,7 +176,7 @@ pub async fn campaign(
         {
             seen = Some(kv.create_revision);
             if let Ok(leader) = serde_json::from_slice::<LeaderRecord>(&kv.value) {
-                waiting(&leader);
+                waiting(&leader, kv.create_revision);
             }
         }
         loop {

@@ -5,18 +5,28 @@
 //! etcd caps a request at 1.5 MiB and a fingerprint can be close to that, so the state is kept
 //! in parts (`config`, each space, `projects`, `usage`, and what a leader hands to the next:
 //! the gate's `verdicts` and the `budget`'s learned window), each stored by digest:
-//! `<prefix>/blob/<part>/<sha256>/<n>` holds its chunks (512 KiB at most, a transaction
-//! each), and `<prefix>/state/<part>` names the digest, the chunk count and the length. A part
-//! is written only when its digest changed; its chunks go first and its name last, so a reader
-//! sees the old part or the new, whole and checked against its digest, never a mix.
+//! `<prefix>/blob/<part>/<sha256>/<n>` holds its chunks (512 KiB at most, a transaction each).
 //!
-//! A name is written by compare-and-set on the revision this hub last read or wrote it at (0:
-//! absent), beside the epoch guard: a space is founded only where no space of that id is
-//! stored, so two hubs that both believed they lead could never found two spaces for one
-//! role, and a part another writer changed is never overwritten blind.
+//! **A save is whole** (layout 2). Chunks are content-addressed and written first; then one
+//! root key, `<prefix>/state/root`, naming every part's digest, chunk count and length, is
+//! switched in a single transaction guarded by the epoch and by compare-and-set on the
+//! revision this hub last read or wrote it at (0: absent). A reader sees the old state or the
+//! new, never a mix of parts; a save that fails (fenced, deposed, refused) leaves the old root,
+//! and the chunks it wrote are deleted at once (or, when even that cannot be done, collected as
+//! orphans by the next leader's load: chunks no root names). A root write that got no answer
+//! is read back before the save answers, so an error means the store holds what memory holds.
+//! Two hubs that both believed they lead could never found two spaces for one role: the
+//! second root write fails its compare-and-set.
+//!
+//! The root carries the layout version: a hub of an older layout (which read each part's name
+//! under `<prefix>/state/`) finds a key it cannot parse there and refuses to load, and a hub
+//! refuses a layout newer than its own. A store of layout 1 (names per part, the same chunks)
+//! is moved to layout 2 by the first leader that loads it, in the one transaction that writes
+//! the root and deletes the old names.
 
 pub mod client;
 pub mod election;
+pub mod members;
 
 use std::collections::BTreeMap;
 
@@ -25,12 +35,19 @@ use sha2::{Digest, Sha256};
 
 use self::client::{Compare, EtcdClient, Op};
 use self::election::{Leadership, Standing};
+use super::parts::{self, Recovery};
 use crate::hub::state::{HubState, StateError};
 
 /// Chunks of a part: well under etcd's request cap, with room for the transaction around it.
 const CHUNK_BYTES: usize = 512 * 1024;
 
-/// A part's name record.
+/// The layout this hub reads and writes.
+pub const LAYOUT: u32 = 2;
+
+/// The root's name under `<prefix>/state/`.
+const ROOT: &str = "root";
+
+/// A part as the root names it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 struct PartRecord {
     sha256: String,
@@ -38,16 +55,47 @@ struct PartRecord {
     bytes: usize,
 }
 
-/// The parts as this hub knows them stored.
-#[derive(Debug, Default)]
+/// The root: the layout and every part of one whole state.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct RootRecord {
+    layout: u32,
+    parts: BTreeMap<String, PartRecord>,
+}
+
+impl RootRecord {
+    fn empty() -> Self {
+        Self {
+            layout: LAYOUT,
+            parts: BTreeMap::new(),
+        }
+    }
+
+    fn names(&self, part: &str, sha256: &str) -> bool {
+        self.parts.get(part).is_some_and(|r| r.sha256 == sha256)
+    }
+}
+
+/// The root as this hub knows it stored.
+#[derive(Debug)]
 struct Stored {
-    /// Each part's digest (what a save compares with), and the revision its name was last
-    /// written at (what the next write of it checks).
-    parts: BTreeMap<String, (String, i64)>,
-    /// Parts whose last name write failed without an answer (a timeout): it may have applied.
-    /// Their name is read again before the next write: as the only writer under this epoch,
-    /// what is there now is either the old name or the one this hub sent.
-    in_doubt: std::collections::BTreeSet<String>,
+    root: RootRecord,
+    /// The root's revision as this hub last read or wrote it (0: absent).
+    at: i64,
+    /// The last root write got no answer and could not be read back: read it again first.
+    in_doubt: bool,
+    /// Layout-1 names still in etcd: deleted by the next root write.
+    legacy: Vec<String>,
+}
+
+impl Default for Stored {
+    fn default() -> Self {
+        Self {
+            root: RootRecord::empty(),
+            at: 0,
+            in_doubt: false,
+            legacy: Vec::new(),
+        }
+    }
 }
 
 /// The store of the leading hub.
@@ -60,6 +108,8 @@ pub struct EtcdStore {
     standing: std::sync::Arc<tokio::sync::watch::Sender<Standing>>,
     /// What this hub knows is stored.
     stored: tokio::sync::Mutex<Stored>,
+    /// How a load treats a part it cannot read.
+    recovery: std::sync::Arc<Recovery>,
 }
 
 impl EtcdStore {
@@ -75,7 +125,18 @@ impl EtcdStore {
             leadership,
             standing,
             stored: tokio::sync::Mutex::new(Stored::default()),
+            recovery: std::sync::Arc::new(Recovery::refuse()),
         }
+    }
+
+    /// Unreadable parts are copied aside (into `state_dir`) and start from their defaults.
+    pub fn with_recovery(mut self, recovery: Recovery) -> Self {
+        self.recovery = std::sync::Arc::new(recovery);
+        self
+    }
+
+    pub fn recovery(&self) -> &Recovery {
+        &self.recovery
     }
 
     pub fn leadership(&self) -> &Leadership {
@@ -90,174 +151,329 @@ impl EtcdStore {
         &self.client
     }
 
-    fn state_key(&self, part: &str) -> String {
-        format!("{}/state/{part}", self.prefix)
+    fn state_key(&self, name: &str) -> String {
+        format!("{}/state/{name}", self.prefix)
     }
 
     fn blob_prefix(&self, part: &str, sha256: &str) -> String {
         format!("{}/blob/{part}/{sha256}/", self.prefix)
     }
 
-    /// The state as stored (a store that holds none yet: a fresh hub).
+    /// Whether the store holds no state at all (no root and no layout-1 part).
+    pub async fn is_empty(&self) -> Result<bool, StateError> {
+        Ok(self
+            .client
+            .keys_with_prefix(&self.state_key(""))
+            .await?
+            .is_empty())
+    }
+
+    /// The state as stored (a store that holds none yet: a fresh hub). A leader moves a
+    /// layout-1 store to layout 2 and collects the chunks no root names.
     pub async fn load(&self) -> Result<HubState, StateError> {
         let names = self.client.get_prefix(&self.state_key("")).await?;
-        let mut parts = BTreeMap::new();
-        let mut stored = BTreeMap::new();
-        for kv in names {
-            let part = kv.key[self.state_key("").len()..].to_string();
-            let record: PartRecord =
-                serde_json::from_slice(&kv.value).map_err(|e| StateError::Corrupt {
-                    at: kv.key.clone(),
-                    message: e.to_string(),
-                })?;
-            let chunks = self
-                .client
-                .get_prefix(&self.blob_prefix(&part, &record.sha256))
-                .await?;
-            let bytes: Vec<u8> = chunks.into_iter().flat_map(|kv| kv.value).collect();
-            if bytes.len() != record.bytes || sha256_hex(&bytes) != record.sha256 {
-                return Err(StateError::Corrupt {
-                    at: kv.key.clone(),
-                    message: format!(
-                        "its chunks ({} bytes) do not match the digest it names",
-                        bytes.len()
-                    ),
-                });
+        let root_key = self.state_key(ROOT);
+        let (root, at, legacy) = match names.iter().find(|kv| kv.key == root_key) {
+            Some(kv) => {
+                let root = read_root(&kv.key, &kv.value)?;
+                let others = names
+                    .iter()
+                    .filter(|n| n.key != root_key)
+                    .map(|n| n.key.clone())
+                    .collect();
+                (root, kv.mod_revision, others)
             }
-            stored.insert(part.clone(), (record.sha256, kv.mod_revision));
-            parts.insert(part, bytes);
-        }
-        let state = join(&parts).map_err(|message| StateError::Corrupt {
-            at: self.state_key(""),
-            message,
-        })?;
-        *self.stored.lock().await = Stored {
-            parts: stored,
-            in_doubt: Default::default(),
+            None => {
+                // Layout 1: a name per part, each a part record.
+                let mut root = RootRecord::empty();
+                for kv in &names {
+                    let record: PartRecord =
+                        serde_json::from_slice(&kv.value).map_err(|e| StateError::Corrupt {
+                            at: kv.key.clone(),
+                            message: e.to_string(),
+                        })?;
+                    root.parts
+                        .insert(kv.key[self.state_key("").len()..].to_string(), record);
+                }
+                (root, 0, names.iter().map(|kv| kv.key.clone()).collect())
+            }
         };
+        let mut state = HubState::fresh();
+        let mut kept = RootRecord::empty();
+        // `config` first: the other parts go into the state it makes.
+        let order = root
+            .parts
+            .iter()
+            .filter(|(p, _)| *p == "config")
+            .chain(root.parts.iter().filter(|(p, _)| *p != "config"));
+        for (part, record) in order {
+            let bytes = self.read_part(part, record).await?;
+            if self.decode_into(&mut state, part, &bytes)? {
+                kept.parts.insert(part.clone(), record.clone());
+            }
+        }
+        let mut stored = self.stored.lock().await;
+        *stored = Stored {
+            root,
+            at,
+            in_doubt: false,
+            legacy,
+        };
+        if !stored.legacy.is_empty() {
+            tracing::info!(
+                names = stored.legacy.len(),
+                "the store was written by an older hub (layout 1): moving it to layout {LAYOUT}"
+            );
+            let next = stored.root.clone();
+            self.switch_root(&mut stored, next, Vec::new()).await?;
+        }
+        self.collect_orphans(&stored).await;
         Ok(state)
     }
 
-    /// Writes the parts that changed, each guarded by this leader's epoch.
-    pub async fn save(&self, state: &HubState) -> Result<(), StateError> {
-        let parts = split(state);
-        let mut stored = self.stored.lock().await;
-        let doubts: Vec<String> = stored.in_doubt.iter().cloned().collect();
-        for part in doubts {
-            self.settle(&mut stored, &part).await?;
+    /// A part's chunks, checked against the digest the root names.
+    async fn read_part(&self, part: &str, record: &PartRecord) -> Result<Vec<u8>, StateError> {
+        let chunks = self
+            .client
+            .get_prefix(&self.blob_prefix(part, &record.sha256))
+            .await?;
+        let bytes: Vec<u8> = chunks.into_iter().flat_map(|kv| kv.value).collect();
+        if bytes.len() != record.bytes || sha256_hex(&bytes) != record.sha256 {
+            return Err(StateError::Corrupt {
+                at: format!("{} ({part})", self.state_key(ROOT)),
+                message: format!(
+                    "the chunks of {part} ({} bytes) do not match the digest the root names",
+                    bytes.len()
+                ),
+            });
         }
+        Ok(bytes)
+    }
+
+    /// Puts one part into `state`; false when it was set aside (it starts from its defaults).
+    fn decode_into(
+        &self,
+        state: &mut HubState,
+        part: &str,
+        bytes: &[u8],
+    ) -> Result<bool, StateError> {
+        let r = &self.recovery;
+        let kept = if part == "config" {
+            let before = r.taken().len();
+            let config = parts::decode_state(part, bytes, r)?;
+            *state = HubState {
+                spaces: std::mem::take(&mut state.spaces),
+                projects: std::mem::take(&mut state.projects),
+                project_usage: std::mem::take(&mut state.project_usage),
+                verdicts: std::mem::take(&mut state.verdicts),
+                budget: state.budget.take(),
+                ..config
+            };
+            r.taken().len() == before
+        } else if let Some(id) = part.strip_prefix("space/") {
+            parts::decode(part, bytes, r)?
+                .map(|space| state.spaces.insert(id.to_string(), space))
+                .is_some()
+        } else if part == "projects" {
+            parts::decode(part, bytes, r)?
+                .map(|v| state.projects = v)
+                .is_some()
+        } else if part == "usage" {
+            parts::decode(part, bytes, r)?
+                .map(|v| state.project_usage = v)
+                .is_some()
+        } else if part == "verdicts" {
+            parts::decode(part, bytes, r)?
+                .map(|v| state.verdicts = v)
+                .is_some()
+        } else if part == "budget" {
+            parts::decode(part, bytes, r)?
+                .map(|v| state.budget = Some(v))
+                .is_some()
+        } else {
+            tracing::warn!(
+                part,
+                "a stored part this hub does not know is left as it is"
+            );
+            true
+        };
+        Ok(kept)
+    }
+
+    /// Writes the parts that changed, then switches the root to the whole new state in one
+    /// transaction guarded by this leader's epoch: all of it lands, or none.
+    pub async fn save(&self, state: &HubState) -> Result<(), StateError> {
+        let parts = split(state)?;
+        let mut stored = self.stored.lock().await;
+        if stored.in_doubt {
+            self.settle(&mut stored).await?;
+        }
+        let mut next = RootRecord::empty();
+        let mut written = Vec::new();
         for (part, bytes) in &parts {
             let sha256 = sha256_hex(bytes);
-            let (old, at) = match stored.parts.get(part) {
-                Some((sha, at)) => (Some(sha.clone()), *at),
-                None => (None, 0),
+            let record = PartRecord {
+                sha256: sha256.clone(),
+                chunks: bytes.len().div_ceil(CHUNK_BYTES),
+                bytes: bytes.len(),
             };
-            if old.as_deref() == Some(sha256.as_str()) {
-                continue;
-            }
-            let blob = self.blob_prefix(part, &sha256);
-            let chunks: Vec<&[u8]> = if bytes.is_empty() {
-                Vec::new()
-            } else {
-                bytes.chunks(CHUNK_BYTES).collect()
-            };
-            for (n, chunk) in chunks.iter().enumerate() {
-                self.guarded(
-                    None,
-                    &[Op::Put {
+            if !stored.root.names(part, &sha256) {
+                let blob = self.blob_prefix(part, &sha256);
+                for (n, chunk) in bytes.chunks(CHUNK_BYTES).enumerate() {
+                    let put = Op::Put {
                         key: format!("{blob}{n:05}"),
                         value: chunk.to_vec(),
                         lease: None,
-                    }],
-                )
-                .await?;
-            }
-            let record = PartRecord {
-                sha256: sha256.clone(),
-                chunks: chunks.len(),
-                bytes: bytes.len(),
-            };
-            let name = serde_json::to_vec(&record).unwrap_or_default();
-            let mut ops = vec![Op::Put {
-                key: self.state_key(part),
-                value: name.clone(),
-                lease: None,
-            }];
-            if let Some(old) = &old {
-                ops.push(Op::DeletePrefix {
-                    prefix: self.blob_prefix(part, old),
-                });
-            }
-            let cas = NameWrite {
-                key: self.state_key(part),
-                at,
-                value: Some(&name),
-            };
-            let revision = match self.guarded(Some(&cas), &ops).await {
-                Ok(revision) => revision,
-                Err(e) => {
-                    if matches!(e, StateError::Etcd(_)) {
-                        stored.in_doubt.insert(part.clone());
+                    };
+                    if let Err(e) = self.guarded(None, &[put]).await {
+                        written.push(blob);
+                        self.discard(&stored, &written).await;
+                        return Err(e);
                     }
-                    return Err(e);
                 }
-            };
-            stored.parts.insert(part.clone(), (sha256, revision));
-        }
-        let gone: Vec<(String, String, i64)> = stored
-            .parts
-            .iter()
-            .filter(|(part, _)| !parts.contains_key(*part))
-            .map(|(p, (s, at))| (p.clone(), s.clone(), *at))
-            .collect();
-        for (part, sha256, at) in gone {
-            let cas = NameWrite {
-                key: self.state_key(&part),
-                at,
-                value: None,
-            };
-            let deleted = self
-                .guarded(
-                    Some(&cas),
-                    &[
-                        Op::Delete {
-                            key: self.state_key(&part),
-                        },
-                        Op::DeletePrefix {
-                            prefix: self.blob_prefix(&part, &sha256),
-                        },
-                    ],
-                )
-                .await;
-            if let Err(e) = deleted {
-                if matches!(e, StateError::Etcd(_)) {
-                    stored.in_doubt.insert(part.clone());
-                }
-                return Err(e);
+                written.push(blob);
             }
-            stored.parts.remove(&part);
+            next.parts.insert(part.clone(), record);
         }
-        Ok(())
+        if next == stored.root && stored.legacy.is_empty() {
+            return Ok(());
+        }
+        self.switch_root(&mut stored, next, written).await
     }
 
-    /// Reads a part's name again after a write of it that may or may not have applied.
-    async fn settle(&self, stored: &mut Stored, part: &str) -> Result<(), StateError> {
-        match self.client.get(&self.state_key(part)).await? {
-            Some(kv) => {
-                let record: PartRecord =
-                    serde_json::from_slice(&kv.value).map_err(|e| StateError::Corrupt {
-                        at: kv.key.clone(),
-                        message: e.to_string(),
-                    })?;
-                stored
-                    .parts
-                    .insert(part.to_string(), (record.sha256, kv.mod_revision));
+    /// The one write that makes `next` the stored state (deleting layout-1 names, if any);
+    /// then the chunks only the old root named go. On failure the chunks `written` by this
+    /// save go instead, and the old root stands.
+    async fn switch_root(
+        &self,
+        stored: &mut Stored,
+        next: RootRecord,
+        written: Vec<String>,
+    ) -> Result<(), StateError> {
+        let key = self.state_key(ROOT);
+        let value = serde_json::to_vec(&next).unwrap_or_default();
+        let mut ops = vec![Op::Put {
+            key: key.clone(),
+            value: value.clone(),
+            lease: None,
+        }];
+        ops.extend(
+            stored
+                .legacy
+                .iter()
+                .filter(|k| **k != key)
+                .map(|k| Op::Delete { key: k.clone() }),
+        );
+        let cas = NameWrite {
+            key: key.clone(),
+            at: stored.at,
+            value: Some(&value),
+        };
+        let outcome = match self.guarded(Some(&cas), &ops).await {
+            Err(StateError::Etcd(e)) => {
+                // No answer: whether it applied is read back now, so the caller's answer is
+                // the truth about the store.
+                match self.client.get(&key).await {
+                    Ok(Some(kv)) if kv.value == value => Ok(kv.mod_revision),
+                    Ok(_) => Err(StateError::Etcd(e)),
+                    Err(read) => {
+                        stored.in_doubt = true;
+                        tracing::warn!(error = %read, "a root write got no answer and cannot be read back; it is read again before the next save");
+                        return Err(StateError::Etcd(e));
+                    }
+                }
             }
-            None => {
-                stored.parts.remove(part);
+            other => other,
+        };
+        match outcome {
+            Ok(revision) => {
+                let old = std::mem::replace(&mut stored.root, next);
+                stored.at = revision;
+                stored.legacy.clear();
+                let replaced: Vec<String> = old
+                    .parts
+                    .iter()
+                    .filter(|(p, r)| !stored.root.names(p, &r.sha256))
+                    .map(|(p, r)| self.blob_prefix(p, &r.sha256))
+                    .collect();
+                self.discard(stored, &replaced).await;
+                Ok(())
+            }
+            Err(e) => {
+                self.discard(stored, &written).await;
+                Err(e)
             }
         }
-        stored.in_doubt.remove(part);
+    }
+
+    /// Deletes chunk prefixes the stored root does not name (best effort: what is left is
+    /// collected by the next leader's load).
+    async fn discard(&self, stored: &Stored, prefixes: &[String]) {
+        let ops: Vec<Op> = prefixes
+            .iter()
+            .filter(|p| {
+                !stored
+                    .root
+                    .parts
+                    .iter()
+                    .any(|(part, r)| **p == self.blob_prefix(part, &r.sha256))
+            })
+            .map(|p| Op::DeletePrefix { prefix: p.clone() })
+            .collect();
+        for batch in ops.chunks(64) {
+            if let Err(e) = self.guarded(None, batch).await {
+                tracing::warn!(error = %e, chunks = batch.len(), "chunks no root names were not deleted; the next leader collects them");
+                return;
+            }
+        }
+    }
+
+    /// Deletes every chunk no root names: left by a save that died between its chunks and its
+    /// root (a kill, a fence that closed midway).
+    async fn collect_orphans(&self, stored: &Stored) {
+        let blob_root = format!("{}/blob/", self.prefix);
+        let keys = match self.client.keys_with_prefix(&blob_root).await {
+            Ok(keys) => keys,
+            Err(e) => {
+                tracing::warn!(error = %e, "the store's chunks could not be listed; orphans stay until the next load");
+                return;
+            }
+        };
+        let mut orphans = std::collections::BTreeSet::new();
+        for key in keys {
+            // `<part>/<sha256>/<n>`: a part's name may hold slashes (`space/<id>`).
+            let rest = &key[blob_root.len()..];
+            let mut it = rest.rsplitn(3, '/');
+            let (_, sha, part) = (it.next(), it.next(), it.next());
+            if let (Some(sha), Some(part)) = (sha, part)
+                && !stored.root.names(part, sha)
+            {
+                orphans.insert(self.blob_prefix(part, sha));
+            }
+        }
+        if !orphans.is_empty() {
+            tracing::info!(
+                orphans = orphans.len(),
+                "collecting chunks no root names (a save that did not finish)"
+            );
+            let orphans: Vec<String> = orphans.into_iter().collect();
+            self.discard(stored, &orphans).await;
+        }
+    }
+
+    /// Reads the root again after a write of it that may or may not have applied.
+    async fn settle(&self, stored: &mut Stored) -> Result<(), StateError> {
+        match self.client.get(&self.state_key(ROOT)).await? {
+            Some(kv) => {
+                stored.root = read_root(&kv.key, &kv.value)?;
+                stored.at = kv.mod_revision;
+            }
+            None => {
+                stored.root = RootRecord::empty();
+                stored.at = 0;
+            }
+        }
+        stored.in_doubt = false;
         Ok(())
     }
 
@@ -336,8 +552,9 @@ fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 /// The state in parts: `config` (all but the spaces and projects), `space/<id>` each,
-/// `projects`, `usage` (the last two only when not empty).
-fn split(state: &HubState) -> BTreeMap<String, Vec<u8>> {
+/// `projects`, `usage`, `verdicts`, `budget` (the last four only when not empty); each checked
+/// to read back before anything is written.
+fn split(state: &HubState) -> Result<BTreeMap<String, Vec<u8>>, StateError> {
     let mut parts = BTreeMap::new();
     let config = HubState {
         spaces: BTreeMap::new(),
@@ -347,65 +564,56 @@ fn split(state: &HubState) -> BTreeMap<String, Vec<u8>> {
         budget: None,
         ..state.clone()
     };
-    parts.insert(
-        "config".to_string(),
-        serde_json::to_vec(&config).unwrap_or_default(),
-    );
+    parts.insert("config".to_string(), parts::encode("config", &config)?);
     for (id, space) in &state.spaces {
-        parts.insert(
-            format!("space/{id}"),
-            serde_json::to_vec(space).unwrap_or_default(),
-        );
+        let part = format!("space/{id}");
+        let bytes = parts::encode(&part, space)?;
+        parts.insert(part, bytes);
     }
     if !state.projects.is_empty() {
         parts.insert(
             "projects".to_string(),
-            serde_json::to_vec(&state.projects).unwrap_or_default(),
+            parts::encode("projects", &state.projects)?,
         );
     }
     if !state.project_usage.is_empty() {
         parts.insert(
             "usage".to_string(),
-            serde_json::to_vec(&state.project_usage).unwrap_or_default(),
+            parts::encode("usage", &state.project_usage)?,
         );
     }
     if !state.verdicts.is_empty() {
         parts.insert(
             "verdicts".to_string(),
-            serde_json::to_vec(&state.verdicts).unwrap_or_default(),
+            parts::encode("verdicts", &state.verdicts)?,
         );
     }
     if let Some(budget) = &state.budget {
-        parts.insert(
-            "budget".to_string(),
-            serde_json::to_vec(budget).unwrap_or_default(),
-        );
+        parts.insert("budget".to_string(), parts::encode("budget", budget)?);
     }
-    parts
+    Ok(parts)
 }
 
-/// The parts put back together (none: a fresh hub).
-fn join(parts: &BTreeMap<String, Vec<u8>>) -> Result<HubState, String> {
-    let mut state = match parts.get("config") {
-        Some(bytes) => serde_json::from_slice(bytes).map_err(|e| format!("config: {e}"))?,
-        None => HubState::fresh(),
-    };
-    for (part, bytes) in parts {
-        if let Some(id) = part.strip_prefix("space/") {
-            let space = serde_json::from_slice(bytes).map_err(|e| format!("{part}: {e}"))?;
-            state.spaces.insert(id.to_string(), space);
-        } else if part == "projects" {
-            state.projects = serde_json::from_slice(bytes).map_err(|e| format!("{part}: {e}"))?;
-        } else if part == "usage" {
-            state.project_usage =
-                serde_json::from_slice(bytes).map_err(|e| format!("{part}: {e}"))?;
-        } else if part == "verdicts" {
-            state.verdicts = serde_json::from_slice(bytes).map_err(|e| format!("{part}: {e}"))?;
-        } else if part == "budget" {
-            state.budget = serde_json::from_slice(bytes).map_err(|e| format!("{part}: {e}"))?;
-        }
+/// The root as stored: a layout newer than this hub's is refused, naming both.
+fn read_root(key: &str, bytes: &[u8]) -> Result<RootRecord, StateError> {
+    let layout = serde_json::from_slice::<serde_json::Value>(bytes)
+        .ok()
+        .and_then(|v| v.get("layout")?.as_u64());
+    if let Some(found) = layout
+        && found > u64::from(LAYOUT)
+    {
+        return Err(StateError::Corrupt {
+            at: key.to_string(),
+            message: format!(
+                "it was written by a newer hub (layout {found}; this hub reads layout {LAYOUT}): \
+                 upgrade this hub"
+            ),
+        });
     }
-    Ok(state)
+    serde_json::from_slice(bytes).map_err(|e| StateError::Corrupt {
+        at: key.to_string(),
+        message: e.to_string(),
+    })
 }
 
 #[cfg(test)]
@@ -413,13 +621,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parts_put_back_together_are_the_state() {
+    fn a_state_splits_into_parts_that_each_read_back_and_a_newer_layout_is_refused() {
         let mut state = HubState::fresh();
         state.config_revision = 7;
         state.budget_override = Some(3);
-        let parts = split(&state);
+        let parts = split(&state).unwrap();
         assert_eq!(parts.keys().collect::<Vec<_>>(), ["config"]);
-        assert_eq!(join(&parts).unwrap(), state);
-        assert_eq!(join(&BTreeMap::new()).unwrap(), HubState::fresh());
+        let back = parts::decode_state("config", &parts["config"], &Recovery::refuse()).unwrap();
+        assert_eq!(back, state);
+        let day = crate::hub::projects::usage::DayUsage {
+            cloud_usd: f64::NAN,
+            ..Default::default()
+        };
+        state.project_usage.insert("alpha".into(), day);
+        assert!(matches!(split(&state), Err(StateError::Unstorable { .. })));
+
+        let newer =
+            serde_json::to_vec(&serde_json::json!({"layout": LAYOUT + 1, "parts": {}})).unwrap();
+        let refused = read_root("/p/state/root", &newer).unwrap_err().to_string();
+        assert!(refused.contains("newer hub"), "{refused}");
+        let ours = serde_json::to_vec(&RootRecord::empty()).unwrap();
+        assert_eq!(
+            read_root("/p/state/root", &ours).unwrap(),
+            RootRecord::empty()
+        );
+        // A hub of layout 1 parses every name under state/ as a part record: the root is not
+        // one, so it refuses to load a layout-2 store.
+        assert!(serde_json::from_slice::<PartRecord>(&ours).is_err());
     }
 }

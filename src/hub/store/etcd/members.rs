@@ -1,0 +1,94 @@
+//! The hubs of a store, as each of them sees the others: every hub (standby or leader)
+//! registers its advertised URL under a lease of its own (`<prefix>/hubs/<id>`), renews it,
+//! and reads the list again every TTL. A leader cut off from etcd cannot read it any more, so
+//! it keeps the last list it read: those are the peers it asks who leads
+//! ([`crate::hub::aside`]).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::client::{EtcdClient, Op};
+
+/// The other hubs' advertised URLs, as last read (shared with whoever asks them).
+#[derive(Clone, Debug, Default)]
+pub struct Peers(Arc<Mutex<Vec<String>>>);
+
+impl Peers {
+    pub fn urls(&self) -> Vec<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set(&self, urls: Vec<String>) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = urls;
+    }
+}
+
+pub fn members_prefix(prefix: &str) -> String {
+    format!("{prefix}/hubs/")
+}
+
+/// Registers `url` as hub `id` under a lease of `ttl` and keeps the other hubs' list current,
+/// for the process's life (errors are retried: a hub works on without the list).
+pub fn register(
+    client: Arc<EtcdClient>,
+    prefix: &str,
+    id: String,
+    url: String,
+    ttl: Duration,
+) -> Peers {
+    let peers = Peers::default();
+    let list = peers.clone();
+    let members = members_prefix(prefix);
+    let key = format!("{members}{id}");
+    let ttl_s = ttl.as_secs().max(1) as i64;
+    tokio::spawn(async move {
+        let mut lease: Option<i64> = None;
+        loop {
+            let renewed = match lease {
+                Some(id) => client.keep_alive(id).await.ok().flatten().is_some(),
+                None => false,
+            };
+            if !renewed {
+                lease = match client.grant(ttl_s).await {
+                    Ok(l) => {
+                        let put = Op::Put {
+                            key: key.clone(),
+                            value: url.clone().into_bytes(),
+                            lease: Some(l.id),
+                        };
+                        match client.txn(&[], &[put], &[]).await {
+                            Ok(_) => Some(l.id),
+                            Err(e) => {
+                                tracing::debug!(error = %e, "this hub could not register itself in etcd; trying again");
+                                None
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "this hub could not register itself in etcd; trying again");
+                        None
+                    }
+                };
+            }
+            match client.get_prefix(&members).await {
+                Ok(kvs) => list.set(
+                    kvs.into_iter()
+                        .filter(|kv| kv.key != key)
+                        .filter_map(|kv| String::from_utf8(kv.value).ok())
+                        .collect(),
+                ),
+                Err(e) => {
+                    tracing::debug!(error = %e, "the hubs' list could not be read; keeping the last")
+                }
+            }
+            tokio::time::sleep(ttl / 3).await;
+        }
+    });
+    peers
+}
