@@ -126,6 +126,7 @@ impl Sim {
                     devices: Vec::new(),
                     instance: None,
                     config: HeldConfig::default(),
+                    suspensions: Vec::new(),
                 },
                 tx,
             )

@@ -184,6 +184,7 @@ async fn session(
         devices: devices(&providers),
         instance: Some(agent.instance().to_string()),
         config: agent.held_config(),
+        suspensions: agent.suspensions(),
     }));
 
     let max_frame = agent.opts.max_frame_bytes;
@@ -354,6 +355,7 @@ async fn session(
                         });
                     }
                     Ok(HubFrame::Welcome(_)) => {}
+                    Ok(HubFrame::Suspended(s)) => agent.note_suspension(s),
                     Err(e) => tracing::warn!(error = %e, "bad frame from the hub"),
                 }
             }

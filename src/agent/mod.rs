@@ -90,6 +90,8 @@ pub struct Agent {
     hub_at: std::sync::atomic::AtomicUsize,
     /// The highest leader epoch a hub welcomed this agent under (0: none yet).
     hub_epoch: std::sync::atomic::AtomicI64,
+    /// Suspensions hubs told this agent of (the last per verdict), reported in `hello`.
+    suspensions: Mutex<Vec<crate::protocol::Suspension>>,
     sessions: AtomicU64,
     /// Random per process: tells the hub a reconnect of this process from another process
     /// claiming the same id.
@@ -128,6 +130,7 @@ impl Agent {
             dials: watch::channel(0).0,
             hub_at: std::sync::atomic::AtomicUsize::new(0),
             hub_epoch: std::sync::atomic::AtomicI64::new(0),
+            suspensions: Mutex::default(),
             sessions: AtomicU64::new(0),
             instance: format!("{:016x}", rand::random::<u64>()),
         })
@@ -159,6 +162,30 @@ impl Agent {
     /// Whether this agent has a hub to dial at all.
     pub fn has_hub(&self) -> bool {
         !self.opts.hub_urls.is_empty()
+    }
+
+    /// A hub suspended one of this agent's providers: kept (the last per verdict, the newest
+    /// [`crate::protocol::MAX_REPORTED_SUSPENSIONS`]) for the next `hello`.
+    pub(crate) fn note_suspension(&self, s: crate::protocol::Suspension) {
+        tracing::warn!(provider = %s.provider, space = %s.space, reason = %s.reason, "the hub suspended a provider of this agent (drift)");
+        let mut all = self
+            .suspensions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        all.retain(|k| k.key != s.key);
+        all.push(s);
+        let over = all
+            .len()
+            .saturating_sub(crate::protocol::MAX_REPORTED_SUSPENSIONS);
+        all.drain(..over);
+    }
+
+    /// The suspensions to report in `hello`.
+    pub(crate) fn suspensions(&self) -> Vec<crate::protocol::Suspension> {
+        self.suspensions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     /// One more hub dial was attempted.

@@ -1,7 +1,9 @@
 //! What a leader on a shared store (etcd) hands to the next: the gate's settled verdicts, so a
 //! failover does not probe and pay for every cloud provider again, and what the cloud budget
 //! learned (the account's limits, the latency, the limits a 429 taught). Both are checkpointed
-//! every few seconds when they changed, never per call, and never from the dispatch path.
+//! every few seconds when they changed, never per call, and never from the dispatch path; a
+//! suspension is written at the next tick (a quarter second), and its agent is told of it
+//! (`gate/reported`), so a suspension outlives a leader that dies before the write.
 //! The budget's RPM window is not checkpointed: a new leader counts it as full for one window
 //! ([`crate::hub::budget::Budget::take_over`]). A hub on a state file hands nothing over: it
 //! starts as it always did.
@@ -36,9 +38,14 @@ impl Hub {
         }
         let now = now_ms();
         let last = self.inner.handover_saved_ms.load(Ordering::Relaxed);
-        if now.saturating_sub(last) < HANDOVER_CHECKPOINT_MS
+        // A suspension is stored at once: a new leader must never restore the pass before it.
+        let urgent = self.core().gate.take_urgent();
+        if (!urgent && now.saturating_sub(last) < HANDOVER_CHECKPOINT_MS)
             || self.inner.store.fence().check(Instant::now()).is_err()
         {
+            if urgent {
+                self.core().gate.mark_urgent();
+            }
             return;
         }
         let (verdicts, budget) = {
@@ -62,7 +69,12 @@ impl Hub {
         next.budget = Some(budget);
         match self.persist(next).await {
             Ok(next) => *self.lock_state() = next,
-            Err(e) => tracing::warn!(error = %e, "the handover could not be saved; trying again"),
+            Err(e) => {
+                if urgent {
+                    self.core().gate.mark_urgent();
+                }
+                tracing::warn!(error = %e, "the handover could not be saved; trying again")
+            }
         }
     }
 }

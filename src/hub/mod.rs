@@ -507,6 +507,7 @@ impl Hub {
                     core.expire(now);
                     core.discover_if_due(now);
                     core.gate_tick(now);
+                    core.tell_suspensions();
                     core.gate.take_dirty()
                 };
                 if let Some(spaces) = spaces {

@@ -231,6 +231,14 @@ mod tests {
                 config_revision: Some(3),
                 key_generation: Some("kg-0123".into()),
             },
+            suspensions: vec![Suspension {
+                provider: "embedding".into(),
+                key: "gpu-1/embedding|m@-|-|local|-|embedding:m:384".into(),
+                space: "embedding:m:384".into(),
+                generation: 7,
+                reason: "canary at cosine 0.95".into(),
+                at_ms: 1_700_000_000_000,
+            }],
         }));
         round_trip_agent(AgentFrame::Providers {
             providers: vec![provider()],
@@ -329,6 +337,14 @@ mod tests {
             lease_ms: 120_000,
             pings: true,
             epoch: Some(42),
+        }));
+        round_trip_hub(HubFrame::Suspended(Suspension {
+            provider: "embedding".into(),
+            key: "gpu-1/embedding|m@-|-|local|-|embedding:m:384".into(),
+            space: "embedding:m:384".into(),
+            generation: 7,
+            reason: "canary at cosine 0.95".into(),
+            at_ms: 1,
         }));
         round_trip_hub(HubFrame::Error {
             message: "no".into(),

@@ -82,6 +82,24 @@ pub enum HubFrame {
     },
     /// Ask the account's limits with the pushed key (answered by `limits`).
     Discover,
+    /// The gate suspended one of this agent's providers (drift): the agent keeps it and
+    /// reports it in its next `hello`, so a leader that could not store it is not forgotten.
+    Suspended(Suspension),
+}
+
+/// A suspension as the hub that made it told the agent (and the agent tells the next hub).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Suspension {
+    /// The agent's provider id.
+    pub provider: String,
+    /// The gate's verdict key (opaque to the agent: provider, model, upstream, width, space).
+    pub key: String,
+    pub space: String,
+    /// The space's generation it was judged for.
+    pub generation: u64,
+    pub reason: String,
+    /// When the hub suspended it (ms since the Unix epoch).
+    pub at_ms: u64,
 }
 
 /// Refusals an agent acts on rather than just logs.
@@ -134,7 +152,14 @@ pub struct Hello {
     /// generation of the key it holds (absent: no key).
     #[serde(flatten)]
     pub config: HeldConfig,
+    /// Suspensions a hub told this agent of (the last per provider and space, at most
+    /// [`MAX_REPORTED_SUSPENSIONS`]): the next leader honours those newer than its verdict.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub suspensions: Vec<Suspension>,
 }
+
+/// The most suspensions a `hello` carries (and a hub reads).
+pub const MAX_REPORTED_SUSPENSIONS: usize = 64;
 
 /// Which of the hub's configs an agent holds (`hello` and every `heartbeat` say it): the hub
 /// serves an agent's cloud providers only while it holds the current key generation and

@@ -539,3 +539,79 @@ async fn cloud_vectors_all_clean(
     }
     from_cloud
 }
+
+/// Hubs on etcd (issue 40): a suspension the leader made just before it died is never
+/// forgotten by the next, whether the write reached etcd or only its agent knew it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspension_outlives_a_leader_killed_right_after_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let embedder = minilm_embedder().await;
+    let up = upstream(Some(embedder.clone())).await;
+    let cluster = crate::etcd_cluster::Cluster::start(dir.path()).await;
+    let (mut a, b) = crate::ha::leader_and_standby(dir.path(), &cluster).await;
+    let both = |more: &str| format!("hub_urls = [\"{}\"]\n{more}", b.ws_url());
+    let _gpu = start_agent_toml(
+        dir.path(),
+        &a.ws_url(),
+        &a.fleet_file,
+        "gpu",
+        &both(&crate::support::minilm_models_toml()),
+        &[],
+    );
+    let _cloud = start_agent_toml(
+        dir.path(),
+        &a.ws_url(),
+        &a.fleet_file,
+        "cloud-a",
+        &both(&format!("openrouter_url = \"{}\"", up.base_url)),
+        &[],
+    );
+    a.wait_for_agent("gpu").await;
+    a.wait_for_agent("cloud-a").await;
+    push(&a, "aggregate").await;
+    verdict(&a, "gpu/embedding", &["pass"]).await;
+    let pass = verdict(&a, "cloud-a/", &["pass"]).await;
+    let provider = pass["provider"].as_str().unwrap().to_string();
+    // The pass is in etcd: a next leader would restore it.
+    eventually("the pass is stored", || async {
+        cluster
+            .stored_parts("/fantom-sidecar")
+            .await
+            .contains(&"verdicts".to_string())
+            .then_some(())
+    })
+    .await;
+
+    up.state.set_cosine_after(SLUG, 6, 0.95);
+    rounds_until_drifted(&a, &up, None).await;
+    let suspended = verdict(&a, "cloud-a/", &["suspended"]).await;
+    assert_eq!(suspended["caught_by"], "canary", "{suspended}");
+    // Killed at once: well within the handover's 5 s checkpoint period.
+    a.proc.kill();
+    crate::ha::leads(&b).await;
+    b.wait_for_agent("cloud-a").await;
+    let status = b.status().await;
+    let now = status["gate"]["verdicts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["provider"] == provider.as_str())
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        now["state"], "suspended",
+        "the new leader never restores the pass: {now}"
+    );
+    b.wait_for_agent("gpu").await;
+    verdict(&b, "gpu/embedding", &["pass"]).await;
+    let data = embed(&b, 40, "after the failover").await;
+    assert_eq!(backends(&data).1, 0, "nothing from the suspended route");
+
+    // Only an operator's verify lifts it, and only once the route is clean again.
+    up.state.set_cosine(SLUG, None);
+    let (code, body) = b
+        .post_admin("/admin/gate/verify", &json!({"provider": provider}))
+        .await;
+    assert_eq!(code, 200, "{body}");
+    verdict(&b, "cloud-a/", &["pass"]).await;
+}

@@ -88,6 +88,15 @@ impl Core {
             self.requeue_session_leases(&hello.agent_id, old.session);
         }
         self.gate.agent_reconnected(&hello.agent_id);
+        for reported in hello
+            .suspensions
+            .iter()
+            .take(crate::protocol::MAX_REPORTED_SUSPENSIONS)
+        {
+            if self.gate.honour_reported(&hello.agent_id, reported) {
+                tracing::warn!(agent = %hello.agent_id, provider = %reported.provider, space = %reported.space, "an earlier leader's suspension, reported by the agent, is honoured");
+            }
+        }
         self.scorer_check.agent_reconnected(&hello.agent_id);
         let session = self.next_session;
         self.next_session += 1;
@@ -134,6 +143,17 @@ impl Core {
         self.gate_tick(Instant::now());
         self.dispatch_all();
         Ok(session)
+    }
+
+    /// Tells each agent of the suspensions of its providers made since the last call: it
+    /// reports them to the next leader in its `hello` (`gate/reported`).
+    pub fn tell_suspensions(&mut self) {
+        for (agent, s) in self.gate.take_suspensions() {
+            if let Some(a) = self.agents.get(&agent) {
+                let frame = crate::protocol::encode(&crate::protocol::HubFrame::Suspended(s));
+                let _ = a.tx.send(Outgoing::Frame(frame));
+            }
+        }
     }
 
     /// Asks every connected agent's socket to close with `reason` (a hub stepping aside: the

@@ -66,6 +66,7 @@ fn connect_with(
                     config_revision: Some(core.config_revision().revision),
                     key_generation: core.config_revision().key_generation.clone(),
                 },
+                suspensions: Vec::new(),
             },
             tx,
         )
@@ -381,6 +382,7 @@ fn hello_as(agent: &str, instance: Option<&str>) -> Hello {
         devices: Vec::new(),
         instance: instance.map(str::to_string),
         config: Default::default(),
+        suspensions: Vec::new(),
     }
 }
 

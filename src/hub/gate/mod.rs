@@ -21,6 +21,7 @@
 //! every embedding lease.
 
 pub mod measure;
+mod reported;
 mod stored;
 mod view;
 
@@ -34,7 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use self::measure::{Evidence, Judgement, check_shape, judge, probe_texts};
 use super::now_ms;
-use crate::protocol::Backend;
+use crate::protocol::{Backend, Suspension};
 use crate::roles::{Policy, Role};
 
 /// The gate's settings.
@@ -240,8 +241,8 @@ pub struct VerdictEntry {
     /// Probe answers judged for this verdict (the first check and every sentinel re-probe;
     /// probes that did not come back are not counted).
     pub checks: u64,
-    /// What caught a suspended provider: `sentinel` (a re-probe) or `canary` (a probe text
-    /// inside its work).
+    /// What caught a suspended provider: `sentinel` (a re-probe), `canary` (a probe text
+    /// inside its work) or `agent` (an earlier leader's suspension its agent reported).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub caught_by: Option<&'static str>,
     #[serde(skip)]
@@ -251,6 +252,9 @@ pub struct VerdictEntry {
     sentinel_failures: u32,
     #[serde(skip)]
     probe: Option<(String, Instant)>,
+    /// Suspended since the agent was last told ([`Gate::take_suspensions`]).
+    #[serde(skip)]
+    untold: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -300,6 +304,12 @@ pub struct Gate {
     /// Roles whose fingerprint probe this round waits for a budget permit
     /// ([`Gate::withdraw`]): still being founded, as far as a client is concerned.
     fingerprint_waits: BTreeSet<Role>,
+    /// Suspensions agents reported (an earlier leader's) for verdicts this gate has not
+    /// judged yet, by verdict key: the first judgement of that key is a suspension.
+    reported: BTreeMap<String, Suspension>,
+    /// A suspension since the verdicts were last stored: they are stored now, not at the next
+    /// checkpoint ([`Gate::take_urgent`]).
+    urgent: bool,
 }
 
 impl Gate {
@@ -330,6 +340,8 @@ impl Gate {
             widths: BTreeMap::new(),
             retired: BTreeMap::new(),
             fingerprint_waits: BTreeSet::new(),
+            reported: BTreeMap::new(),
+            urgent: false,
         }
     }
 
@@ -557,6 +569,7 @@ impl Gate {
                 next_check: None,
                 sentinel_failures: 0,
                 probe: None,
+                untold: false,
             });
         entry.probe = Some((probe.clone(), now));
         self.pending.insert(
@@ -587,6 +600,9 @@ impl Gate {
         next_check: Option<Instant>,
     ) {
         let key = verdict_key(c, space);
+        let before = verdict.clone();
+        let verdict = self.unless_reported(&key, verdict);
+        let reported = verdict != before;
         let entry = VerdictEntry {
             provider: c.provider.clone(),
             role: c.role,
@@ -596,10 +612,11 @@ impl Gate {
             reference,
             checked_at_ms: Some(now_ms()),
             checks: 1,
-            caught_by: None,
-            next_check,
+            caught_by: reported.then_some("agent"),
+            next_check: if reported { None } else { next_check },
             sentinel_failures: 0,
             probe: None,
+            untold: false,
         };
         self.verdicts.insert(key, entry);
     }
@@ -779,7 +796,28 @@ impl Gate {
                 };
                 entry.checked_at_ms = Some(now_ms());
                 entry.checks += 1;
+                let generation = s.generation;
                 match judgement {
+                    Judgement::Pass { evidence }
+                        if self
+                            .reported
+                            .get(&p.key)
+                            .is_some_and(|r| r.generation == generation) =>
+                    {
+                        // An earlier leader suspended it and could not store that: its agent
+                        // said so. Only an operator's verify lifts it.
+                        let r = self.reported.remove(&p.key).map(|r| r.reason);
+                        suspend(
+                            entry,
+                            format!(
+                                "suspended by an earlier leader (reported by its agent): {}",
+                                r.unwrap_or_default()
+                            ),
+                            "agent",
+                        );
+                        entry.untold = false;
+                        entry.evidence = Some(evidence);
+                    }
                     Judgement::Pass { evidence } => {
                         entry.sentinel_failures = 0;
                         if entry.verdict != Verdict::Pass {
@@ -974,6 +1012,9 @@ impl Gate {
         let before = self.verdicts.len();
         self.verdicts
             .retain(|_, e| provider.is_some_and(|p| p != e.provider) || e.probe.is_some());
+        // An operator's verify is what lifts a suspension an agent reported, too.
+        self.reported
+            .retain(|key, _| provider.is_some_and(|p| !key.starts_with(&format!("{p}|"))));
         before - self.verdicts.len()
     }
 
@@ -1032,4 +1073,5 @@ fn suspend(entry: &mut VerdictEntry, reason: String, by: &'static str) {
     entry.next_check = None;
     // A sentinel probe still out must not lift it when it comes back clean.
     entry.probe = None;
+    entry.untold = true;
 }

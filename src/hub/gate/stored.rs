@@ -92,11 +92,13 @@ impl Gate {
                     caught_by: match v.caught_by.as_deref() {
                         Some("sentinel") => Some("sentinel"),
                         Some("canary") => Some("canary"),
+                        Some("agent") => Some("agent"),
                         _ => None,
                     },
                     next_check,
                     sentinel_failures: 0,
                     probe: None,
+                    untold: false,
                 },
             );
             taken += 1;

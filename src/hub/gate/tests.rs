@@ -157,6 +157,76 @@ mod basics {
     }
 
     #[test]
+    fn a_suspension_is_told_to_its_agent_and_a_reported_one_is_honoured_until_a_verify() {
+        let t = Instant::now();
+        let (mut g, cands) = sole_cloud_anchor(t);
+        let later = t + Duration::from_secs(600);
+        let p = tick(&mut g, later, &cands, Policy::Cloud);
+        g.on_result(&p[0].probe, Ok(vectors(0.97)), later);
+        let told = g.take_suspensions();
+        assert!(g.take_urgent(), "a suspension is stored at once");
+        assert_eq!(told.len(), 1);
+        let (agent, notice) = told[0].clone();
+        assert_eq!(
+            (agent.as_str(), notice.provider.as_str()),
+            ("a", "cloud:embedding:1")
+        );
+        assert!(g.take_suspensions().is_empty(), "told once");
+
+        // The next leader restored the older pass (the suspension never reached the store).
+        let stored = {
+            let mut s = g.stored_verdicts();
+            for v in s.values_mut() {
+                v.verdict = Verdict::Pass;
+                v.checked_at_ms = Some(notice.at_ms - 1);
+            }
+            s
+        };
+        let spaces = g.spaces.clone();
+        let mut next = Gate::new(GateSettings::default(), spaces);
+        assert_eq!(next.restore_verdicts(&stored, later), 1);
+        assert!(tick(&mut next, later, &cands, Policy::Cloud).is_empty());
+        assert!(next.serving_space(&cands[0]).is_some(), "the stale pass");
+        // Another agent cannot report it; the provider's own can.
+        assert!(!next.honour_reported("b", &notice));
+        assert!(next.honour_reported("a", &notice));
+        assert!(next.serving_space(&cands[0]).is_none(), "honoured");
+        assert!(next.take_urgent(), "and stored");
+        assert!(
+            next.take_suspensions().is_empty(),
+            "its agent knows already"
+        );
+        // Reported again at the next reconnect: nothing changes.
+        assert!(!next.honour_reported("a", &notice));
+        // An operator's verify judges it again; a clean probe passes, and an older report
+        // no longer applies.
+        next.reverify(Some("a/cloud:embedding:1"));
+        let p = tick(&mut next, later, &cands, Policy::Cloud);
+        next.on_result(&p[0].probe, Ok(vectors(1.0)), later);
+        assert!(next.serving_space(&cands[0]).is_some());
+        assert!(
+            !next.honour_reported("a", &notice),
+            "judged after the suspension"
+        );
+
+        // A gate that has not judged the provider yet: its first judgement is the suspension.
+        let mut fresh = Gate::new(GateSettings::default(), g.spaces.clone());
+        assert!(
+            !fresh.honour_reported("a", &notice),
+            "kept for the first judgement"
+        );
+        let p = tick(&mut fresh, later, &cands, Policy::Cloud);
+        assert_eq!(p.len(), 1, "{p:?}");
+        fresh.on_result(&p[0].probe, Ok(vectors(1.0)), later);
+        assert!(
+            fresh.serving_space(&cands[0]).is_none(),
+            "a clean probe does not lift it"
+        );
+        let v = fresh.view(&BTreeMap::new());
+        assert_eq!(v.verdicts[0].caught_by, Some("agent"));
+    }
+
+    #[test]
     fn a_sentinel_probe_out_when_a_canary_suspends_still_times_out() {
         let t = Instant::now();
         let (mut g, cands) = sole_cloud_anchor(t);

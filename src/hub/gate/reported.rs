@@ -1,0 +1,103 @@
+//! Suspensions that outlive the leader that made them. A suspension (drift caught by a canary
+//! or the sentinel) is told to the agent whose provider it is ([`Gate::take_suspensions`]), and
+//! the hub writes the verdicts at once rather than at the next checkpoint. If the leader dies,
+//! or is fenced, before the write lands, the agent reports the suspension in its next `hello`
+//! and the next leader honours it ([`Gate::honour_reported`]): a verdict judged before the
+//! suspension (a pass the store handed over) is suspended; a key it has not judged yet is
+//! suspended at its first judgement. Only an operator's verify lifts it
+//! ([`Gate::reverify`]); a verdict judged after the suspension (a verify that passed) stands.
+
+use super::{Gate, Suspension, Verdict, suspend};
+
+impl Gate {
+    /// Suspensions made since the last call, as the agents are told them (the agent's id, the
+    /// notice). Non-empty: the verdicts are to be stored now.
+    pub fn take_suspensions(&mut self) -> Vec<(String, Suspension)> {
+        let mut told = Vec::new();
+        for (key, e) in self.verdicts.iter_mut().filter(|(_, e)| e.untold) {
+            e.untold = false;
+            let (Some(generation), Verdict::Suspended { reason }) =
+                (self.spaces.get(&e.space).map(|s| s.generation), &e.verdict)
+            else {
+                continue;
+            };
+            let Some((agent, provider)) = e.provider.split_once('/') else {
+                continue;
+            };
+            self.urgent = true;
+            told.push((
+                agent.to_string(),
+                Suspension {
+                    provider: provider.to_string(),
+                    key: key.clone(),
+                    space: e.space.clone(),
+                    generation,
+                    reason: reason.clone(),
+                    at_ms: e.checked_at_ms.unwrap_or(0),
+                },
+            ));
+        }
+        told
+    }
+
+    /// A suspension agent `agent` reports (made by an earlier leader): honoured when it is of
+    /// this agent's provider, for a space of the same generation, and newer than this gate's
+    /// own verdict of it. Whether it changed anything (the verdicts are then to be stored).
+    pub fn honour_reported(&mut self, agent: &str, s: &Suspension) -> bool {
+        if !s.key.starts_with(&format!("{agent}/{}|", s.provider))
+            || self.generation(&s.space) != Some(s.generation)
+        {
+            return false;
+        }
+        let reason = format!(
+            "suspended by an earlier leader (reported by its agent): {}",
+            s.reason
+        );
+        match self.verdicts.get_mut(&s.key) {
+            Some(e) => {
+                let judged_before = e.checked_at_ms.is_none_or(|at| at < s.at_ms);
+                let lifts = matches!(
+                    e.verdict,
+                    Verdict::Suspended { .. } | Verdict::Refused { .. }
+                );
+                if !judged_before || lifts {
+                    return false;
+                }
+                suspend(e, reason, "agent");
+                e.checked_at_ms = Some(s.at_ms);
+                // The agent knows already.
+                e.untold = false;
+                self.urgent = true;
+                true
+            }
+            None => {
+                self.reported.insert(s.key.clone(), s.clone());
+                false
+            }
+        }
+    }
+
+    /// Whether the verdicts are to be stored now (a suspension since the last store); reset.
+    pub fn take_urgent(&mut self) -> bool {
+        std::mem::take(&mut self.urgent)
+    }
+
+    /// The store did not take them: they are tried again at the next tick.
+    pub fn mark_urgent(&mut self) {
+        self.urgent = true;
+    }
+
+    /// The verdict a first judgement of `key` records: a suspension an agent reported wins
+    /// over a pass.
+    pub(super) fn unless_reported(&mut self, key: &str, verdict: Verdict) -> Verdict {
+        match (self.reported.remove(key), &verdict) {
+            (Some(s), Verdict::Pass) => Verdict::Suspended {
+                reason: format!(
+                    "suspended by an earlier leader (reported by its agent): {}",
+                    s.reason
+                ),
+            },
+            _ => verdict,
+        }
+    }
+}
