@@ -7,6 +7,11 @@
 //!   failure, as a retrying client would). The leader is killed (SIGKILL); measured: the time
 //!   from the kill to the first request served after it, and the requests that failed in
 //!   between. The killed hub is started again on its port (it stands by) before the next kill.
+//! * **Faults a kill does not show**, 3 runs each: the leader frozen (SIGSTOP; measured like a
+//!   kill, then SIGCONT: it exits 75 and is started again), and the leader cut off from etcd
+//!   only (its etcd traffic through a loopback cutter; measured: the time from the cut until a
+//!   request sent to its address is served by the new leader, forwarded after it stepped
+//!   aside).
 //! * **Dispatch**: items/s over 200 requests of 1 000 texts, 8 in flight, through the leader on
 //!   etcd and through a hub on a state file, with the same ten agents: the hot path never
 //!   touches the store, so the two should not differ beyond the runs' spread.
@@ -64,6 +69,8 @@ mod support {
 use null_provider::{items_per_s, null_agent};
 
 const KILLS: usize = 10;
+/// Frozen leaders, and leaders cut off from etcd only.
+const FAULT_RUNS: usize = 3;
 const AGENTS: usize = 10;
 const CLIENTS: usize = 8;
 const BIG_REQUESTS: usize = 200;
@@ -98,6 +105,32 @@ fn start_hub(listen: &str, tokens: &Path, state: &Path, etcd: Option<&str>) -> H
     }
     let (child, addr) = hub_process::spawn_hub(cmd);
     HubProcess { child, addr }
+}
+
+/// Sends signal `name` (`STOP`, `CONT`) to `child`.
+fn signal(child: &Child, name: &str) {
+    let sent = Command::new("kill")
+        .args([format!("-{name}"), child.id().to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(sent, "kill -{name}");
+}
+
+/// The time from `since` to the answer of the first request sent after it that was served.
+async fn first_served_after(
+    served: &Mutex<Vec<(Instant, Instant)>>,
+    since: Instant,
+) -> Duration {
+    support::eventually("a request sent after the fault is served", || async {
+        served
+            .lock()
+            .expect("the log")
+            .iter()
+            .filter(|(sent, _)| *sent > since)
+            .map(|(_, done)| done.duration_since(since))
+            .min()
+    })
+    .await
 }
 
 /// Whether `addr` serves a one-text embedding now.
@@ -231,9 +264,83 @@ fn main() {
             })
             .await;
         }
+        // Frozen leaders: SIGSTOP, the time until a request sent after it is served (the
+        // standby leads after the TTL; the agents pass the frozen hub over), then SIGCONT (the
+        // woken hub exits 75: its lease is gone) and it is started again.
+        let mut frozen_rows = Vec::new();
+        for run in 1..=FAULT_RUNS {
+            let leader = if leads(&client, addrs[0]).await { 0 } else { 1 };
+            let failed_before = failed.load(Ordering::Relaxed);
+            signal(&hubs[leader].child, "STOP");
+            let stopped = Instant::now();
+            let took = first_served_after(&served, stopped).await;
+            let lost = failed.load(Ordering::Relaxed) - failed_before;
+            println!(
+                "freeze {run}: served again {:.2} s after the SIGSTOP; {lost} requests failed",
+                took.as_secs_f64()
+            );
+            frozen_rows.push((took.as_secs_f64(), lost));
+            signal(&hubs[leader].child, "CONT");
+            let _ = hubs[leader].child.wait();
+            hubs[leader] = start_hub(&listens[leader], &tokens, &state(leader), Some(&endpoints));
+            support::eventually("the frozen hub stands by", || async {
+                (!leads(&client, addrs[leader]).await).then_some(())
+            })
+            .await;
+        }
         stop.store(true, Ordering::Relaxed);
         for l in load {
             let _ = l.await;
+        }
+
+        // A leader cut off from etcd (its etcd traffic through a cutter), not from its agents
+        // and clients: the time until the new leader serves a request sent to the cut hub's
+        // address (forwarded after it stepped aside).
+        let cutter = etcd_cluster::Cutter::start(&cluster.first_url()).await;
+        let mut cut_rows = Vec::new();
+        for run in 1..=FAULT_RUNS {
+            // Hub 0 reaches etcd through the cutter only, and leads.
+            let _ = hubs[0].child.kill();
+            let _ = hubs[0].child.wait();
+            hubs[0] = start_hub(&listens[0], &tokens, &state(0), Some(&cutter.url));
+            if !leads(&client, addrs[0]).await {
+                let _ = hubs[1].child.kill();
+                let _ = hubs[1].child.wait();
+                support::eventually("hub 0 leads", || async {
+                    leads(&client, addrs[0]).await.then_some(())
+                })
+                .await;
+                hubs[1] = start_hub(&listens[1], &tokens, &state(1), Some(&endpoints));
+            }
+            support::eventually("hub 1 stands by", || async {
+                (!leads(&client, addrs[1]).await).then_some(())
+            })
+            .await;
+            support::eventually("the fleet serves through hub 0", || async {
+                serves(&client, addrs[0]).await.then_some(())
+            })
+            .await;
+            cutter.cut_after(0);
+            let cut = Instant::now();
+            let took = support::eventually("the new leader serves through the cut hub", || async {
+                let r = client
+                    .post(format!("http://{}/v1/embeddings", addrs[0]))
+                    .json(&serde_json::json!({"model": "embedding", "input": ["cut"]}))
+                    .timeout(Duration::from_secs(10))
+                    .send()
+                    .await
+                    .ok()?;
+                (r.status().is_success() && r.headers().contains_key("x-fantom-forwarded-by"))
+                    .then(|| cut.elapsed())
+            })
+            .await;
+            println!(
+                "partition {run}: the new leader served through the cut hub {:.2} s after the cut",
+                took.as_secs_f64()
+            );
+            cut_rows.push(took.as_secs_f64());
+            cutter.heal();
+            let _ = hubs[0].child.wait();
         }
 
         // The same fleet on a hub with a state file.
@@ -261,6 +368,22 @@ fn main() {
             times[times.len() - 1],
             rows.iter().map(|r| r.1).sum::<u64>()
         );
+        println!("\nfrozen leader (SIGSTOP, {FAULT_RUNS} runs) and a leader cut off from etcd only ({FAULT_RUNS} runs), TTL {TTL_S} s:");
+        println!("| fault | served by the new leader after (median, worst) | requests failed |");
+        println!("|---|---:|---:|");
+        let summary = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            (latency::percentile(&v, 0.5), v[v.len() - 1])
+        };
+        let (m, w) = summary(times.clone());
+        println!("| kill -9 | {m:.2} s, {w:.2} s | {} |", rows.iter().map(|r| r.1).sum::<u64>());
+        let (m, w) = summary(frozen_rows.iter().map(|r| r.0).collect());
+        println!(
+            "| SIGSTOP | {m:.2} s, {w:.2} s | {} |",
+            frozen_rows.iter().map(|r| r.1).sum::<u64>()
+        );
+        let (m, w) = summary(cut_rows.clone());
+        println!("| etcd-only partition (through the cut hub) | {m:.2} s, {w:.2} s | — |");
         println!("\ndispatch (200 requests of 1 000 texts, 8 in flight, {AGENTS} agents):");
         println!("| store | items/s |");
         println!("|---|---:|");
