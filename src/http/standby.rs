@@ -109,6 +109,7 @@ fn ha_view(leader: &SeenLeader, me: &StandbySelf) -> HaView {
         lease_ttl_s: None,
         lease_renewals: None,
         set_aside: Vec::new(),
+        peers: None,
         aside: None,
         fenced: None,
     }

@@ -122,7 +122,22 @@ impl Hub {
 
     /// On a leader on etcd: watches the fence, and once it has been closed for a full TTL
     /// past the last good renewal, asks `peers` who leads (every [`ASK_EVERY`]).
+    /// The other hubs' advertised URLs, as last read (etcd only).
+    pub fn peers(&self) -> Option<Vec<String>> {
+        self.inner
+            .peers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map(Peers::urls)
+    }
+
     pub fn spawn_aside_watch(&self, peers: Peers) -> Option<tokio::task::JoinHandle<()>> {
+        *self
+            .inner
+            .peers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(peers.clone());
         let StateStore::Etcd(store) = self.store() else {
             return None;
         };

@@ -78,6 +78,8 @@ struct Inner {
     handover_saved_ms: std::sync::atomic::AtomicU64,
     /// A fenced leader's peers' answer: another leads, or none could be asked.
     aside: std::sync::Mutex<Option<aside::Aside>>,
+    /// The other hubs of an etcd store, as last read (what a fenced leader asks).
+    peers: std::sync::Mutex<Option<store::etcd::members::Peers>>,
 }
 
 /// Why a client request did not complete.
@@ -230,6 +232,7 @@ impl Hub {
                 usage_saved_ms: std::sync::atomic::AtomicU64::new(now_ms()),
                 handover_saved_ms: std::sync::atomic::AtomicU64::new(0),
                 aside: std::sync::Mutex::new(None),
+                peers: std::sync::Mutex::new(None),
             }),
         })
     }

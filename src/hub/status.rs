@@ -216,6 +216,7 @@ impl Hub {
             ha: {
                 let mut ha = self.store().ha_view();
                 ha.aside = self.aside();
+                ha.peers = self.peers();
                 ha
             },
             uptime_s: self.uptime().as_secs(),

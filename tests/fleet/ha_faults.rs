@@ -437,6 +437,17 @@ async fn a_leader_cut_off_from_etcd_alone_steps_aside_for_the_new_leader() {
     })
     .await;
 
+    // a lists b among the hubs it would ask (the list is read every third of a TTL).
+    let b_url = format!("http://{}", b.proc.addr);
+    eventually("a lists b", || async {
+        let s = a.status().await;
+        s["ha"]["peers"]
+            .as_array()?
+            .iter()
+            .any(|p| p == b_url.as_str())
+            .then_some(())
+    })
+    .await;
     // The cut: etcd answers nothing to a; everything else reaches it.
     cutter.cut_after(0);
     let cut = std::time::Instant::now();

@@ -36,6 +36,10 @@ pub struct HaView {
     /// Parts this hub could not read at start and set aside (`--set-aside-unreadable-state`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub set_aside: Vec<parts::SetAside>,
+    /// With etcd: the other hubs' advertised URLs as this leader last read them (whom it
+    /// asks who leads when it is cut off from etcd).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peers: Option<Vec<String>>,
     /// A fenced leader's peers' answer: another hub leads (this one forwards to it), or no
     /// peer could be asked (`crate::hub::aside`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -101,6 +105,7 @@ impl StateStore {
                 lease_ttl_s: None,
                 lease_renewals: None,
                 set_aside: f.recovery().taken(),
+                peers: None,
                 aside: None,
                 fenced: None,
             },
@@ -112,6 +117,7 @@ impl StateStore {
                 lease_ttl_s: Some(e.leadership().ttl.as_secs()),
                 lease_renewals: e.leadership().fence.renewals(),
                 set_aside: e.recovery().taken(),
+                peers: None,
                 aside: None,
                 fenced: self
                     .fence()
