@@ -198,7 +198,10 @@ async fn session(
         }
     };
     // Bounded like the upgrade: a hub that upgrades and then stalls is passed over as fast.
-    let welcome_within = hub_finder::answer_timeout(agent.opts.hub_urls.len());
+    let welcome_within = hub_finder::answer_timeout(
+        agent.opts.hub_urls.len(),
+        agent.dial_patience.load(Ordering::Relaxed),
+    );
     let welcome = match tokio::time::timeout(welcome_within, first).await {
         Ok(Some(Ok(Message::Text(text)))) => match protocol::decode_hub(text.as_str(), max_frame) {
             Ok(HubFrame::Welcome(w)) => w,
@@ -224,6 +227,8 @@ async fn session(
         Ok(Some(Err(e))) => return end(tx, writer, e.to_string()).await,
         Ok(None) => return end(tx, writer, "the hub closed the socket".into()).await,
         Err(_) => {
+            // The next dial waits longer: the hub may be slow rather than frozen.
+            agent.dial_patience.fetch_add(1, Ordering::Relaxed);
             let ms = welcome_within.as_millis();
             return end(tx, writer, format!("no welcome within {ms} ms")).await;
         }

@@ -3,7 +3,8 @@
 //!
 //! * **Dialling** ([`dial`]): every address at once, each upgrade bounded to about a second
 //!   ([`UPGRADE_TIMEOUT`]; a frozen hub's kernel still accepts the TCP connection, it is the
-//!   upgrade that hangs). A leader answers the upgrade with its epoch (`X-Fantom-Epoch`); a
+//!   upgrade that hangs), doubling after dials that no hub answered in time ([`answer_timeout`]);
+//!   one dial asks standbys for at most [`DIAL_FOR`], then every hub is dialled afresh. A leader answers the upgrade with its epoch (`X-Fantom-Epoch`); a
 //!   standby refuses it with 503 naming the leader and its epoch. The agent says `hello` to one
 //!   hub only: the leader with the highest epoch anyone named (a hub that sends no epoch, on a
 //!   state file or of an older build, is taken as it answers: `welcome` is checked). One whose
@@ -40,14 +41,23 @@ const SINGLE_HUB_UPGRADE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How soon a standby (or the leader it names) is asked again while an election is under way.
 pub const STANDBY_REDIAL: Duration = Duration::from_millis(250);
 
-/// How long the upgrade and then the welcome may take, for `hubs` addresses.
-pub fn answer_timeout(hubs: usize) -> Duration {
+/// How long the upgrade and then the welcome may take, for `hubs` addresses, after
+/// `patience` dials in a row that no hub answered in time: a second to start with (a frozen hub
+/// is passed over in it), doubling up to the single hub's 10 s, so a hub that is only slow (a
+/// long link, a loaded leader) is reached all the same.
+pub fn answer_timeout(hubs: usize, patience: u32) -> Duration {
     if hubs > 1 {
         UPGRADE_TIMEOUT
+            .saturating_mul(1u32 << patience.min(4))
+            .min(SINGLE_HUB_UPGRADE_TIMEOUT)
     } else {
         SINGLE_HUB_UPGRADE_TIMEOUT
     }
 }
+
+/// How long one dial may go on asking standbys before it returns (and the next dials every
+/// hub again, the ones that failed too).
+const DIAL_FOR: Duration = Duration::from_secs(5);
 
 /// No hub welcomed the agent, but a standby answered: the hubs are up and one will lead
 /// within seconds, so the agent dials again soon instead of backing off.
@@ -81,7 +91,8 @@ pub async fn dial(agent: &Agent) -> anyhow::Result<WsStream> {
     if hubs.is_empty() {
         anyhow::bail!("no hub_url configured");
     }
-    let timeout = answer_timeout(hubs.len());
+    let timeout = answer_timeout(hubs.len(), agent.dial_patience.load(Ordering::Relaxed));
+    let give_up = tokio::time::Instant::now() + DIAL_FOR;
     let known = agent.hub_epoch.load(Ordering::SeqCst);
     let mut named = known;
     let mut inflight = FuturesUnordered::new();
@@ -95,8 +106,7 @@ pub async fn dial(agent: &Agent) -> anyhow::Result<WsStream> {
     let mut last: Option<anyhow::Error> = None;
     let mut standby_seen = false;
     loop {
-        let wait = round_ends
-            .unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(365 * 24 * 3600));
+        let wait = round_ends.unwrap_or(give_up).min(give_up);
         let next = tokio::select! {
             next = inflight.next() => next,
             () = tokio::time::sleep_until(wait) => None,
@@ -104,12 +114,15 @@ pub async fn dial(agent: &Agent) -> anyhow::Result<WsStream> {
         let Some((i, answer)) = next else {
             if let Some((_, i, ws)) = candidate {
                 agent.hub_at.store(i, Ordering::Relaxed);
+                agent.dial_patience.store(0, Ordering::Relaxed);
                 return Ok(ws);
             }
             let last = last.unwrap_or_else(|| anyhow::anyhow!("no hub answered"));
             if standby_seen {
                 return Err(ElectionUnderWay(last.to_string()).into());
             }
+            // Nobody answered in time: the next dial waits longer.
+            agent.dial_patience.fetch_add(1, Ordering::Relaxed);
             return Err(last);
         };
         asking[i] = false;
@@ -118,6 +131,7 @@ pub async fn dial(agent: &Agent) -> anyhow::Result<WsStream> {
                 // A hub on a state file, or of an older build: it says its epoch (if any) in
                 // `welcome` only, where the session checks it.
                 agent.hub_at.store(i, Ordering::Relaxed);
+                agent.dial_patience.store(0, Ordering::Relaxed);
                 return Ok(ws);
             }
             Ok((ws, Some(epoch))) => {
@@ -132,6 +146,7 @@ pub async fn dial(agent: &Agent) -> anyhow::Result<WsStream> {
                 named = epoch;
                 if known > 0 || hubs.len() == 1 {
                     agent.hub_at.store(i, Ordering::Relaxed);
+                    agent.dial_patience.store(0, Ordering::Relaxed);
                     return Ok(ws);
                 }
                 if candidate.as_ref().is_none_or(|c| epoch > c.0) {
@@ -347,6 +362,10 @@ mod tests {
         assert_eq!(same_hub_in(&hubs, "https://hub-2.example:8443/"), Some(1));
         assert_eq!(same_hub_in(&hubs, "http://hub-2.example:8443"), None);
         assert_eq!(same_hub_in(&hubs, "http://10.0.0.9:8090"), None);
+        assert_eq!(answer_timeout(2, 0), Duration::from_secs(1));
+        assert_eq!(answer_timeout(2, 2), Duration::from_secs(4));
+        assert_eq!(answer_timeout(2, 9), Duration::from_secs(10));
+        assert_eq!(answer_timeout(1, 0), Duration::from_secs(10));
         assert_eq!(
             health_url("wss://hub-2.example:8443/v1/agent?x=1").as_deref(),
             Some("https://hub-2.example:8443/health")

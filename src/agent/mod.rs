@@ -90,6 +90,8 @@ pub struct Agent {
     hub_at: std::sync::atomic::AtomicUsize,
     /// The highest leader epoch a hub welcomed this agent under (0: none yet).
     hub_epoch: std::sync::atomic::AtomicI64,
+    /// Dials in a row that no hub answered in time: each waits longer (`hub_finder`).
+    dial_patience: std::sync::atomic::AtomicU32,
     /// Suspensions hubs told this agent of (the last per verdict), reported in `hello`.
     suspensions: Mutex<Vec<crate::protocol::Suspension>>,
     sessions: AtomicU64,
@@ -130,6 +132,7 @@ impl Agent {
             dials: watch::channel(0).0,
             hub_at: std::sync::atomic::AtomicUsize::new(0),
             hub_epoch: std::sync::atomic::AtomicI64::new(0),
+            dial_patience: std::sync::atomic::AtomicU32::new(0),
             suspensions: Mutex::default(),
             sessions: AtomicU64::new(0),
             instance: format!("{:016x}", rand::random::<u64>()),

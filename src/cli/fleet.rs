@@ -306,14 +306,20 @@ fn open_store(args: &HubConfig, set_aside_unreadable: bool) -> anyhow::Result<St
     }))
 }
 
-async fn open_hub(args: &HubConfig, store: StateStore) -> anyhow::Result<Hub> {
+/// The admin token (its file, its credential, or generated into the state dir) and its path.
+fn admin_token(args: &HubConfig) -> anyhow::Result<(Secret, PathBuf)> {
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
-    let (admin_token, admin_path) = tokens::load_or_generate(
+    Ok(tokens::load_or_generate(
         args.admin_token_file.as_deref(),
         credentials::ADMIN_TOKEN,
         &state_dir,
         "admin.token",
-    )?;
+    )?)
+}
+
+async fn open_hub(args: &HubConfig, store: StateStore) -> anyhow::Result<Hub> {
+    let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+    let (admin_token, admin_path) = admin_token(args)?;
     let (fleet_token, fleet_path) = tokens::load_or_generate(
         args.fleet_token_file.as_deref(),
         credentials::FLEET_TOKEN,
@@ -385,14 +391,8 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
         // Up and answering (as a standby) is what systemd waits for; leading may take long.
         notifier.ready("standby: campaigning for the lead");
         let state_dir = cfg.state_dir.clone().unwrap_or_else(default_state_dir);
-        let (admin_token, _) = tokens::load_or_generate(
-            cfg.admin_token_file.as_deref(),
-            credentials::ADMIN_TOKEN,
-            &state_dir,
-            "admin.token",
-        )?;
         let me = http::standby::StandbySelf {
-            admin_token,
+            admin_token: admin_token(&cfg)?.0,
             store: cmd.etcd.describe(),
         };
         let recovery = if cmd.hub.set_aside_unreadable_state {

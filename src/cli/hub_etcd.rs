@@ -144,11 +144,21 @@ impl EtcdArgs {
 
     /// The store as status names it (endpoints and prefix; never a credential).
     pub fn describe(&self) -> String {
-        format!(
-            "etcd {} under {}",
-            self.etcd_endpoints.join(","),
-            self.prefix()
-        )
+        // Scheme, host and port only: nothing a URL might carry beside them is shown.
+        let endpoints: Vec<String> = self
+            .etcd_endpoints
+            .iter()
+            .map(|e| match reqwest::Url::parse(e) {
+                Ok(u) => format!(
+                    "{}://{}{}",
+                    u.scheme(),
+                    u.host_str().unwrap_or("?"),
+                    u.port().map(|p| format!(":{p}")).unwrap_or_default()
+                ),
+                Err(_) => "(an endpoint that is not a URL)".to_string(),
+            })
+            .collect();
+        format!("etcd {} under {}", endpoints.join(","), self.prefix())
     }
 
     fn prefix(&self) -> String {

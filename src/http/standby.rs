@@ -153,8 +153,12 @@ async fn own_status(State(s): State<Standby>, headers: HeaderMap) -> Response {
     match s.leader_url() {
         None => body["leader_unreachable"] = json!("no hub leads yet"),
         Some(leader) => {
+            // Only the token: an `Accept-Encoding` passed on would have the leader compress an
+            // answer this client does not decode.
             let mut forwarded = HeaderMap::new();
-            copy_headers(&headers, &mut forwarded);
+            if let Some(auth) = headers.get(header::AUTHORIZATION) {
+                forwarded.insert(header::AUTHORIZATION, auth.clone());
+            }
             forwarded.insert(FORWARDED_BY, HeaderValue::from_static("standby"));
             let answer = s
                 .http

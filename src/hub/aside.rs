@@ -16,8 +16,8 @@
 //!   authenticated by a project key (which a leader it cannot see may have rotated) and cloud
 //!   work get 503 with the reason; keyless local work goes on.
 //!
-//! A renewal etcd answers (the cut healed, the lease lived) clears it; a lease gone deposes
-//! the hub, which exits as before.
+//! A renewal etcd answers (the cut healed, the lease lived) clears either; a lease gone
+//! deposes the hub, which exits as before (a hub that stepped aside finds its lease gone).
 
 use std::time::{Duration, Instant};
 
@@ -57,9 +57,14 @@ async fn ask_peers(http: &reqwest::Client, peers: &[String], epoch: i64) -> Peer
         .map(|peer| async move {
             let url = format!("{}/health", peer.trim_end_matches('/'));
             let body: serde_json::Value = http.get(url).send().await.ok()?.json().await.ok()?;
-            // A leader answers its own epoch; a standby, the leader it sees and its epoch.
+            // A leader answers its own epoch; a standby, the leader it sees and its epoch. A
+            // leader named is followed only when it is one of the hubs listed in etcd: client
+            // requests (and their tokens) are forwarded there.
             let leader = if body["status"] == "standby" {
-                body["leader"].as_str().map(String::from)
+                body["leader"]
+                    .as_str()
+                    .map(|l| l.trim_end_matches('/').to_string())
+                    .filter(|l| peers.iter().any(|p| p.trim_end_matches('/') == l))
             } else {
                 Some(peer.trim_end_matches('/').to_string())
             };
@@ -95,14 +100,19 @@ impl Hub {
             .clone()
     }
 
+    /// Sets what the peers said; what it means is acted on after `aside`'s lock is let go
+    /// (the core's lock is never taken under it: status takes them the other way round).
     fn set_aside(&self, next: Option<Aside>) {
-        let mut aside = self
-            .inner
-            .aside
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if *aside == next {
-            return;
+        {
+            let mut aside = self
+                .inner
+                .aside
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if *aside == next {
+                return;
+            }
+            *aside = next.clone();
         }
         match &next {
             Some(Aside::Leader { url, epoch }) => {
@@ -117,11 +127,8 @@ impl Hub {
             }
             None => tracing::info!("etcd answers again: this hub leads as before"),
         }
-        *aside = next;
     }
 
-    /// On a leader on etcd: watches the fence, and once it has been closed for a full TTL
-    /// past the last good renewal, asks `peers` who leads (every [`ASK_EVERY`]).
     /// The other hubs' advertised URLs, as last read (etcd only).
     pub fn peers(&self) -> Option<Vec<String>> {
         self.inner
@@ -157,7 +164,7 @@ impl Hub {
                 tokio::time::sleep(ASK_EVERY).await;
                 let now = Instant::now();
                 if fence.check(now).is_ok() {
-                    if matches!(hub.aside(), Some(Aside::Isolated { .. })) {
+                    if hub.aside().is_some() {
                         hub.set_aside(None);
                     }
                     continue;

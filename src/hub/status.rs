@@ -149,6 +149,10 @@ impl Hub {
     pub fn status(&self) -> StatusView {
         let state = self.state();
         let projects = self.projects_view();
+        // Read before the core's lock: stepping aside takes that lock after its own.
+        let mut ha = self.store().ha_view();
+        ha.aside = self.aside();
+        ha.peers = self.peers();
         let mut core = self.core();
         let now = Instant::now();
         core.budget.tick(now);
@@ -213,12 +217,7 @@ impl Hub {
             .collect();
         StatusView {
             projects,
-            ha: {
-                let mut ha = self.store().ha_view();
-                ha.aside = self.aside();
-                ha.peers = self.peers();
-                ha
-            },
+            ha,
             uptime_s: self.uptime().as_secs(),
             agents,
             sockets: core.sockets().clone(),

@@ -413,6 +413,18 @@ impl Cluster {
             .clone()
     }
 
+    /// Waits (bounded) until the stored root under `prefix` names `part`.
+    pub async fn part_stored(&self, prefix: &str, part: &str) {
+        crate::support::eventually(&format!("the part {part} is stored"), || async {
+            self.stored_parts(prefix)
+                .await
+                .iter()
+                .any(|p| p == part)
+                .then_some(())
+        })
+        .await
+    }
+
     /// The part names the stored root under `prefix` names (empty: no root).
     pub async fn stored_parts(&self, prefix: &str) -> Vec<String> {
         use base64::Engine as _;

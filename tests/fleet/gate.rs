@@ -573,14 +573,7 @@ async fn a_suspension_outlives_a_leader_killed_right_after_it() {
     let pass = verdict(&a, "cloud-a/", &["pass"]).await;
     let provider = pass["provider"].as_str().unwrap().to_string();
     // The pass is in etcd: a next leader would restore it.
-    eventually("the pass is stored", || async {
-        cluster
-            .stored_parts("/fantom-sidecar")
-            .await
-            .contains(&"verdicts".to_string())
-            .then_some(())
-    })
-    .await;
+    cluster.part_stored("/fantom-sidecar", "verdicts").await;
 
     up.state.set_cosine_after(SLUG, 6, 0.95);
     rounds_until_drifted(&a, &up, None).await;

@@ -51,21 +51,25 @@ pub(crate) fn etcd_hub_at(dir: &Path, name: &str, endpoints: &str, more: &[&str]
     HubProc::start(&home, None, &args, &[], "hub.log")
 }
 
-/// Waits until `hub` leads (its admin API answers).
+/// `hub`'s status when it leads (a standby answers status for itself: `ha.role` says which).
+pub(crate) async fn leader_status(hub: &HubProc) -> Option<Value> {
+    // Bounded: a hub may be stopped.
+    let r = hub
+        .http
+        .get(hub.url("/admin/status"))
+        .bearer_auth(&hub.admin)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .ok()?;
+    let body: Value = r.json().await.ok()?;
+    (body["ha"]["role"] == "leader").then_some(body)
+}
+
+/// Waits until `hub` leads.
 pub(crate) async fn leads(hub: &HubProc) {
     eventually("the hub leads", || async {
-        // Bounded: a standby forwards to a leader that may be stopped.
-        let r = hub
-            .http
-            .get(hub.url("/admin/status"))
-            .bearer_auth(&hub.admin)
-            .timeout(Duration::from_secs(5))
-            .send()
-            .await
-            .ok()?;
-        // A standby answers status for itself: `ha.role` says which hub this is.
-        let body: Value = r.json().await.ok()?;
-        (body["ha"]["role"] == "leader").then_some(())
+        leader_status(hub).await.map(|_| ())
     })
     .await
 }

@@ -196,14 +196,7 @@ async fn two_hubs_at_once_found_one_space_and_a_verdict_is_handed_over_not_probe
     } else {
         (a, b)
     };
-    eventually("the verdicts are checkpointed in etcd", || async {
-        cluster
-            .stored_parts("/fantom-sidecar")
-            .await
-            .contains(&"verdicts".to_string())
-            .then_some(())
-    })
-    .await;
+    cluster.part_stored("/fantom-sidecar", "verdicts").await;
     leader.proc.kill();
     leads(&standby).await;
     standby.wait_for_agent("gpu").await;

@@ -329,19 +329,14 @@ async fn a_store_an_older_hub_wrote_is_moved_to_the_whole_save_layout_by_the_nex
     );
 }
 
-/// When `hub`'s status first lists agent `id` (bounded).
+/// When `hub` first leads with agent `id` on it (bounded).
 async fn agent_on(hub: &HubProc, id: &str) -> std::time::Instant {
     eventually("the agent is on the hub", || async {
-        let r = hub
-            .http
-            .get(hub.url("/admin/status"))
-            .bearer_auth(&hub.admin)
-            .timeout(Duration::from_secs(2))
-            .send()
-            .await
-            .ok()?;
-        let s: Value = r.json().await.ok()?;
-        (s["ha"]["role"] == "leader" && s["agents"].as_array()?.iter().any(|a| a["id"] == id))
+        let s = crate::ha::leader_status(hub).await?;
+        s["agents"]
+            .as_array()?
+            .iter()
+            .any(|a| a["id"] == id)
             .then(std::time::Instant::now)
     })
     .await
@@ -408,35 +403,66 @@ async fn embed_with(hub: &HubProc, key: &str) -> (u16, bool) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_leader_cut_off_from_etcd_alone_steps_aside_for_the_new_leader() {
+/// A leader `a` that reaches etcd only through a cutter, a standby `b`, agent `gpu` on `a`
+/// (listing `b` too), and project `alpha` whose key serves through `a`.
+struct CutFleet {
+    _dir: tempfile::TempDir,
+    _cluster: Cluster,
+    cutter: crate::etcd_cluster::Cutter,
+    a: HubProc,
+    b: HubProc,
+    _gpu: crate::support::Proc,
+    key: String,
+}
+
+async fn cut_fleet(more: &[&str]) -> CutFleet {
     let dir = tempfile::tempdir().unwrap();
     let cluster = Cluster::start(dir.path()).await;
     // Hub a reaches etcd only through the cutter; its agents and clients reach it directly.
     let cutter = crate::etcd_cluster::Cutter::start(&cluster.first_url()).await;
-    let fast = ["--heartbeat-ms", "500"];
-    let mut a = crate::ha::etcd_hub_at(dir.path(), "a", &cutter.url, &fast);
+    let a = crate::ha::etcd_hub_at(dir.path(), "a", &cutter.url, more);
     leads(&a).await;
-    let b = etcd_hub_with(dir.path(), "b", &cluster, &fast);
+    let b = etcd_hub_with(dir.path(), "b", &cluster, more);
     assert_eq!(standby_of(&b).await, format!("http://{}", a.proc.addr));
     let body = format!(
         "hub_urls = [\"{}\"]\n{}",
         b.ws_url(),
         crate::support::minilm_models_toml()
     );
-    let _gpu =
+    let gpu =
         crate::support::start_agent_toml(dir.path(), &a.ws_url(), &a.fleet_file, "gpu", &body, &[]);
     agent_on(&a, "gpu").await;
     let (code, made) = a
         .post_admin("/admin/projects", &serde_json::json!({"name": "alpha"}))
         .await;
     assert_eq!(code, 201, "{made}");
-    let old_key = made["key"].as_str().unwrap().to_string();
+    let key = made["key"].as_str().unwrap().to_string();
     eventually("alpha's key serves through a", || async {
-        (embed_with(&a, &old_key).await.0 == 200).then_some(())
+        (embed_with(&a, &key).await.0 == 200).then_some(())
     })
     .await;
+    CutFleet {
+        _dir: dir,
+        _cluster: cluster,
+        cutter,
+        a,
+        b,
+        _gpu: gpu,
+        key,
+    }
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_from_etcd_alone_steps_aside_for_the_new_leader() {
+    let fleet = cut_fleet(&["--heartbeat-ms", "500"]).await;
+    // The rest of the fleet (etcd, the agent, the temp dir) lives in `fleet` to the end.
+    let CutFleet {
+        cutter,
+        mut a,
+        b,
+        key: old_key,
+        ..
+    } = fleet;
     // a lists b among the hubs it would ask (the list is read every third of a TTL).
     let b_url = format!("http://{}", b.proc.addr);
     eventually("a lists b", || async {
@@ -493,27 +519,14 @@ async fn a_leader_cut_off_from_etcd_alone_steps_aside_for_the_new_leader() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_cut_off_from_etcd_and_every_peer_holds_keyed_work_and_serves_keyless() {
-    let dir = tempfile::tempdir().unwrap();
-    let cluster = Cluster::start(dir.path()).await;
-    let cutter = crate::etcd_cluster::Cutter::start(&cluster.first_url()).await;
-    let mut a = crate::ha::etcd_hub_at(dir.path(), "a", &cutter.url, &[]);
-    leads(&a).await;
-    let mut b = etcd_hub_with(dir.path(), "b", &cluster, &[]);
-    assert_eq!(standby_of(&b).await, format!("http://{}", a.proc.addr));
-    let body = crate::support::minilm_models_toml();
-    let _gpu =
-        crate::support::start_agent_toml(dir.path(), &a.ws_url(), &a.fleet_file, "gpu", &body, &[]);
-    agent_on(&a, "gpu").await;
-    let (code, made) = a
-        .post_admin("/admin/projects", &serde_json::json!({"name": "alpha"}))
-        .await;
-    assert_eq!(code, 201, "{made}");
-    let key = made["key"].as_str().unwrap().to_string();
-    eventually("alpha's key serves", || async {
-        (embed_with(&a, &key).await.0 == 200).then_some(())
-    })
-    .await;
-
+    let fleet = cut_fleet(&[]).await;
+    let CutFleet {
+        cutter,
+        mut a,
+        mut b,
+        key,
+        ..
+    } = fleet;
     // The only peer is gone, then etcd: nobody can say who leads.
     b.proc.kill();
     cutter.cut_after(0);

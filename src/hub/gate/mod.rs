@@ -307,6 +307,9 @@ pub struct Gate {
     /// Suspensions agents reported (an earlier leader's) for verdicts this gate has not
     /// judged yet, by verdict key: the first judgement of that key is a suspension.
     reported: BTreeMap<String, Suspension>,
+    /// When an operator last asked each provider to be judged again (ms since the epoch): a
+    /// suspension an agent reports from before that is not honoured.
+    verified_at_ms: BTreeMap<String, u64>,
     /// A suspension since the verdicts were last stored: they are stored now, not at the next
     /// checkpoint ([`Gate::take_urgent`]).
     urgent: bool,
@@ -341,6 +344,7 @@ impl Gate {
             retired: BTreeMap::new(),
             fingerprint_waits: BTreeSet::new(),
             reported: BTreeMap::new(),
+            verified_at_ms: BTreeMap::new(),
             urgent: false,
         }
     }
@@ -1012,9 +1016,23 @@ impl Gate {
         let before = self.verdicts.len();
         self.verdicts
             .retain(|_, e| provider.is_some_and(|p| p != e.provider) || e.probe.is_some());
-        // An operator's verify is what lifts a suspension an agent reported, too.
+        // An operator's verify is what lifts a suspension an agent reported, too: one reported
+        // later, from before the verify, is not honoured.
         self.reported
             .retain(|key, _| provider.is_some_and(|p| !key.starts_with(&format!("{p}|"))));
+        let now = now_ms();
+        match provider {
+            Some(p) => {
+                self.verified_at_ms.insert(p.to_string(), now);
+            }
+            None => {
+                let all: Vec<String> = self.verdicts.values().map(|e| e.provider.clone()).collect();
+                self.verified_at_ms.insert(String::new(), now);
+                for p in all {
+                    self.verified_at_ms.insert(p, now);
+                }
+            }
+        }
         before - self.verdicts.len()
     }
 

@@ -44,8 +44,15 @@ impl Gate {
     /// this agent's provider, for a space of the same generation, and newer than this gate's
     /// own verdict of it. Whether it changed anything (the verdicts are then to be stored).
     pub fn honour_reported(&mut self, agent: &str, s: &Suspension) -> bool {
-        if !s.key.starts_with(&format!("{agent}/{}|", s.provider))
+        let provider = format!("{agent}/{}", s.provider);
+        // A verify of this provider (or of all, under "") after the suspension lifted it.
+        let verified = [provider.as_str(), ""]
+            .iter()
+            .filter_map(|p| self.verified_at_ms.get(*p))
+            .any(|at| *at >= s.at_ms);
+        if !s.key.starts_with(&format!("{provider}|"))
             || self.generation(&s.space) != Some(s.generation)
+            || verified
         {
             return false;
         }
@@ -90,7 +97,11 @@ impl Gate {
     /// The verdict a first judgement of `key` records: a suspension an agent reported wins
     /// over a pass.
     pub(super) fn unless_reported(&mut self, key: &str, verdict: Verdict) -> Verdict {
-        match (self.reported.remove(key), &verdict) {
+        let report = self.reported.remove(key);
+        let current = report
+            .as_ref()
+            .is_some_and(|s| self.generation(&s.space) == Some(s.generation));
+        match (report.filter(|_| current), &verdict) {
             (Some(s), Verdict::Pass) => Verdict::Suspended {
                 reason: format!(
                     "suspended by an earlier leader (reported by its agent): {}",

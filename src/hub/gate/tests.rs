@@ -201,6 +201,8 @@ mod basics {
         // An operator's verify judges it again; a clean probe passes, and an older report
         // no longer applies.
         next.reverify(Some("a/cloud:embedding:1"));
+        // Its agent reconnects before the probe is judged: the old report does not come back.
+        assert!(!next.honour_reported("a", &notice), "verified since");
         let p = tick(&mut next, later, &cands, Policy::Cloud);
         next.on_result(&p[0].probe, Ok(vectors(1.0)), later);
         assert!(next.serving_space(&cands[0]).is_some());

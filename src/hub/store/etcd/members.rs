@@ -81,6 +81,8 @@ pub fn register(
                     kvs.into_iter()
                         .filter(|kv| kv.key != key)
                         .filter_map(|kv| String::from_utf8(kv.value).ok())
+                        // An earlier run of this hub, not yet expired, is not a peer.
+                        .filter(|u| u != &url)
                         .collect(),
                 ),
                 Err(e) => {

@@ -219,15 +219,15 @@ impl EtcdStore {
             in_doubt: false,
             legacy,
         };
-        if !stored.legacy.is_empty() {
-            tracing::info!(
-                names = stored.legacy.len(),
-                "the store was written by an older hub (layout 1): moving it to layout {LAYOUT}"
-            );
-            let next = stored.root.clone();
-            self.switch_root(&mut stored, next, Vec::new()).await?;
+        // A layout-1 store moves to layout 2; what was set aside (its copy is in the state
+        // dir) is written as it loaded, so the next hub does not trip over it again.
+        let rewrite = !stored.legacy.is_empty() || kept != stored.root;
+        drop(stored);
+        if rewrite {
+            tracing::info!("the stored state is written again as it loaded (layout {LAYOUT})");
+            self.save(&state).await?;
         }
-        self.collect_orphans(&stored).await;
+        self.collect_orphans(&*self.stored.lock().await).await;
         Ok(state)
     }
 
