@@ -403,6 +403,26 @@ async fn embed_with(hub: &HubProc, key: &str) -> (u16, bool) {
     }
 }
 
+/// A chat through `hub`: the status, and whether a standby (or a hub that stepped aside)
+/// forwarded it.
+async fn chat_through(hub: &HubProc) -> (u16, bool) {
+    let r = hub
+        .http
+        .post(hub.url("/v1/chat/completions"))
+        .json(&serde_json::json!({"model": "code-assistant",
+            "messages": [{"role": "user", "content": "cut off?"}]}))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await;
+    match r {
+        Ok(r) => (
+            r.status().as_u16(),
+            r.headers().contains_key("x-fantom-forwarded-by"),
+        ),
+        Err(_) => (0, false),
+    }
+}
+
 /// A leader `a` that reaches etcd only through a cutter, a standby `b`, agent `gpu` on `a`
 /// (listing `b` too), and project `alpha` whose key serves through `a`.
 struct CutFleet {
@@ -463,6 +483,32 @@ async fn a_leader_cut_off_from_etcd_alone_steps_aside_for_the_new_leader() {
         key: old_key,
         ..
     } = fleet;
+    // A cloud host for chats, listing both hubs, as the GPU host does.
+    let up = crate::cloud::upstream(|_| {}).await;
+    let cloud_body = format!(
+        "hub_urls = [\"{}\"]\nopenrouter_url = \"{}\"",
+        b.ws_url(),
+        up.base_url
+    );
+    let _cloud = crate::support::start_agent_toml(
+        fleet._dir.path(),
+        &a.ws_url(),
+        &a.fleet_file,
+        "cloud",
+        &cloud_body,
+        &[],
+    );
+    agent_on(&a, "cloud").await;
+    let (code, body) = a
+        .push(crate::cloud::push_body(
+            serde_json::json!({"code-assistant": "cloud"}),
+        ))
+        .await;
+    assert_eq!(code, 200, "{body}");
+    eventually("a chat through a", || async {
+        (chat_through(&a).await == (200, false)).then_some(())
+    })
+    .await;
     // a lists b among the hubs it would ask (the list is read every third of a TTL).
     let b_url = format!("http://{}", b.proc.addr);
     eventually("a lists b", || async {
@@ -498,6 +544,19 @@ async fn a_leader_cut_off_from_etcd_alone_steps_aside_for_the_new_leader() {
         "the new leader served through the cut hub {took:?} after the cut"
     );
     assert_eq!(embed_with(&a, &old_key).await.0, 401, "the rotated-out key");
+    // Chats too: through the cut hub's address, served by the new leader.
+    let chatted = eventually("a chat through the cut hub", || async {
+        (chat_through(&a).await == (200, true)).then(std::time::Instant::now)
+    })
+    .await;
+    let took = chatted.saturating_duration_since(cut);
+    eprintln!(
+        "partition: a chat served by the new leader through the cut hub {took:?} after the cut"
+    );
+    assert!(
+        took < Duration::from_secs(crate::ha::TTL_S + 6),
+        "a chat through the cut hub {took:?} after the cut"
+    );
     let health: Value = a.get("/health").await.1;
     assert_eq!(health["status"], "standby", "{health}");
     assert_eq!(
