@@ -92,6 +92,21 @@ pub(crate) async fn standby_of(hub: &HubProc) -> String {
     .await
 }
 
+/// A MiniLM agent `id` that dials `first`, with `other` in its `hub_urls` too.
+pub(crate) fn minilm_agent_on_both(
+    dir: &Path,
+    first: &HubProc,
+    other: &HubProc,
+    id: &str,
+) -> crate::support::Proc {
+    let body = format!(
+        "hub_urls = [\"{}\"]\n{}",
+        other.ws_url(),
+        crate::support::minilm_models_toml()
+    );
+    crate::support::start_agent_toml(dir, &first.ws_url(), &first.fleet_file, id, &body, &[])
+}
+
 /// Hub `a`, leading, and hub `b`, standing by behind it.
 pub(crate) async fn leader_and_standby(dir: &Path, cluster: &Cluster) -> (HubProc, HubProc) {
     let a = etcd_hub(dir, "a", cluster);
@@ -332,13 +347,7 @@ async fn an_agent_follows_the_leader_it_is_pointed_to_and_the_next_after_a_kill(
     let (mut a, b) = leader_and_standby(dir.path(), &cluster).await;
     // The standby is listed first: it refuses the upgrade naming the leader, which is listed
     // (the agent asks both at once and says hello to the leader only).
-    let body = format!(
-        "hub_urls = [\"{}\"]\n{}",
-        a.ws_url(),
-        crate::support::minilm_models_toml()
-    );
-    let _gpu =
-        crate::support::start_agent_toml(dir.path(), &b.ws_url(), &a.fleet_file, "gpu", &body, &[]);
+    let _gpu = minilm_agent_on_both(dir.path(), &b, &a, "gpu");
     a.wait_for_agent("gpu").await;
     let space = embed_retrying(&a, "before the kill").await;
     assert_eq!(space, "embedding:all-minilm-l6-v2:384");

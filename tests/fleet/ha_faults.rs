@@ -352,13 +352,7 @@ async fn a_frozen_leaders_agent_is_on_the_new_leader_as_soon_as_it_wins() {
     let b = etcd_hub_with(dir.path(), "b", &cluster, &fast);
     assert_eq!(standby_of(&b).await, format!("http://{}", a.proc.addr));
     // The frozen hub is listed first, as the hub that last welcomed the agent would be.
-    let body = format!(
-        "hub_urls = [\"{}\"]\n{}",
-        b.ws_url(),
-        crate::support::minilm_models_toml()
-    );
-    let _gpu =
-        crate::support::start_agent_toml(dir.path(), &a.ws_url(), &a.fleet_file, "gpu", &body, &[]);
+    let _gpu = crate::ha::minilm_agent_on_both(dir.path(), &a, &b, "gpu");
     agent_on(&a, "gpu").await;
 
     // SIGSTOP: the kernel still accepts connections to it; the upgrade and welcome hang.
@@ -444,13 +438,7 @@ async fn cut_fleet(more: &[&str]) -> CutFleet {
     leads(&a).await;
     let b = etcd_hub_with(dir.path(), "b", &cluster, more);
     assert_eq!(standby_of(&b).await, format!("http://{}", a.proc.addr));
-    let body = format!(
-        "hub_urls = [\"{}\"]\n{}",
-        b.ws_url(),
-        crate::support::minilm_models_toml()
-    );
-    let gpu =
-        crate::support::start_agent_toml(dir.path(), &a.ws_url(), &a.fleet_file, "gpu", &body, &[]);
+    let gpu = crate::ha::minilm_agent_on_both(dir.path(), &a, &b, "gpu");
     agent_on(&a, "gpu").await;
     let (code, made) = a
         .post_admin("/admin/projects", &serde_json::json!({"name": "alpha"}))
