@@ -127,6 +127,8 @@ impl Sim {
                     instance: None,
                     config: HeldConfig::default(),
                     suspensions: Vec::new(),
+                    answering: Vec::new(),
+                    keeps_answers: false,
                 },
                 tx,
             )

@@ -124,10 +124,13 @@ struct InFlight {
     grant: u64,
 }
 
+/// A call's outcome and its latency (ms); `None`: cancelled by the hub.
+type Outcome = Option<(Result<WorkResult, ProviderFailure>, f64)>;
+
 /// The work running on this session: the tasks, what each is, and each lease's handle.
 #[derive(Default)]
 struct Jobs {
-    tasks: JoinSet<(Result<WorkResult, ProviderFailure>, f64)>,
+    tasks: JoinSet<Outcome>,
     running: HashMap<tokio::task::Id, InFlight>,
     by_lease: HashMap<u64, tokio::task::AbortHandle>,
 }
@@ -175,6 +178,10 @@ async fn session(
     let mut server_changes = agent.server_changes();
     server_changes.mark_unchanged();
     let mut providers = agent.providers();
+    let socket = agent
+        .sockets
+        .fetch_add(1, Ordering::Relaxed)
+        .wrapping_add(1);
     send(&AgentFrame::Hello(Hello {
         agent_id: agent.id().to_string(),
         hostname: hostname(),
@@ -185,6 +192,8 @@ async fn session(
         instance: Some(agent.instance().to_string()),
         config: agent.held_config(),
         suspensions: agent.suspensions(),
+        answering: agent.kept.running_elsewhere(socket),
+        keeps_answers: true,
     }));
 
     let max_frame = agent.opts.max_frame_bytes;
@@ -259,6 +268,21 @@ async fn session(
         .cloned()
         .unwrap_or_default();
     tracing::info!(session = welcome.session, hub = %hub, "connected to the hub");
+    // Keyed chats' answers of earlier sessions go to a hub that takes them: now, and each one
+    // that a call still running finishes later.
+    let takes_answers = welcome.takes_answers;
+    let mut kept_changes = agent.kept.changes();
+    let mut kept_sent = Vec::new();
+    let send_kept = |sent: &mut Vec<_>| {
+        for answer in agent.kept.to_send(socket, sent) {
+            tracing::info!(key = %answer.tag.key, project = %answer.tag.project, "handing a kept answer to the hub");
+            send(&AgentFrame::Kept(answer));
+        }
+    };
+    if takes_answers {
+        kept_changes.mark_unchanged();
+        send_kept(&mut kept_sent);
+    }
     let mut grants = Grants::default();
     for p in &providers {
         let id = p.info().id;
@@ -328,7 +352,7 @@ async fn session(
                             continue;
                         };
                         let grant = grants.of(&work.provider);
-                        start_work(agent, &tx, provider, work, grant, &mut jobs);
+                        start_work(agent, &tx, provider, work, grant, socket, &mut jobs);
                     }
                     Ok(HubFrame::Cancel { lease, reason }) => {
                         if let Some(handle) = jobs.by_lease.remove(&lease) {
@@ -361,12 +385,13 @@ async fn session(
                     }
                     Ok(HubFrame::Welcome(_)) => {}
                     Ok(HubFrame::Suspended(s)) => agent.note_suspension(s),
+                    Ok(HubFrame::Delivered(tag)) => agent.kept.delivered(&tag),
                     Err(e) => tracing::warn!(error = %e, "bad frame from the hub"),
                 }
             }
             Some(joined) = jobs.tasks.join_next_with_id(), if !jobs.tasks.is_empty() => {
                 let (id, outcome) = match joined {
-                    Ok((id, outcome)) => (id, Some(outcome)),
+                    Ok((id, outcome)) => (id, outcome),
                     Err(e) => (e.id(), if e.is_cancelled() { None } else { Some((Err(ProviderFailure::new(FailureClass::Transient, "the provider panicked")), 0.0)) }),
                 };
                 let Some(job) = jobs.running.remove(&id) else { continue };
@@ -408,6 +433,7 @@ async fn session(
                     break String::new();
                 }
             }
+            Ok(()) = kept_changes.changed(), if takes_answers => send_kept(&mut kept_sent),
             Ok(()) = server_changes.changed() => {
                 // A fronted server came up, went down or changed revision.
                 announce(&mut providers, agent.providers(), drain_deadline.is_some(), &mut grants, &send);
@@ -558,6 +584,7 @@ fn start_work(
     provider: Arc<dyn Provider>,
     work: Work,
     grant: u64,
+    socket: u64,
     jobs: &mut Jobs,
 ) {
     let items = work.input.items();
@@ -570,8 +597,11 @@ fn start_work(
     // the engine's `tokenize` and `batch`, a cloud or server call, run inside it).
     let span = tracing::info_span!("work", lease, provider = %info.id, role = %work.role, items);
     crate::traces::join_requests(&span, &work.traces);
-    let handle = jobs.tasks.spawn(
-        async move {
+    let keyed = work.idempotency.clone().map(|tag| {
+        let running = agent.kept.start(tag, &info.id, socket);
+        (running, info.id.clone(), info.backend)
+    });
+    let call = async move {
         let started = Instant::now();
         let call = if streaming {
             stream_chunks(provider.as_ref(), work.input, lease, frames)
@@ -595,9 +625,27 @@ fn start_work(
             },
         };
         (result, started.elapsed().as_secs_f64() * 1000.0)
+    }
+    .instrument(span);
+    let (handle, abort) = match keyed {
+        None => {
+            let handle = jobs.tasks.spawn(async move { Some(call.await) });
+            let abort = handle.clone();
+            (handle, abort)
         }
-        .instrument(span),
-    );
+        // A keyed chat runs on its own task: it ends even when this session does, and its
+        // outcome is kept for the next hub. A cancel from the hub still aborts it.
+        Some((running, provider_id, backend)) => {
+            let detached = tokio::spawn(async move {
+                let (result, latency_ms) = call.await;
+                running.finish(kept_answer(&result, provider_id, backend));
+                (result, latency_ms)
+            });
+            let abort = detached.abort_handle();
+            let handle = jobs.tasks.spawn(async move { detached.await.ok() });
+            (handle, abort)
+        }
+    };
     jobs.running.insert(
         handle.id(),
         InFlight {
@@ -607,7 +655,28 @@ fn start_work(
             grant,
         },
     );
-    jobs.by_lease.insert(work.lease, handle);
+    jobs.by_lease.insert(lease, abort);
+}
+
+/// What is kept of a keyed call's outcome (the tag is the running entry's).
+fn kept_answer(
+    result: &Result<WorkResult, ProviderFailure>,
+    provider: String,
+    backend: protocol::Backend,
+) -> impl FnOnce(protocol::IdempotencyTag) -> protocol::KeptAnswer {
+    let (output, tokens, cost_usd, error) = match result {
+        Ok(r) => (Some(r.output.clone()), r.tokens, r.cost_usd, None),
+        Err(f) => (None, 0, None, Some(f.message.clone())),
+    };
+    move |tag| protocol::KeptAnswer {
+        tag,
+        provider,
+        backend,
+        output,
+        tokens,
+        cost_usd,
+        error,
+    }
 }
 
 /// The heartbeat writes are bounded by until the welcome names the hub's.

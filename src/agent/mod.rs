@@ -11,6 +11,7 @@ pub mod cloud_provider;
 pub mod connection;
 pub mod http;
 pub mod hub_finder;
+pub mod kept_answers;
 pub mod local_server;
 pub mod provider;
 pub mod stats;
@@ -98,6 +99,10 @@ pub struct Agent {
     /// Random per process: tells the hub a reconnect of this process from another process
     /// claiming the same id.
     instance: String,
+    /// Keyed chats running and the answers kept for the next hub.
+    kept: Arc<kept_answers::KeptAnswers>,
+    /// Sessions begun (welcomed or not): a keyed call belongs to the one that leased it.
+    sockets: AtomicU64,
 }
 
 /// What config pushes left here: the safe part, the key (memory only), the hub's revision of
@@ -136,6 +141,8 @@ impl Agent {
             suspensions: Mutex::default(),
             sessions: AtomicU64::new(0),
             instance: format!("{:016x}", rand::random::<u64>()),
+            kept: Arc::default(),
+            sockets: AtomicU64::new(0),
         })
     }
 

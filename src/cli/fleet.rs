@@ -317,7 +317,13 @@ fn admin_token(args: &HubConfig) -> anyhow::Result<(Secret, PathBuf)> {
     )?)
 }
 
-async fn open_hub(args: &HubConfig, store: StateStore) -> anyhow::Result<Hub> {
+/// Opens the hub on `store`. `agents_elsewhere`: its agents are other processes, which may
+/// hand over keyed chats' answers they kept (false for `serve`).
+async fn open_hub(
+    args: &HubConfig,
+    store: StateStore,
+    agents_elsewhere: bool,
+) -> anyhow::Result<Hub> {
     let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
     let (admin_token, admin_path) = admin_token(args)?;
     let (fleet_token, fleet_path) = tokens::load_or_generate(
@@ -342,6 +348,11 @@ async fn open_hub(args: &HubConfig, store: StateStore) -> anyhow::Result<Hub> {
         queue_capacity: args.queue_capacity.max(1),
         limits: args.limits,
         ready_roles: args.ready_roles.iter().copied().collect(),
+        handover_window: if agents_elsewhere {
+            args.heartbeat() + std::time::Duration::from_secs(5)
+        } else {
+            std::time::Duration::ZERO
+        },
         ..HubSettings::default()
     };
     warn_if_plaintext(args.listen, args.tls_cert.is_some(), "hub");
@@ -414,10 +425,15 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
             return Ok(());
         };
         hub_etcd::exit_when_deposed(leading.standing.clone());
-        (open_hub(&cfg, store).await?, listener, Some(leading))
+        (open_hub(&cfg, store, true).await?, listener, Some(leading))
     } else {
         // The state dir is locked before anything else; the tokens exist before the listener.
-        let hub = open_hub(&cfg, open_store(&cfg, cmd.hub.set_aside_unreadable_state)?).await?;
+        let hub = open_hub(
+            &cfg,
+            open_store(&cfg, cmd.hub.set_aside_unreadable_state)?,
+            true,
+        )
+        .await?;
         (hub, bind(cfg.listen, "hub")?, None)
     };
     let _maintenance = hub.spawn_maintenance();
@@ -883,7 +899,7 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
         );
     }
     let providers = agent::load_providers(&models).await?;
-    let hub = open_hub(&hub_cfg, store).await?;
+    let hub = open_hub(&hub_cfg, store, false).await?;
     // Ready once the roles it loads can serve (besides any the flags or the file name).
     hub.core()
         .settings

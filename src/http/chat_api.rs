@@ -7,6 +7,12 @@
 //! chunk as the upstream sends them (`chunk` frames through the fleet); a stream cut short
 //! ends with an `error` event. A provider that cannot stream answers whole, and the hub cuts
 //! that completion into chunks.
+//!
+//! `Idempotency-Key` (optional, per project): a retry with the same key and body gets the
+//! first answer again (`Idempotent-Replayed: true`) without a second upstream call, across a
+//! takeover too ([`crate::hub::replies`]); the same key with another body is 422, a retry
+//! while the first runs is 409. A keyed chat that is not streamed finishes even when its
+//! client leaves, so the retry finds its answer; a streamed one ends with its client.
 
 use std::convert::Infallible;
 
@@ -24,6 +30,7 @@ use super::error::ApiError;
 use crate::hub::Hub;
 use crate::hub::core::ItemOutput;
 use crate::hub::queue::Shape;
+use crate::hub::replies::{self, KeyHold, KeyRefusal, Keyed, ReplyId};
 use crate::protocol::WorkClass;
 use crate::roles::Op;
 
@@ -58,6 +65,10 @@ pub struct ChatEvent {
 /// Runs a chat role; `stream: true` answers as server-sent events in OpenAI's chunk format,
 /// ending with `data: [DONE]` (or an `error` event when the stream was cut).
 #[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatRequest,
+    params(("Idempotency-Key" = Option<String>, Header,
+        description = "1 to 255 visible ASCII characters (a UUID): a retry with the same key and \
+body gets the first answer again (`Idempotent-Replayed: true`) without a second upstream call; \
+the same key with another body is 422, a retry while the first runs is 409")),
     responses(
         (status = 200, description = "A chat completion, or its chunks as server-sent events",
             content((Object = "application/json"), (ChatEvent = "text/event-stream"))),
@@ -70,6 +81,7 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     let client = client_auth(&hub, &headers)?;
     let caller = client.caller(WorkClass::Interactive);
+    let key = idempotency_key(&headers)?;
     let Json(body) = request.map_err(|e| {
         let shown = crate::secret::redact(&e.body_text());
         ApiError::bad_request(format!("invalid request body: {shown}"))
@@ -101,18 +113,58 @@ pub async fn completions(
     // Routing is the hub's: a client cannot steer the upstream.
     body.remove("provider");
     body.remove("models");
+    let hold = match key {
+        None => None,
+        Some(key) => {
+            let id = ReplyId {
+                project: caller.project.clone(),
+                key: replies::key_id(&key),
+            };
+            let digest = replies::digest(role, &body);
+            let wait = hub.core().settings.timings(role).request_timeout;
+            match hub.claim_key(id, digest, wait).await {
+                Ok(Keyed::Replay(completion)) => return Ok(replay(&completion, stream)),
+                Ok(Keyed::Run(hold)) => Some(hold),
+                Err(refusal) => return Err(key_refused(refusal)),
+            }
+        }
+    };
+    let idempotency = hold.as_ref().map(KeyHold::tag);
     if !stream {
-        let done = hub
-            .run(
-                caller,
-                role,
-                Shape::Chat {
-                    body: Value::Object(body),
-                },
-                vec![String::new()],
-            )
-            .await?;
-        return Ok(Json(Value::Object(completion_of(done)?)).into_response());
+        let shape = Shape::Chat {
+            body: Value::Object(body),
+            idempotency,
+        };
+        let run = {
+            let hub = hub.clone();
+            async move {
+                let done = hub.run(caller, role, shape, vec![String::new()]).await?;
+                completion_of(done)
+            }
+        };
+        let completion = match hold {
+            None => run.await?,
+            // A keyed chat finishes even when its client leaves: its answer waits for the
+            // retry.
+            Some(hold) => {
+                let task = tokio::spawn(
+                    async move {
+                        let completion = run.await?;
+                        hold.answered(&Value::Object(completion.clone()));
+                        Ok::<_, ApiError>(completion)
+                    }
+                    .in_current_span(),
+                );
+                task.await.map_err(|_| {
+                    ApiError::new(
+                        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                        "internal",
+                        "the chat's task ended unexpectedly",
+                    )
+                })??
+            }
+        };
+        return Ok(Json(Value::Object(completion)).into_response());
     }
     // The provider streams what the upstream sends as it comes.
     body.insert("stream".into(), Value::Bool(true));
@@ -122,10 +174,12 @@ pub async fn completions(
             role,
             Shape::Chat {
                 body: Value::Object(body),
+                idempotency,
             },
             vec![String::new()],
         )
         .await?;
+    let mut hold = hold;
     // The first chunk starts the event stream; an outcome before any chunk is answered whole:
     // a failure with its status, a completion (a provider that does not stream) cut into
     // chunks.
@@ -134,6 +188,9 @@ pub async fn completions(
         Some(first) = streaming.chunks.recv() => first,
         outcome = &mut streaming.outcome => {
             let completion = completion_of(outcome?)?;
+            if let Some(hold) = hold.take() {
+                hold.answered(&Value::Object(completion.clone()));
+            }
             let events: Vec<Result<Event, Infallible>> = chunks(&completion)
                 .into_iter()
                 .map(|c| Ok(Event::default().data(c.to_string())))
@@ -144,6 +201,7 @@ pub async fn completions(
     };
     let state = Relay {
         streaming,
+        hold,
         pending: std::collections::VecDeque::from([Event::default().data(first.to_string())]),
         ended: false,
     };
@@ -166,6 +224,8 @@ pub async fn completions(
 /// (the client went away), it cancels the request.
 struct Relay {
     streaming: crate::hub::Streaming,
+    /// A keyed chat's hold on its key: the whole completion is kept for a retry.
+    hold: Option<KeyHold>,
     pending: std::collections::VecDeque<Event>,
     ended: bool,
 }
@@ -197,6 +257,11 @@ impl Relay {
                                 .first()
                                 .and_then(|s| serde_json::to_value(&*s.provider).ok())
                                 .unwrap_or(Value::Null);
+                            if let Some(hold) = self.hold.take()
+                                && let Ok(completion) = completion_of(done)
+                            {
+                                hold.answered(&Value::Object(completion));
+                            }
                             let last = json!({"object": "chat.completion.chunk", "choices": [],
                                               "provenance": provenance});
                             self.pending.push_back(Event::default().data(last.to_string()));
@@ -235,6 +300,83 @@ fn completion_of(done: crate::hub::core::Completed) -> Result<Map<String, Value>
         serde_json::to_value(&*served.provider).unwrap_or(Value::Null),
     );
     Ok(completion)
+}
+
+/// The client's `Idempotency-Key`, checked (the error never repeats it).
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let mut values = headers.get_all("idempotency-key").iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(ApiError::bad_request(
+            "send one Idempotency-Key header, not several",
+        ));
+    }
+    let key = value.to_str().unwrap_or("");
+    replies::check_key(key).map_err(ApiError::bad_request)?;
+    Ok(Some(key.to_string()))
+}
+
+/// A keyed request that may not run, and how to get what the client wanted.
+fn key_refused(refusal: KeyRefusal) -> ApiError {
+    use axum::http::StatusCode;
+    match refusal {
+        KeyRefusal::Reused => {
+            let mut e = ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency_key_reused",
+                "this Idempotency-Key was sent before with another request body; send a new key \
+                 for a new request",
+            );
+            e.final_answer = true;
+            e
+        }
+        KeyRefusal::InUse => {
+            let mut e = ApiError::new(
+                StatusCode::CONFLICT,
+                "idempotency_key_in_use",
+                "a request with this Idempotency-Key is still running; send it again shortly to \
+                 get its answer",
+            );
+            e.retry_after_s = Some(1);
+            e
+        }
+        KeyRefusal::Gone => {
+            let mut e = ApiError::new(
+                StatusCode::CONFLICT,
+                "idempotency_key_answered",
+                format!(
+                    "this Idempotency-Key was answered and its answer is no longer held (answers \
+                     are kept {} minutes); send the request with a new key to run it again (it \
+                     is paid again)",
+                    replies::KEEP_ANSWER.as_secs() / 60
+                ),
+            );
+            e.final_answer = true;
+            e
+        }
+    }
+}
+
+/// The answer a keyed request got before, given again: whole, or as the chunks of a stream.
+fn replay(completion: &Value, stream: bool) -> Response {
+    let mut response = match (stream, completion.as_object()) {
+        (true, Some(c)) => {
+            let events: Vec<Result<Event, Infallible>> = chunks(c)
+                .into_iter()
+                .map(|c| Ok(Event::default().data(c.to_string())))
+                .chain(std::iter::once(Ok(Event::default().data("[DONE]"))))
+                .collect();
+            Sse::new(futures_util::stream::iter(events)).into_response()
+        }
+        _ => Json(completion.clone()).into_response(),
+    };
+    response.headers_mut().insert(
+        "idempotent-replayed",
+        axum::http::HeaderValue::from_static("true"),
+    );
+    response
 }
 
 fn check_messages(body: &Map<String, Value>) -> Result<(), ApiError> {

@@ -274,7 +274,10 @@ const CLIENT_STATUSES: &[(u16, &str, bool)] = &[
     ),
     (
         409,
-        "The role's vector space changed while the request waited (`space_changed`): send it again",
+        "The role's vector space changed while the request waited (`space_changed`): send it \
+         again; or a chat with the same Idempotency-Key is still running \
+         (`idempotency_key_in_use`) or was answered and its answer is no longer held \
+         (`idempotency_key_answered`)",
         false,
     ),
     (
@@ -282,7 +285,12 @@ const CLIENT_STATUSES: &[(u16, &str, bool)] = &[
         "Too many inputs, or an input or request too large",
         false,
     ),
-    (422, "A provider refused the input", false),
+    (
+        422,
+        "A provider refused the input, or an Idempotency-Key was sent before with another \
+         request body (`idempotency_key_reused`)",
+        false,
+    ),
     (
         429,
         "The queue is full, or a project limit, share or daily allowance is reached",

@@ -626,6 +626,15 @@ impl Budget {
         true
     }
 
+    /// Counts a call on `route` that is already under way and that this budget did not grant
+    /// (a keyed chat an agent still runs for the hub before): it holds a permit, whatever the
+    /// budget's room, until [`Budget::release`].
+    pub fn hold_running(&mut self, route: &str, now: Instant) {
+        self.tick(now);
+        self.global.acquire();
+        self.route_mut(route, now).acquire();
+    }
+
     /// Returns a permit of `route` and learns from how its lease ended.
     pub fn release(&mut self, route: &str, outcome: Outcome, now: Instant) {
         self.tick(now);

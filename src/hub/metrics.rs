@@ -114,6 +114,21 @@ impl Hub {
             by_key(&c.failures, "class"),
         )?;
         f.counter(
+            "fantom_hub_chat_replays_total",
+            "Keyed chats answered again from the answer a request with the same Idempotency-Key got.",
+            one(core.replies.replayed as f64),
+        )?;
+        f.counter(
+            "fantom_hub_chat_answers_handed_over_total",
+            "Keyed chats' answers agents handed over that this hub did not hold (their cost counted here).",
+            one(core.replies.handed_over as f64),
+        )?;
+        f.gauge(
+            "fantom_hub_chat_answers_held_bytes",
+            "Bytes of keyed chats' answers held for retries.",
+            one(core.replies.held().1 as f64),
+        )?;
+        f.counter(
             "fantom_hub_late_results_total",
             "Results dropped because the item already had one or its lease was gone.",
             one(c.late_results as f64),

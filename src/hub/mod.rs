@@ -19,6 +19,7 @@ pub mod project_admin;
 pub mod projects;
 pub mod queue;
 pub mod registry;
+pub mod replies;
 pub mod scorer_check;
 pub mod socket;
 pub mod state;
@@ -508,6 +509,7 @@ impl Hub {
                     let mut core = hub.core();
                     let now = Instant::now();
                     core.expire(now);
+                    core.replies.expire(now);
                     core.discover_if_due(now);
                     core.gate_tick(now);
                     core.tell_suspensions();

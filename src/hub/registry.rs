@@ -285,6 +285,8 @@ pub struct AgentEntry {
     pub config_sent: Option<u64>,
     /// A config frame went to it and no `config_ack` came back yet.
     pub config_awaiting_ack: bool,
+    /// The agent keeps keyed chats' answers across sessions (`hello.keeps_answers`).
+    pub keeps_answers: bool,
 }
 
 impl AgentEntry {

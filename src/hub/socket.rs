@@ -128,6 +128,7 @@ pub async fn serve_agent(socket: Socket, hub: Hub) {
                 AgentFrame::ConfigAck(ack) => core.config_ack(agent, *sid, ack),
                 AgentFrame::ProbeResult(result) => core.probe_result(agent, *sid, result),
                 AgentFrame::Limits(limits) => core.account_limits(agent, *sid, limits),
+                AgentFrame::Kept(kept) => core.kept(agent, *sid, kept),
             }
         };
         if let Err(message) = result {

@@ -46,7 +46,7 @@ struct TypeOnly<'a> {
     kind: Option<Cow<'a, str>>,
 }
 
-const AGENT_TYPES: [&str; 10] = [
+const AGENT_TYPES: [&str; 11] = [
     "hello",
     "providers",
     "heartbeat",
@@ -57,14 +57,24 @@ const AGENT_TYPES: [&str; 10] = [
     "config_ack",
     "probe_result",
     "limits",
+    "kept",
 ];
-const HUB_TYPES: [&str; 7] = [
-    "welcome", "error", "config", "work", "probe", "cancel", "discover",
+const HUB_TYPES: [&str; 9] = [
+    "welcome",
+    "error",
+    "config",
+    "work",
+    "probe",
+    "cancel",
+    "discover",
+    "suspended",
+    "delivered",
 ];
 
 /// Decodes an agent's frame; `max_bytes` bounds frames with vectors.
 pub fn decode_agent(text: &str, max_bytes: usize) -> Result<AgentFrame, FrameError> {
-    let carries_vectors = |kind: &str| matches!(kind, "done" | "probe_result");
+    // A kept answer is a chat completion, as large as its `done`.
+    let carries_vectors = |kind: &str| matches!(kind, "done" | "probe_result" | "kept");
     decode(text, max_bytes, &AGENT_TYPES, carries_vectors)
 }
 
@@ -239,6 +249,28 @@ mod tests {
                 reason: "canary at cosine 0.95".into(),
                 at_ms: 1_700_000_000_000,
             }],
+            answering: vec![AnsweringCall {
+                tag: IdempotencyTag {
+                    project: "alpha".into(),
+                    key: "k-1".into(),
+                    digest: "d".into(),
+                },
+                provider: "cloud:code-assistant:1".into(),
+            }],
+            keeps_answers: true,
+        }));
+        round_trip_agent(AgentFrame::Kept(KeptAnswer {
+            tag: IdempotencyTag {
+                project: "alpha".into(),
+                key: "k-1".into(),
+                digest: "d".into(),
+            },
+            provider: "code-assistant".into(),
+            backend: Backend::Cloud,
+            output: Some(WorkOutput::Chat(serde_json::json!({"id": "gen-1"}))),
+            tokens: 12,
+            cost_usd: Some(0.001),
+            error: None,
         }));
         round_trip_agent(AgentFrame::Providers {
             providers: vec![provider()],
@@ -337,6 +369,7 @@ mod tests {
             lease_ms: 120_000,
             pings: true,
             epoch: Some(42),
+            takes_answers: true,
         }));
         round_trip_hub(HubFrame::Suspended(Suspension {
             provider: "embedding".into(),
@@ -345,6 +378,11 @@ mod tests {
             generation: 7,
             reason: "canary at cosine 0.95".into(),
             at_ms: 1,
+        }));
+        round_trip_hub(HubFrame::Delivered(IdempotencyTag {
+            project: "alpha".into(),
+            key: "k-1".into(),
+            digest: "d".into(),
         }));
         round_trip_hub(HubFrame::Error {
             message: "no".into(),
@@ -365,6 +403,22 @@ mod tests {
             call_timeout_ms: Some(60_000),
             class: WorkClass::Interactive,
             traces: vec!["00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()],
+            idempotency: None,
+        }));
+        round_trip_hub(HubFrame::Work(Work {
+            lease: 4,
+            provider: "code-assistant".into(),
+            role: Role::CodeAssistant,
+            input: WorkInput::Chat(serde_json::json!({"messages": []})),
+            deadline_ms: 1,
+            call_timeout_ms: Some(60_000),
+            class: WorkClass::Interactive,
+            traces: Vec::new(),
+            idempotency: Some(IdempotencyTag {
+                project: "default".into(),
+                key: "k-2".into(),
+                digest: "d".into(),
+            }),
         }));
         round_trip_hub(HubFrame::Work(Work {
             lease: 2,
@@ -379,6 +433,7 @@ mod tests {
             call_timeout_ms: Some(60_000),
             class: WorkClass::Batch,
             traces: Vec::new(),
+            idempotency: None,
         }));
         round_trip_hub(HubFrame::Probe(Probe {
             probe: "p".into(),
@@ -405,6 +460,7 @@ mod tests {
             call_timeout_ms: None,
             class: WorkClass::Batch,
             traces: Vec::new(),
+            idempotency: None,
         }));
         assert!(work.contains("\"op\":\"embed\",\"input\":{"), "{work}");
         assert!(

@@ -57,6 +57,9 @@ pub enum AgentFrame {
     ProbeResult(ProbeResult),
     /// The answer to `discover`: what the pushed key's account allows, numbers only.
     Limits(AccountLimits),
+    /// A keyed chat's outcome this agent kept (it ran under an earlier session, or its `done`
+    /// may never have reached that session's hub): sent to a hub whose `welcome` takes them.
+    Kept(KeptAnswer),
 }
 
 /// Frames the hub sends.
@@ -85,6 +88,9 @@ pub enum HubFrame {
     /// The gate suspended one of this agent's providers (drift): the agent keeps it and
     /// reports it in its next `hello`, so a leader that could not store it is not forgotten.
     Suspended(Suspension),
+    /// The hub holds this keyed chat's answer (its `done`, or a `kept` frame): the agent
+    /// stops keeping it.
+    Delivered(IdempotencyTag),
 }
 
 /// A suspension as the hub that made it told the agent (and the agent tells the next hub).
@@ -156,6 +162,57 @@ pub struct Hello {
     /// [`MAX_REPORTED_SUSPENSIONS`]): the next leader honours those newer than its verdict.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub suspensions: Vec<Suspension>,
+    /// Keyed chats this agent still runs for an earlier session (at most
+    /// [`MAX_KEPT_ANSWERS`]): a retry with one of these keys waits for its `kept` answer
+    /// instead of going upstream again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub answering: Vec<AnsweringCall>,
+    /// This agent finishes a keyed chat when its session ends and hands the answer over
+    /// (`kept`): the hub waits for it rather than sending the chat to another provider.
+    /// Absent from older builds.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub keeps_answers: bool,
+}
+
+/// A chat a client sent with an `Idempotency-Key`: its project, the key's digest (the hub's
+/// `replies::key_id`: the client's value itself never leaves the hub's request handler), and a
+/// digest of the request as the hub forwarded it (a retry with another body under the same key
+/// is refused).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct IdempotencyTag {
+    pub project: String,
+    pub key: String,
+    pub digest: String,
+}
+
+/// A keyed chat an agent still runs for an earlier session, and the provider running it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AnsweringCall {
+    #[serde(flatten)]
+    pub tag: IdempotencyTag,
+    pub provider: String,
+}
+
+/// The most keyed answers an agent keeps (and reports running) at once.
+pub const MAX_KEPT_ANSWERS: usize = 64;
+
+/// A keyed chat's outcome as its agent kept it: the completion (absent when the call failed:
+/// `error` says why), with what it read and cost.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct KeptAnswer {
+    #[serde(flatten)]
+    pub tag: IdempotencyTag,
+    /// The agent's provider that ran it.
+    pub provider: String,
+    pub backend: Backend,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<WorkOutput>,
+    #[serde(default)]
+    pub tokens: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_usd: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// The most suspensions a `hello` carries (and a hub reads).
@@ -406,6 +463,10 @@ pub struct Welcome {
     /// noticed. (Absent from a hub on a state file, and from older builds.)
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epoch: Option<i64>,
+    /// The hub takes `kept` frames (keyed chats' answers an agent kept). Absent from older
+    /// builds: an agent sends them none.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub takes_answers: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -455,6 +516,11 @@ pub struct Work {
     /// 64), when the hub exports traces: the agent's spans for the frame link to them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub traces: Vec<String>,
+    /// A chat a client sent with an `Idempotency-Key`: the agent finishes it even when the
+    /// session ends, keeps its answer a while and hands it to the next hub (`kept`). An older
+    /// agent ignores it and keeps nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency: Option<IdempotencyTag>,
 }
 
 /// Which class of work a frame carries. Interactive work (queries, reranks, chats, or

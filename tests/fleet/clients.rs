@@ -389,3 +389,43 @@ async fn readiness_is_503_with_the_reason_until_a_role_can_serve() {
         "{body}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_sends_an_idempotency_key_and_gets_the_first_answer_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (up, hub, _agent) = chat_fleet(dir.path(), "sdk").await;
+    let key = project_key(&hub, "sdk-keyed").await;
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_idempotent.py");
+    let out = Command::new(clients_python())
+        .arg(script)
+        .args([&hub.url("/v1"), "7c1e9f1a-keyed-chat", "asked once"])
+        .env("FANTOM_API_KEY", &key)
+        .stdin(Stdio::null())
+        .output()
+        .expect("python3 runs");
+    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert_eq!(
+        lines.len(),
+        3,
+        "{lines:?} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(lines[0]["replayed"], false, "{lines:?}");
+    assert_eq!(lines[1]["replayed"], true, "{lines:?}");
+    assert_eq!(lines[0]["id"], lines[1]["id"], "the first answer, again");
+    assert_eq!(lines[1]["content"], "echo: asked once");
+    assert_eq!(lines[2]["status"], 422, "{lines:?}");
+    assert_eq!(
+        lines[2]["error_code"], "idempotency_key_reused",
+        "{lines:?}"
+    );
+    assert_eq!(
+        up.state.bodies_containing("asked once"),
+        1,
+        "one upstream call"
+    );
+}

@@ -1,7 +1,8 @@
 //! Hubs on etcd under the faults a kill does not show: each hub answers `/metrics` and
 //! `/admin/status` for itself (a standby too, and while no hub leads), and an auth change in
 //! etcd (a user added while the hubs run) fences no leader and stops no standby from taking
-//! over.
+//! over. A chat retried with its `Idempotency-Key` across a frozen leader reaches the
+//! upstream once: the agent finishes it, keeps the answer and hands it to the new leader.
 
 use std::time::Duration;
 
@@ -342,15 +343,22 @@ async fn agent_on(hub: &HubProc, id: &str) -> std::time::Instant {
     .await
 }
 
+/// Leader `a` and standby `b`, both with a 500 ms heartbeat (their agents notice a frozen
+/// hub within a second).
+async fn fast_leader_and_standby(dir: &std::path::Path, cluster: &Cluster) -> (HubProc, HubProc) {
+    let fast = ["--heartbeat-ms", "500"];
+    let a = etcd_hub_with(dir, "a", cluster, &fast);
+    leads(&a).await;
+    let b = etcd_hub_with(dir, "b", cluster, &fast);
+    assert_eq!(standby_of(&b).await, format!("http://{}", a.proc.addr));
+    (a, b)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_leaders_agent_is_on_the_new_leader_as_soon_as_it_wins() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = Cluster::start(dir.path()).await;
-    let fast = ["--heartbeat-ms", "500"];
-    let mut a = etcd_hub_with(dir.path(), "a", &cluster, &fast);
-    leads(&a).await;
-    let b = etcd_hub_with(dir.path(), "b", &cluster, &fast);
-    assert_eq!(standby_of(&b).await, format!("http://{}", a.proc.addr));
+    let (mut a, b) = fast_leader_and_standby(dir.path(), &cluster).await;
     // The frozen hub is listed first, as the hub that last welcomed the agent would be.
     let _gpu = crate::ha::minilm_agent_on_both(dir.path(), &a, &b, "gpu");
     agent_on(&a, "gpu").await;
@@ -610,5 +618,174 @@ async fn a_leader_cut_off_from_etcd_and_every_peer_holds_keyed_work_and_serves_k
     // etcd answers again: the lease expired during the cut, so the hub is deposed and exits
     // (under systemd it comes back as a standby, or leads again after a campaign).
     cutter.heal();
+    assert_eq!(a.proc.wait_exit().code(), Some(75));
+}
+
+/// A chat through `hub` with an `Idempotency-Key`: the status, the body and whether it was
+/// answered again from an earlier answer.
+async fn keyed_chat(hub: &HubProc, key: &str, text: &str) -> (u16, Value, bool) {
+    keyed_chat_at(hub.http.clone(), hub.url("/v1/chat/completions"), key, text).await
+}
+
+/// [`keyed_chat`] to `url` (owned: it may run on a task of its own).
+async fn keyed_chat_at(
+    http: reqwest::Client,
+    url: String,
+    key: &str,
+    text: &str,
+) -> (u16, Value, bool) {
+    let r = http
+        .post(url)
+        .header("Idempotency-Key", key)
+        .json(&serde_json::json!({"model": "code-assistant",
+            "messages": [{"role": "user", "content": text}]}))
+        .timeout(Duration::from_secs(60))
+        .send()
+        .await;
+    match r {
+        Ok(r) => {
+            let code = r.status().as_u16();
+            let replayed = r.headers().get("idempotent-replayed").is_some();
+            (code, r.json().await.unwrap_or(Value::Null), replayed)
+        }
+        Err(e) => (0, serde_json::json!({"transport": e.to_string()}), false),
+    }
+}
+
+/// The `default` project's usage on `hub`.
+async fn default_usage(hub: &HubProc) -> Value {
+    let projects = hub.admin_get("/admin/projects").await;
+    projects["projects"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["name"] == "default"))
+        .map(|p| p["usage"].clone())
+        .unwrap_or(Value::Null)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_retried_with_its_idempotency_key_across_a_frozen_leader_reaches_the_upstream_once()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = Cluster::start(dir.path()).await;
+    let (mut a, b) = fast_leader_and_standby(dir.path(), &cluster).await;
+    let up = crate::cloud::upstream(|_| {}).await;
+    let body = format!(
+        "hub_urls = [\"{}\"]\nopenrouter_url = \"{}\"\ncloud_pipeline_depth = 8",
+        b.ws_url(),
+        up.base_url
+    );
+    let _cloud = crate::support::start_agent_toml(
+        dir.path(),
+        &a.ws_url(),
+        &a.fleet_file,
+        "cloud",
+        &body,
+        &[],
+    );
+    a.wait_for_agent("cloud").await;
+    let (code, pushed) = a
+        .push(crate::cloud::push_body(
+            serde_json::json!({"code-assistant": "cloud"}),
+        ))
+        .await;
+    assert_eq!(code, 200, "{pushed}");
+    eventually("a keyed chat through the leader", || async {
+        let (code, _, replayed) = keyed_chat(&a, "warm-up-key", "warm up").await;
+        (code == 200 && !replayed).then_some(())
+    })
+    .await;
+    // The same key again: the first answer, no second call.
+    let (code, again, replayed) = keyed_chat(&a, "warm-up-key", "warm up").await;
+    assert_eq!((code, replayed), (200, true), "{again}");
+    assert_eq!(up.state.bodies_containing("warm up"), 1);
+
+    // The upstream holds the next chat; the leader freezes while it runs.
+    let seen = up.state.requests();
+    up.state.set_hold(true);
+    let (http, url) = (a.http.clone(), a.url("/v1/chat/completions"));
+    let first =
+        tokio::spawn(async move { keyed_chat_at(http, url, "once-only-key", "once only").await });
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        up.state.wait_for_requests(seen + 1),
+    )
+    .await
+    .expect("the keyed chat reached the upstream");
+    a.proc.signal("STOP");
+    leads(&b).await;
+    agent_on(&b, "cloud").await;
+    let before = default_usage(&b).await;
+
+    // The client gave up on the frozen hub and retries on the new leader, which has no record
+    // of the key: the agent said in its hello that it still runs it, so the retry waits for
+    // the agent's answer instead of going upstream again.
+    let (http, url) = (b.http.clone(), b.url("/v1/chat/completions"));
+    let retry =
+        tokio::spawn(async move { keyed_chat_at(http, url, "once-only-key", "once only").await });
+    up.state.set_hold(false);
+    let (code, answer, replayed) = retry.await.unwrap();
+    assert_eq!(code, 200, "{answer}");
+    assert!(
+        replayed,
+        "the agent's kept answer, not a second call: {answer}"
+    );
+    assert_eq!(answer["provenance"]["agent"], "cloud", "{answer}");
+    assert_eq!(
+        up.state.bodies_containing("once only"),
+        1,
+        "one upstream call"
+    );
+
+    // Its cost counts once in the project's day: at the handover, not at each replay.
+    let cost = answer["usage"]["cost"]
+        .as_f64()
+        .expect("the stand-in reports a cost");
+    let after = default_usage(&b).await;
+    let day = |u: &Value| u["today"]["cloud_usd"].as_f64().unwrap_or(0.0);
+    let calls = |u: &Value| u["cloud_calls"].as_u64().unwrap_or(0);
+    assert_eq!(calls(&after), calls(&before) + 1, "{before} -> {after}");
+    assert!(
+        (day(&after) - day(&before) - cost).abs() < 1e-9,
+        "{before} -> {after}"
+    );
+    let (code, again, replayed) = keyed_chat(&b, "once-only-key", "once only").await;
+    assert_eq!((code, replayed), (200, true), "{again}");
+    assert_eq!(again["id"], answer["id"]);
+    assert_eq!(default_usage(&b).await["cloud_calls"], after["cloud_calls"]);
+    // Asked as a stream, the same answer comes as chunks (`stream` is not part of the body
+    // a key is checked against).
+    let r = b
+        .http
+        .post(b.url("/v1/chat/completions"))
+        .header("Idempotency-Key", "once-only-key")
+        .json(
+            &serde_json::json!({"model": "code-assistant", "stream": true,
+            "messages": [{"role": "user", "content": "once only"}]}),
+        )
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.headers().contains_key("idempotent-replayed"));
+    let events = crate::support::read_sse(r).await;
+    let content = answer["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(
+        crate::support::streamed_content(&events),
+        content,
+        "{events:?}"
+    );
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    // The same key with another body is refused, and sends nothing up.
+    let (code, refused, _) = keyed_chat(&b, "once-only-key", "something else").await;
+    assert_eq!(code, 422, "{refused}");
+    assert_eq!(
+        refused["error"]["code"], "idempotency_key_reused",
+        "{refused}"
+    );
+    assert!(!up.state.bodies_seen_contain("something else"));
+    assert_eq!(up.state.bodies_containing("once only"), 1);
+
+    first.abort();
+    a.proc.signal("CONT");
     assert_eq!(a.proc.wait_exit().code(), Some(75));
 }

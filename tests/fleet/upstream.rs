@@ -288,6 +288,13 @@ impl UpstreamState {
     pub fn bodies_seen_contain(&self, needle: &str) -> bool {
         lock(&self.bodies).iter().any(|b| b.contains(needle))
     }
+    /// Request bodies received (of the last 10,000) that contain `needle`.
+    pub fn bodies_containing(&self, needle: &str) -> usize {
+        lock(&self.bodies)
+            .iter()
+            .filter(|b| b.contains(needle))
+            .count()
+    }
     pub fn set_cosine(&self, slug: &str, cosine: Option<f32>) {
         let mut m = lock(&self.cosine);
         match cosine {

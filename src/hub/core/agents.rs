@@ -114,6 +114,7 @@ impl Core {
                 .unwrap_or_default()
                 .as_millis() as u64,
             pings: true,
+            takes_answers: true,
         });
         let _ = tx.send(Outgoing::Frame(protocol::encode(&welcome)));
         let count = self.sockets.entry(hello.agent_id.clone()).or_default();
@@ -136,9 +137,17 @@ impl Core {
                 held: hello.config,
                 config_sent: None,
                 config_awaiting_ack: false,
+                keeps_answers: hello.keeps_answers,
             },
         );
+        // Keyed chats it still runs for an earlier session: a retry waits for their answers,
+        // and each cloud call counts in flight until it ends.
+        let answering = hello.answering.len().min(crate::protocol::MAX_KEPT_ANSWERS);
+        let calls = &hello.answering[..answering];
+        let tags: Vec<_> = calls.iter().map(|c| c.tag.clone()).collect();
+        self.replies.running_at(&hello.agent_id, &tags);
         self.refresh_routes();
+        self.answering(&hello.agent_id, calls);
         self.sync_agent(&hello.agent_id);
         self.gate_tick(Instant::now());
         self.dispatch_all();
@@ -176,6 +185,9 @@ impl Core {
             tracing::info!(agent, session, "agent disconnected");
             self.note_vanished(gone.providers.values());
             self.gate.agent_left(agent, Instant::now());
+            // Keyed calls it reported running are not waited for any more.
+            self.replies.agent_left(agent);
+            self.release_reported(|_, r| r.agent == agent);
         }
         self.requeue_session_leases(agent, session);
         // A reference may have left: the gate's round decides the roles' spaces first.
@@ -201,6 +213,11 @@ impl Core {
         for id in lost {
             if let Some(lease) = self.leases.remove(&id) {
                 self.counters.leases_lost += 1;
+                // A keyed chat its agent finishes and hands over: waited for (holding its
+                // permit), not sent again.
+                let Some(lease) = self.park_lost(lease) else {
+                    continue;
+                };
                 self.release_permit(&lease, budget::Outcome::Other);
                 let role = lease.role;
                 let local = lease.reference.origin.backend == Backend::Local;

@@ -339,7 +339,10 @@ impl Core {
             deadline_ms: crate::hub::now_ms().saturating_add(ms(timings.lease)),
             call_timeout_ms: Some(ms(timings.call_timeout)),
             class: caller.class,
+            idempotency: shape.idempotency().cloned(),
         });
+        let keeps_answer = shape.idempotency().is_some()
+            && self.agents.get(agent_id).is_some_and(|a| a.keeps_answers);
         let (session, sent) = match self.agents.get(agent_id) {
             Some(a) => (a.session, a.send(protocol::encode(&frame))),
             None => (0, false),
@@ -429,6 +432,7 @@ impl Core {
                 items,
                 deadline: now + timings.lease,
                 canary,
+                keeps_answer,
             },
         );
     }

@@ -24,6 +24,7 @@ mod agents;
 pub mod binding;
 mod config_sync;
 mod dispatch;
+mod handed_over;
 mod probe_permits;
 mod project_rules;
 mod results;
@@ -80,6 +81,11 @@ pub struct HubSettings {
     /// batch work queued ahead on its agent is bounded to the frames it runs (on by default;
     /// the fairness benchmark turns it off for the queue of before).
     pub interactive_reserve: bool,
+    /// How long after this hub began to serve a keyed chat it has no record of waits for
+    /// the agents to come over with the answers they kept (`hub::replies`): agents of a
+    /// leader that froze or was cut off arrive within about a heartbeat of the win, their
+    /// dial bounded by 5 s. Zero for `serve`, whose agent is the same process.
+    pub handover_window: Duration,
 }
 
 impl Default for HubSettings {
@@ -99,6 +105,7 @@ impl Default for HubSettings {
             vanish_grace: Duration::from_secs(15),
             ready_roles: BTreeSet::new(),
             interactive_reserve: true,
+            handover_window: Duration::from_secs(5 + 5),
         }
     }
 }
@@ -368,6 +375,9 @@ struct Lease {
     deadline: Instant,
     /// The probe text riding in this embedding work frame, and where.
     canary: Option<Canary>,
+    /// A keyed chat whose agent keeps its answer across sessions: lost with its socket, it
+    /// waits for the agent's handover ([`handed_over`]).
+    keeps_answer: bool,
 }
 
 /// A canary: probe text `probe` of the gate's set, at `position` among the frame's texts.
@@ -443,6 +453,12 @@ pub struct Core {
     pub fence: crate::hub::store::fence::Fence,
     /// The epoch this hub leads under on etcd (sent in `welcome`).
     pub epoch: Option<i64>,
+    /// Keyed chats: the keys seen, the answers a retry gets again.
+    pub replies: crate::hub::replies::Replies,
+    /// Keyed chats whose agent's socket dropped while they ran: waiting for its handover.
+    parked: Vec<handed_over::Parked>,
+    /// Cloud calls agents reported running for an earlier hub, holding budget permits.
+    reported: HashMap<crate::protocol::IdempotencyTag, handed_over::Reported>,
     queues: BTreeMap<Role, RoleQueue>,
     requests: HashMap<RequestId, Pending>,
     /// Input bytes of every accepted request not yet answered.
@@ -482,6 +498,7 @@ impl Core {
             .into_iter()
             .map(|r| (r, RoleQueue::new(settings.queue_capacity)))
             .collect();
+        let handover = settings.handover_window;
         Self {
             settings,
             cloud,
@@ -493,6 +510,9 @@ impl Core {
             projects: Projects::default(),
             fence: Default::default(),
             epoch: None,
+            replies: crate::hub::replies::Replies::new(handover),
+            parked: Vec::new(),
+            reported: HashMap::new(),
             queues,
             requests: HashMap::new(),
             held_bytes: 0,

@@ -148,7 +148,15 @@ impl Core {
         };
         // The project pays for its own items; a canary's share is the gate's line.
         let (project, cloud) = (lease.project.clone(), lease.permit.is_some());
+        let keyed = lease
+            .items
+            .first()
+            .and_then(|i| i.shape.idempotency().cloned());
         self.deliver(lease, outputs, tokens);
+        if let Some(tag) = keyed {
+            // The answer reached this hub: the agent stops keeping it for the next one.
+            self.tell_delivered(agent, tag);
+        }
         if cloud {
             // Without token counts the whole cost is the project's (no canary share known).
             let cost = done.cost_usd.map(|c| match done.tokens {
@@ -240,7 +248,7 @@ impl Core {
 
     /// Answers a request whose every item has a result, unless a result's verdict stopped
     /// passing meanwhile (drift, a re-check): those items go round again first.
-    fn complete(&mut self, request: RequestId) {
+    pub(super) fn complete(&mut self, request: RequestId) {
         let gate = &self.gate;
         let Some(pending) = self.requests.get_mut(&request) else {
             return;
@@ -614,6 +622,7 @@ impl Core {
 
     /// Leases past their deadline go back to the front; their agents are told to stop.
     pub fn expire(&mut self, now: Instant) {
+        self.expire_parked(now);
         let expired: Vec<u64> = self
             .leases
             .iter()

@@ -67,6 +67,8 @@ fn connect_with(
                     key_generation: core.config_revision().key_generation.clone(),
                 },
                 suspensions: Vec::new(),
+                answering: Vec::new(),
+                keeps_answers: false,
             },
             tx,
         )
@@ -304,7 +306,10 @@ fn two_equal_chats_are_two_leases() {
     let (_, mut rx) = connect(&mut core, "a", info, 4);
     let body = serde_json::json!({"messages": [{"role": "user", "content": "hi"}]});
     for _ in 0..2 {
-        let shape = Shape::Chat { body: body.clone() };
+        let shape = Shape::Chat {
+            body: body.clone(),
+            idempotency: None,
+        };
         core.submit(Role::RlmSandbox, shape, vec![String::new()])
             .unwrap();
     }
@@ -383,6 +388,8 @@ fn hello_as(agent: &str, instance: Option<&str>) -> Hello {
         instance: instance.map(str::to_string),
         config: Default::default(),
         suspensions: Vec::new(),
+        answering: Vec::new(),
+        keeps_answers: false,
     }
 }
 
@@ -435,6 +442,7 @@ fn a_heartbeat_renews_its_own_sessions_leases_only() {
     );
     let shape = Shape::Chat {
         body: serde_json::json!({"messages": []}),
+        idempotency: None,
     };
     let _accepted = core
         .submit(Role::CodeAssistant, shape, vec![String::new()])
@@ -480,7 +488,10 @@ fn requests_past_the_inputs_characters_frame_or_held_bytes_are_refused_at_admiss
         provider("c", Role::CodeAssistant, "m", 1),
         0,
     );
-    let chat = |body: serde_json::Value| Shape::Chat { body };
+    let chat = |body: serde_json::Value| Shape::Chat {
+        body,
+        idempotency: None,
+    };
     let texts = |n: usize, len: usize| vec!["é".repeat(len / 2); n];
     let submit = |core: &mut Core, n: usize, len: usize| {
         core.submit(
@@ -930,9 +941,9 @@ fn a_reference_that_leaves_mid_fingerprint_hands_the_space_to_the_next_at_once()
     assert_eq!(core.gate.current_id(Role::Embedding), Some("embedding:m:2"));
 }
 
-#[test]
-fn a_stale_route_waits_for_its_config_only_until_the_agent_answers() {
-    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+/// A hub whose config (revision `revision`, key generation `kg`) routes the reranker role to
+/// the cloud reranker "m"; the provider an agent announces for it.
+fn cloud_reranker_configured(core: &mut Core, revision: u64, kg: &str) -> ProviderInfo {
     let (route, info) = cloud_reranker("m");
     core.set_config(
         CloudSettings {
@@ -941,10 +952,17 @@ fn a_stale_route_waits_for_its_config_only_until_the_agent_answers() {
             ..Default::default()
         },
         ConfigRevision {
-            revision: 3,
-            key_generation: Some("kg-3".into()),
+            revision,
+            key_generation: Some(kg.into()),
         },
     );
+    info
+}
+
+#[test]
+fn a_stale_route_waits_for_its_config_only_until_the_agent_answers() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let info = cloud_reranker_configured(&mut core, 3, "kg-3");
     // An agent of an older build: it says nothing of what it holds.
     let (tx, _rx) = mpsc::unbounded_channel();
     let hello = Hello {
@@ -1190,4 +1208,189 @@ fn a_probe_waiting_on_a_full_budget_gets_the_next_permit_before_work_does() {
     assert_eq!(work["input"]["documents"][0], "e");
     assert!(second.try_recv().is_err(), "served, not yet answered");
     assert_eq!(core.budget.in_flight(), 1, "the rerank lease holds it now");
+}
+
+/// An agent that keeps keyed chats' answers (`hello.keeps_answers`), reporting `answering`.
+fn connect_keeping(
+    core: &mut Core,
+    agent: &str,
+    credits: u32,
+    answering: Vec<crate::protocol::AnsweringCall>,
+) -> (u64, mpsc::UnboundedReceiver<Outgoing>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let hello = Hello {
+        providers: vec![provider("c", Role::CodeAssistant, "m", 1)],
+        keeps_answers: true,
+        answering,
+        ..hello_as(agent, None)
+    };
+    let session = core.hello(hello, tx).unwrap();
+    core.pull(agent, session, "c", credits).unwrap();
+    (session, rx)
+}
+
+fn keyed_chat(key: &str) -> (Shape, crate::protocol::IdempotencyTag) {
+    let tag = crate::protocol::IdempotencyTag {
+        project: "default".into(),
+        key: key.into(),
+        digest: "d".into(),
+    };
+    let shape = Shape::Chat {
+        body: serde_json::json!({"messages": [{"role": "user", "content": "hi"}]}),
+        idempotency: Some(tag.clone()),
+    };
+    (shape, tag)
+}
+
+#[test]
+fn a_keyed_chat_whose_agent_left_waits_for_its_handover_not_for_another_provider() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (sa, mut a) = connect_keeping(&mut core, "a", 1, Vec::new());
+    let (_sb, mut b) = connect_keeping(&mut core, "b", 0, Vec::new());
+    let (shape, tag) = keyed_chat("k");
+    let (_, mut reply) = core
+        .submit(Role::CodeAssistant, shape, vec![String::new()])
+        .unwrap();
+    let work = next_work(&mut a);
+    assert_eq!(
+        work["idempotency"]["key"], "k",
+        "the key travels with the work"
+    );
+
+    // Agent a's socket drops while the call runs: the chat is parked, not offered to b.
+    core.disconnect("a", sa);
+    core.pull("b", _sb, "c", 1).unwrap();
+    assert!(
+        std::iter::from_fn(|| b.try_recv().ok())
+            .all(|o| !matches!(&o, Outgoing::Frame(t) if t.contains("\"work\""))),
+        "no second call while a may hand the answer over"
+    );
+    assert_eq!(core.parked_chats(), 1);
+    // It comes back still running it: the wait grows to the call timeout.
+    let call = crate::protocol::AnsweringCall {
+        tag: tag.clone(),
+        provider: "c".into(),
+    };
+    let (sa, _a) = connect_keeping(&mut core, "a", 0, vec![call]);
+    core.expire(Instant::now() + Duration::from_secs(30));
+    assert_eq!(
+        core.parked_chats(),
+        1,
+        "a call its agent runs is waited for"
+    );
+    // Its answer comes over: the request completes with it, once.
+    core.kept(
+        "a",
+        sa,
+        crate::protocol::KeptAnswer {
+            tag: tag.clone(),
+            provider: "c".into(),
+            backend: Backend::Local,
+            output: Some(WorkOutput::Chat(serde_json::json!({"id": "gen-1"}))),
+            tokens: 5,
+            cost_usd: None,
+            error: None,
+        },
+    )
+    .unwrap();
+    let done = reply.try_recv().unwrap().unwrap();
+    assert_eq!(done.items[0].provider.agent, "a");
+    assert!(matches!(&done.items[0].output, ItemOutput::Chat(c) if c["id"] == "gen-1"));
+    assert_eq!(core.parked_chats(), 0);
+}
+
+#[test]
+fn a_parked_chat_goes_round_again_when_its_agent_does_not_come_back_or_its_call_failed() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (sa, mut a) = connect_keeping(&mut core, "a", 1, Vec::new());
+    let (sb, mut b) = connect_keeping(&mut core, "b", 0, Vec::new());
+    let (shape, _) = keyed_chat("k1");
+    let (_, _reply) = core
+        .submit(Role::CodeAssistant, shape, vec![String::new()])
+        .unwrap();
+    next_work(&mut a);
+    core.disconnect("a", sa);
+    core.pull("b", sb, "c", 1).unwrap();
+    assert_eq!(core.parked_chats(), 1);
+    // Past three heartbeats and the dial bound, with no word from a: b serves it.
+    let bound = core.settings.heartbeat_interval * 3 + Duration::from_secs(5);
+    core.expire(Instant::now() + bound + Duration::from_secs(1));
+    assert_eq!(core.parked_chats(), 0);
+    let work = next_work(&mut b);
+    assert_eq!(work["idempotency"]["key"], "k1");
+
+    // An agent that says its call failed: the chat goes round again at once.
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (sb, mut b) = connect_keeping(&mut core, "b", 1, Vec::new());
+    let (shape, tag) = keyed_chat("k2");
+    let (_, _reply) = core
+        .submit(Role::CodeAssistant, shape, vec![String::new()])
+        .unwrap();
+    next_work(&mut b);
+    core.disconnect("b", sb);
+    assert_eq!(core.parked_chats(), 1);
+    let (sb, mut b) = connect_keeping(&mut core, "b", 1, Vec::new());
+    core.kept(
+        "b",
+        sb,
+        crate::protocol::KeptAnswer {
+            tag,
+            provider: "c".into(),
+            backend: Backend::Local,
+            output: None,
+            tokens: 0,
+            cost_usd: None,
+            error: Some("upstream 500".into()),
+        },
+    )
+    .unwrap();
+    assert_eq!(core.parked_chats(), 0);
+    assert_eq!(next_work(&mut b)["idempotency"]["key"], "k2");
+}
+
+#[test]
+fn a_cloud_call_an_agent_still_runs_for_an_earlier_hub_holds_a_permit_and_its_cost_counts_once() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let info = cloud_reranker_configured(&mut core, 1, "kg");
+    let (_, tag) = keyed_chat("k");
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let hello = Hello {
+        providers: vec![info.clone()],
+        keeps_answers: true,
+        answering: vec![crate::protocol::AnsweringCall {
+            tag: tag.clone(),
+            provider: info.id.clone(),
+        }],
+        config: crate::protocol::HeldConfig {
+            config_revision: Some(1),
+            key_generation: Some("kg".into()),
+        },
+        ..hello_as("cloudy", None)
+    };
+    let session = core.hello(hello, tx).unwrap();
+    assert_eq!(
+        core.budget.in_flight(),
+        1,
+        "the call under way counts in flight"
+    );
+    let kept = crate::protocol::KeptAnswer {
+        tag,
+        provider: info.id.clone(),
+        backend: Backend::Cloud,
+        output: Some(WorkOutput::Chat(serde_json::json!({"id": "gen-1"}))),
+        tokens: 7,
+        cost_usd: Some(0.25),
+        error: None,
+    };
+    core.kept("cloudy", session, kept.clone()).unwrap();
+    assert_eq!(core.budget.in_flight(), 0, "its permit came back");
+    let day = |core: &Core| {
+        let u = &core.projects.usage[crate::hub::projects::DEFAULT_PROJECT];
+        (u.cloud_calls, u.day.cloud_usd)
+    };
+    assert_eq!(day(&core), (1, 0.25));
+    // Handed over again (the agent missed the `delivered`): counted once.
+    core.kept("cloudy", session, kept).unwrap();
+    assert_eq!(day(&core), (1, 0.25));
+    assert_eq!(core.replies.handed_over, 1);
 }

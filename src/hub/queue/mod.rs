@@ -38,8 +38,12 @@ pub enum Shape {
         query: String,
         instruction: Option<String>,
     },
-    /// One chat completion (the client's body; one item, whose text is empty).
-    Chat { body: serde_json::Value },
+    /// One chat completion (the client's body; one item, whose text is empty), and the
+    /// client's `Idempotency-Key` when it sent one.
+    Chat {
+        body: serde_json::Value,
+        idempotency: Option<crate::protocol::IdempotencyTag>,
+    },
 }
 
 impl Shape {
@@ -62,7 +66,15 @@ impl Shape {
                 documents: texts,
                 instruction: instruction.clone(),
             }),
-            Shape::Chat { body } => WorkInput::Chat(body.clone()),
+            Shape::Chat { body, .. } => WorkInput::Chat(body.clone()),
+        }
+    }
+
+    /// The client's `Idempotency-Key` of a chat, as the work frame carries it.
+    pub fn idempotency(&self) -> Option<&crate::protocol::IdempotencyTag> {
+        match self {
+            Shape::Chat { idempotency, .. } => idempotency.as_ref(),
+            _ => None,
         }
     }
 
@@ -75,7 +87,7 @@ impl Shape {
             Shape::Rerank { query, instruction } => {
                 text(query).saturating_add(instruction.as_deref().map_or(0, text))
             }
-            Shape::Chat { body } => body.to_string().len(),
+            Shape::Chat { body, .. } => body.to_string().len(),
         }
     }
 
@@ -84,7 +96,7 @@ impl Shape {
         match self {
             Shape::Embed { .. } => 0,
             Shape::Rerank { query, .. } => estimate_tokens(query),
-            Shape::Chat { body } => body.to_string().len() / 3 + 2,
+            Shape::Chat { body, .. } => body.to_string().len() / 3 + 2,
         }
     }
 }
@@ -432,6 +444,7 @@ mod tests {
         assert_eq!(b.len(), 3);
         let chat = Arc::new(Shape::Chat {
             body: serde_json::json!({"messages": [{"role": "user", "content": "hi"}]}),
+            idempotency: None,
         });
         let mut q = RoleQueue::new(10);
         q.push_back(items(5, &chat, 1));
