@@ -481,6 +481,10 @@ async fn session(
                 for job in jobs.running.values() {
                     send(&failed(job.lease, FailureClass::Refused, "the agent shut down before this finished"));
                 }
+                // Keyed calls run on tasks of their own: handed back, they stop too.
+                for handle in jobs.by_lease.values() {
+                    handle.abort();
+                }
                 jobs.tasks.abort_all();
                 break String::new();
             }
@@ -642,7 +646,20 @@ fn start_work(
                 (result, latency_ms)
             });
             let abort = detached.abort_handle();
-            let handle = jobs.tasks.spawn(async move { detached.await.ok() });
+            let handle = jobs.tasks.spawn(async move {
+                match detached.await {
+                    Ok(outcome) => Some(outcome),
+                    // A panic fails the work as an unkeyed call's would; a cancel is none.
+                    Err(e) if e.is_panic() => Some((
+                        Err(ProviderFailure::new(
+                            FailureClass::Transient,
+                            "the provider panicked",
+                        )),
+                        0.0,
+                    )),
+                    Err(_) => None,
+                }
+            });
             (handle, abort)
         }
     };
@@ -664,9 +681,9 @@ fn kept_answer(
     provider: String,
     backend: protocol::Backend,
 ) -> impl FnOnce(protocol::IdempotencyTag) -> protocol::KeptAnswer {
-    let (output, tokens, cost_usd, error) = match result {
-        Ok(r) => (Some(r.output.clone()), r.tokens, r.cost_usd, None),
-        Err(f) => (None, 0, None, Some(f.message.clone())),
+    let (output, tokens, cost_usd, error, class) = match result {
+        Ok(r) => (Some(r.output.clone()), r.tokens, r.cost_usd, None, None),
+        Err(f) => (None, 0, None, Some(f.message.clone()), Some(f.class)),
     };
     move |tag| protocol::KeptAnswer {
         tag,
@@ -676,6 +693,7 @@ fn kept_answer(
         tokens,
         cost_usd,
         error,
+        class,
     }
 }
 

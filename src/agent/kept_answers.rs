@@ -38,7 +38,9 @@ struct Kept {
 struct Held {
     kept: VecDeque<Kept>,
     bytes: usize,
-    running: Vec<(AnsweringCall, u64)>,
+    /// Each keyed call under way: what `hello` reports, its session and its own number.
+    running: Vec<(AnsweringCall, u64, u64)>,
+    next_call: u64,
 }
 
 /// The keyed calls running and the outcomes kept; [`KeptAnswers::changes`] ticks when one is
@@ -63,6 +65,8 @@ pub struct Running {
     kept: Arc<KeptAnswers>,
     tag: IdempotencyTag,
     socket: u64,
+    /// This call's own number (two calls of one key may overlap: a cancelled one ending late).
+    call: u64,
     done: bool,
 }
 
@@ -72,17 +76,14 @@ impl Running {
     pub fn finish(mut self, answer: impl FnOnce(IdempotencyTag) -> KeptAnswer) {
         self.done = true;
         let answer = answer(self.tag.clone());
-        self.kept.finish(&self.tag, self.socket, answer);
+        self.kept.finish(self.call, self.socket, answer);
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
         if !self.done {
-            self.kept
-                .lock()
-                .running
-                .retain(|(c, s)| !(c.tag == self.tag && *s == self.socket));
+            self.kept.lock().running.retain(|(_, _, n)| *n != self.call);
         }
     }
 }
@@ -95,11 +96,20 @@ impl KeptAnswers {
     /// A keyed call of session `socket` starts on `provider`.
     pub fn start(self: &Arc<Self>, tag: IdempotencyTag, provider: &str, socket: u64) -> Running {
         let mut held = self.lock();
-        let call = AnsweringCall {
+        // A new call of the key: an outcome kept of an earlier one is stale (a failure the
+        // hub already requeued), and must not reach a hub as this call's.
+        if let Some(i) = held.kept.iter().position(|k| k.answer.tag == tag)
+            && let Some(old) = held.kept.remove(i)
+        {
+            held.bytes -= old.bytes;
+        }
+        held.next_call += 1;
+        let call = held.next_call;
+        let report = AnsweringCall {
             tag: tag.clone(),
             provider: provider.to_string(),
         };
-        held.running.push((call, socket));
+        held.running.push((report, socket, call));
         // Bounded like the kept ones: the oldest report goes (its call still runs).
         if held.running.len() > MAX_KEPT_ANSWERS {
             held.running.remove(0);
@@ -108,16 +118,18 @@ impl KeptAnswers {
             kept: Arc::clone(self),
             tag,
             socket,
+            call,
             done: false,
         }
     }
 
-    fn finish(&self, tag: &IdempotencyTag, socket: u64, answer: KeptAnswer) {
+    fn finish(&self, call: u64, socket: u64, answer: KeptAnswer) {
         let bytes = serde_json::to_string(&answer).map_or(usize::MAX, |s| s.len());
+        let tag = answer.tag.clone();
+        let tag = &tag;
         {
             let mut held = self.lock();
-            held.running
-                .retain(|(c, s)| !(c.tag == *tag && *s == socket));
+            held.running.retain(|(_, _, n)| *n != call);
             if bytes > MAX_KEPT_BYTES {
                 tracing::warn!(bytes, key = %tag.key, "a keyed answer larger than the agent keeps is not kept");
                 return;
@@ -159,8 +171,8 @@ impl KeptAnswers {
         self.lock()
             .running
             .iter()
-            .filter(|(_, s)| *s != socket)
-            .map(|(c, _)| c.clone())
+            .filter(|(_, s, _)| *s != socket)
+            .map(|(c, _, _)| c.clone())
             .collect()
     }
 
@@ -224,6 +236,7 @@ mod tests {
             tokens: 3,
             cost_usd: Some(0.5),
             error: None,
+            class: None,
         }
     }
 
@@ -257,6 +270,20 @@ mod tests {
         kept.delivered(&tag("k"));
         assert_eq!(kept.held(), (0, 0));
         assert!(kept.to_send(2, &mut Vec::new()).is_empty());
+    }
+
+    #[test]
+    fn a_new_call_of_a_key_drops_the_outcome_kept_of_an_earlier_one() {
+        let kept = Arc::new(KeptAnswers::default());
+        kept.start(tag("k"), "c", 1).finish(answer("failed before"));
+        let again = kept.start(tag("k"), "c", 1);
+        assert!(kept.to_send(2, &mut Vec::new()).is_empty());
+        // A late end of an overlapping call of the key does not hide the one under way.
+        let late = kept.start(tag("k"), "c", 1);
+        drop(late);
+        assert_eq!(kept.running_elsewhere(2).len(), 1);
+        again.finish(answer("this one"));
+        assert_eq!(kept.to_send(2, &mut Vec::new()).len(), 1);
     }
 
     #[test]

@@ -151,8 +151,12 @@ pub enum Claim {
 
 enum State {
     Running,
-    /// An agent reported the call running (its `hello`).
-    AtAgent(String),
+    /// An agent reported the call running (its `hello`); it ends by `until` (the longest call
+    /// timeout) at the latest.
+    AtAgent {
+        agent: String,
+        until: Instant,
+    },
     Answered {
         completion: Arc<Value>,
         bytes: usize,
@@ -202,7 +206,12 @@ impl Replies {
             }
             return match &e.state {
                 State::Running => Claim::InUse,
-                State::AtAgent(_) => Claim::Wait,
+                State::AtAgent { until, .. } if *until > now => Claim::Wait,
+                State::AtAgent { .. } => {
+                    // Its agent never said how it ended: it is not waited for any more.
+                    self.entries.remove(id);
+                    return self.claim(id, digest, now);
+                }
                 State::Answered { completion, .. } => {
                     self.replayed += 1;
                     Claim::Replay(completion.clone())
@@ -233,13 +242,18 @@ impl Replies {
         }
     }
 
-    /// `agent` runs these keyed calls for an earlier session.
-    pub fn running_at(&mut self, agent: &str, tags: &[IdempotencyTag]) {
+    /// `agent` runs these keyed calls for an earlier session (all it runs: what it reported
+    /// before and does not list now has ended), each until `until` at the latest.
+    pub fn running_at(&mut self, agent: &str, tags: &[IdempotencyTag], until: Instant) {
         let now = Instant::now();
+        self.agent_left(agent);
         for tag in tags {
             let id = ReplyId::of(tag);
             if !self.entries.contains_key(&id) {
-                let state = State::AtAgent(agent.to_string());
+                let state = State::AtAgent {
+                    agent: agent.to_string(),
+                    until,
+                };
                 self.insert(id, tag.digest.clone(), state, now);
             }
         }
@@ -249,7 +263,7 @@ impl Replies {
     pub fn agent_left(&mut self, agent: &str) -> bool {
         let before = self.entries.len();
         self.entries
-            .retain(|_, e| !matches!(&e.state, State::AtAgent(a) if a == agent));
+            .retain(|_, e| !matches!(&e.state, State::AtAgent { agent: a, .. } if a == agent));
         self.entries.len() != before
     }
 
@@ -260,10 +274,18 @@ impl Replies {
         let now = Instant::now();
         match self.entries.get(&id).map(|e| &e.state) {
             Some(State::Answered { .. } | State::Gone) => false,
-            // A retry runs it again here (it did not wait long enough): both calls were
-            // made, and each counts; the running one's answer is the one held.
-            Some(State::Running) => completion.is_some(),
-            Some(State::AtAgent(_)) | None => match completion {
+            // A request of this key runs here (a parked chat, or a retry that did not wait
+            // long enough): the answer is held now (its request may still fail), and the call
+            // was made, so it counts.
+            Some(State::Running) => match completion {
+                Some(c) => {
+                    self.handed_over += 1;
+                    self.hold(&id, &tag.digest, c, now);
+                    true
+                }
+                None => false,
+            },
+            Some(State::AtAgent { .. }) | None => match completion {
                 Some(c) => {
                     self.handed_over += 1;
                     self.hold(&id, &tag.digest, c, now);
@@ -272,7 +294,7 @@ impl Replies {
                 None => {
                     if matches!(
                         self.entries.get(&id).map(|e| &e.state),
-                        Some(State::AtAgent(_))
+                        Some(State::AtAgent { .. })
                     ) {
                         self.entries.remove(&id);
                     }
@@ -290,6 +312,11 @@ impl Replies {
         }) = self.entries.get(id)
         {
             self.answer_bytes -= old;
+        }
+        if bytes > MAX_ANSWER_BYTES {
+            // Larger than all the room: the key is remembered without its answer.
+            self.insert(id.clone(), digest.to_string(), State::Gone, now);
+            return;
         }
         let state = State::Answered {
             completion: Arc::new(completion),
@@ -324,7 +351,7 @@ impl Replies {
             let oldest = self
                 .entries
                 .iter()
-                .filter(|(_, e)| !matches!(e.state, State::Running | State::AtAgent(_)))
+                .filter(|(_, e)| !matches!(e.state, State::Running | State::AtAgent { .. }))
                 .min_by_key(|(_, e)| e.at)
                 .map(|(k, _)| k.clone());
             if let Some(k) = oldest {
@@ -356,6 +383,8 @@ impl Replies {
         for k in old_answers {
             self.forget_answer(&k);
         }
+        self.entries
+            .retain(|_, e| !matches!(e.state, State::AtAgent { until, .. } if until <= now));
         self.entries.retain(|_, e| {
             !matches!(e.state, State::Gone) || now.saturating_duration_since(e.at) <= REMEMBER_KEY
         });
@@ -531,7 +560,8 @@ mod tests {
         let now = Instant::now();
         assert!(matches!(r.claim(&id("k"), "d", now), Claim::Wait));
         let tag = id("k").tag("d");
-        r.running_at("cloud-1", std::slice::from_ref(&tag));
+        let until = now + Duration::from_secs(600);
+        r.running_at("cloud-1", std::slice::from_ref(&tag), until);
         let later = now + Duration::from_secs(6);
         assert!(matches!(r.claim(&id("k"), "d", later), Claim::Wait));
         assert!(matches!(r.claim(&id("k"), "other", later), Claim::Reused));
@@ -542,13 +572,21 @@ mod tests {
         assert_eq!(r.handed_over, 1);
         // A call that failed at the agent, or an agent that left, is not waited for.
         let t2 = id("k2").tag("d");
-        r.running_at("cloud-1", std::slice::from_ref(&t2));
+        r.running_at("cloud-1", std::slice::from_ref(&t2), until);
         assert!(!r.handed_over(&t2, None));
         assert!(matches!(r.claim(&id("k2"), "d", later), Claim::Run));
         let t3 = id("k3").tag("d");
-        r.running_at("cloud-2", std::slice::from_ref(&t3));
+        r.running_at("cloud-2", std::slice::from_ref(&t3), until);
         assert!(r.agent_left("cloud-2"));
         assert!(matches!(r.claim(&id("k3"), "d", later), Claim::Run));
+        // A call its agent no longer lists, or one past its bound, is not waited for.
+        let t4 = id("k4").tag("d");
+        r.running_at("cloud-3", std::slice::from_ref(&t4), until);
+        r.running_at("cloud-3", &[], until);
+        assert!(matches!(r.claim(&id("k4"), "d", later), Claim::Run));
+        let t5 = id("k5").tag("d");
+        r.running_at("cloud-3", std::slice::from_ref(&t5), later);
+        assert!(matches!(r.claim(&id("k5"), "d", later), Claim::Run));
     }
 
     #[test]

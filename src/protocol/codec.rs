@@ -271,6 +271,7 @@ mod tests {
             tokens: 12,
             cost_usd: Some(0.001),
             error: None,
+            class: None,
         }));
         round_trip_agent(AgentFrame::Providers {
             providers: vec![provider()],

@@ -213,6 +213,9 @@ pub struct KeptAnswer {
     pub cost_usd: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// How the call failed (with `error`): a `fatal` one is not run again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<FailureClass>,
 }
 
 /// The most suspensions a `hello` carries (and a hub reads).

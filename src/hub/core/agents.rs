@@ -145,7 +145,15 @@ impl Core {
         let answering = hello.answering.len().min(crate::protocol::MAX_KEPT_ANSWERS);
         let calls = &hello.answering[..answering];
         let tags: Vec<_> = calls.iter().map(|c| c.tag.clone()).collect();
-        self.replies.running_at(&hello.agent_id, &tags);
+        let longest_call = self
+            .settings
+            .timings
+            .values()
+            .map(|t| t.call_timeout)
+            .max()
+            .unwrap_or_default();
+        let until = now + longest_call + self.settings.heartbeat_interval;
+        self.replies.running_at(&hello.agent_id, &tags, until);
         self.refresh_routes();
         self.answering(&hello.agent_id, calls);
         self.sync_agent(&hello.agent_id);

@@ -408,6 +408,10 @@ impl Core {
             let Some(pending) = self.requests.get(&id) else {
                 continue;
             };
+            // A keyed chat parked for its agent's handover waits out its own bound.
+            if self.is_parked(id) {
+                continue;
+            }
             let (role, binding) = (pending.role, pending.binding.clone());
             let key = (role, binding.key());
             let outlook = match memo.get(&key) {

@@ -20,12 +20,25 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{Core, ItemOutput, Lease, Served, Slot};
+use super::{Core, ItemOutput, Lease, RequestFailure, Served, Slot};
 use crate::hub::budget;
 use crate::hub::projects::DEFAULT_PROJECT;
+use crate::hub::queue::RequestId;
+use crate::hub::registry::ProviderRef;
 use crate::protocol::{
-    self, AnsweringCall, Backend, HubFrame, IdempotencyTag, KeptAnswer, WorkOutput,
+    self, AnsweringCall, Backend, FailureClass, HubFrame, IdempotencyTag, KeptAnswer, WorkOutput,
 };
+
+/// A completion as a client gets it: with the provenance of who served it.
+pub(super) fn with_provenance(mut completion: Value, served_by: &ProviderRef) -> Value {
+    if let Some(o) = completion.as_object_mut() {
+        o.insert(
+            "provenance".into(),
+            serde_json::to_value(served_by).unwrap_or(Value::Null),
+        );
+    }
+    completion
+}
 
 /// Heartbeats a parked chat waits for its agent to come back (its silence bound), besides
 /// [`DIAL_BOUND`].
@@ -82,7 +95,11 @@ impl Core {
             }
             c
         });
-        self.answer_parked(&kept.tag, raw, kept.tokens);
+        let failure = kept
+            .error
+            .clone()
+            .map(|message| (kept.class.unwrap_or(FailureClass::Transient), message));
+        self.answer_parked(&kept.tag, raw, kept.tokens, failure);
         self.release_reported(|tag, _| tag == &kept.tag);
         if self.replies.handed_over(&kept.tag, completion) {
             let project: std::sync::Arc<str> = std::sync::Arc::from(kept.tag.project.as_str());
@@ -165,7 +182,7 @@ impl Core {
             }
             if let Some((_, Some(route))) = role_and_route {
                 self.budget.hold_running(&route, now);
-                self.reported.insert(
+                let replaced = self.reported.insert(
                     call.tag.clone(),
                     Reported {
                         agent: agent.to_string(),
@@ -173,6 +190,10 @@ impl Core {
                         until: now + call_timeout + heartbeat,
                     },
                 );
+                // Reported twice (two calls of one key): one permit per tag.
+                if let Some(old) = replaced {
+                    self.budget.release(&old.route, budget::Outcome::Other, now);
+                }
             }
         }
     }
@@ -193,9 +214,23 @@ impl Core {
         }
     }
 
-    /// A handed-over outcome answers the chat parked for it (`None`: the call failed; the
-    /// chat goes round again).
-    fn answer_parked(&mut self, tag: &IdempotencyTag, completion: Option<Value>, tokens: u64) {
+    /// Whether a request waits parked for its agent's handover.
+    pub(super) fn is_parked(&self, id: RequestId) -> bool {
+        self.parked
+            .iter()
+            .any(|p| p.lease.items.iter().any(|i| i.request == id))
+    }
+
+    /// A handed-over outcome answers the chat parked for it (`None`: the call failed, as
+    /// `failure` says: a fatal failure fails the request, as a `failed` would; another sends
+    /// the chat round again).
+    fn answer_parked(
+        &mut self,
+        tag: &IdempotencyTag,
+        completion: Option<Value>,
+        tokens: u64,
+        failure: Option<(FailureClass, String)>,
+    ) {
         let Some(i) = self.parked.iter().position(|p| p.tag == *tag) else {
             return;
         };
@@ -203,13 +238,29 @@ impl Core {
         self.release_permit(&lease, budget::Outcome::Other);
         let role = lease.role;
         let Some(completion) = completion else {
-            self.requeue(
-                role,
-                lease.items,
-                true,
-                "the agent's call of this keyed chat failed",
-            );
-            self.dispatch(role);
+            match failure {
+                Some((FailureClass::Fatal, message)) => {
+                    let provider = lease.reference.provider.clone();
+                    for item in &lease.items {
+                        self.fail_request(
+                            item.request,
+                            RequestFailure::Fatal {
+                                provider: provider.clone(),
+                                message: message.clone(),
+                            },
+                        );
+                    }
+                }
+                _ => {
+                    self.requeue(
+                        role,
+                        lease.items,
+                        true,
+                        "the agent's call of this keyed chat failed",
+                    );
+                    self.dispatch(role);
+                }
+            }
             return;
         };
         let Some(item) = lease.items.pop() else {

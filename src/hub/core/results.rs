@@ -57,6 +57,14 @@ impl Core {
             tracing::debug!(agent, lease = done.lease, "late result dropped");
             return Ok(());
         };
+        // A keyed chat's outcome reached this hub: the agent stops keeping it.
+        let keyed = lease
+            .items
+            .first()
+            .and_then(|i| i.shape.idempotency().cloned());
+        if let Some(tag) = &keyed {
+            self.tell_delivered(agent, tag.clone());
+        }
         // A number off the wire: only a finite, non-negative latency is a measurement.
         let latency_ms = Some(done.latency_ms).filter(|l| l.is_finite() && *l >= 0.0);
         let checked = take_canary(&lease, done.output).and_then(|(output, canary)| {
@@ -148,15 +156,14 @@ impl Core {
         };
         // The project pays for its own items; a canary's share is the gate's line.
         let (project, cloud) = (lease.project.clone(), lease.permit.is_some());
-        let keyed = lease
-            .items
-            .first()
-            .and_then(|i| i.shape.idempotency().cloned());
-        self.deliver(lease, outputs, tokens);
-        if let Some(tag) = keyed {
-            // The answer reached this hub: the agent stops keeping it for the next one.
-            self.tell_delivered(agent, tag);
+        // A keyed chat's answer is held for retries now, under the lock: an agent's `kept`
+        // of it (sent again after a lost `delivered`) then finds it and counts nothing more.
+        if let (Some(tag), Some(ItemOutput::Chat(completion))) = (&keyed, outputs.first()) {
+            let answer = super::handed_over::with_provenance(completion.clone(), &lease.reference);
+            self.replies
+                .answered(&crate::hub::replies::ReplyId::of(tag), &tag.digest, answer);
         }
+        self.deliver(lease, outputs, tokens);
         if cloud {
             // Without token counts the whole cost is the project's (no canary share known).
             let cost = done.cost_usd.map(|c| match done.tokens {
@@ -356,6 +363,15 @@ impl Core {
         let Some(lease) = self.take_lease(agent, session, failed.lease) else {
             return Ok(());
         };
+        // A keyed chat's failure reached this hub: the agent keeps it no longer (a stale one
+        // must not reach the next hub as the outcome of a later call).
+        if let Some(tag) = lease
+            .items
+            .first()
+            .and_then(|i| i.shape.idempotency().cloned())
+        {
+            self.tell_delivered(agent, tag);
+        }
         let role = lease.role;
         // Only a cloud lease can meet an account's limit or a standing refusal: a local one
         // that says so is failing, and counts as any transient failure (its attempt counts,

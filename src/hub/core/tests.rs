@@ -1290,6 +1290,7 @@ fn a_keyed_chat_whose_agent_left_waits_for_its_handover_not_for_another_provider
             tokens: 5,
             cost_usd: None,
             error: None,
+            class: None,
         },
     )
     .unwrap();
@@ -1341,11 +1342,44 @@ fn a_parked_chat_goes_round_again_when_its_agent_does_not_come_back_or_its_call_
             tokens: 0,
             cost_usd: None,
             error: Some("upstream 500".into()),
+            class: None,
         },
     )
     .unwrap();
     assert_eq!(core.parked_chats(), 0);
     assert_eq!(next_work(&mut b)["idempotency"]["key"], "k2");
+
+    // A fatal failure (the call timeout) fails the request, as a `failed` would: a retry would
+    // bill a stuck upstream again.
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (sb, mut b) = connect_keeping(&mut core, "b", 1, Vec::new());
+    let (shape, tag) = keyed_chat("k3");
+    let (_, mut reply) = core
+        .submit(Role::CodeAssistant, shape, vec![String::new()])
+        .unwrap();
+    next_work(&mut b);
+    core.disconnect("b", sb);
+    let (sb, _b) = connect_keeping(&mut core, "b", 1, Vec::new());
+    core.kept(
+        "b",
+        sb,
+        crate::protocol::KeptAnswer {
+            tag,
+            provider: "c".into(),
+            backend: Backend::Local,
+            output: None,
+            tokens: 0,
+            cost_usd: None,
+            error: Some("the call took longer than the role's call timeout".into()),
+            class: Some(crate::protocol::FailureClass::Fatal),
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        reply.try_recv().unwrap(),
+        Err(RequestFailure::Fatal { .. })
+    ));
+    assert_eq!(core.queue_depth(Role::CodeAssistant), 0);
 }
 
 #[test]
@@ -1381,6 +1415,7 @@ fn a_cloud_call_an_agent_still_runs_for_an_earlier_hub_holds_a_permit_and_its_co
         tokens: 7,
         cost_usd: Some(0.25),
         error: None,
+        class: None,
     };
     core.kept("cloudy", session, kept.clone()).unwrap();
     assert_eq!(core.budget.in_flight(), 0, "its permit came back");
