@@ -202,6 +202,34 @@ pub async fn status(
     Ok(Json(hub.status()))
 }
 
+/// `GET /admin/history`'s query.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+pub struct HistoryQuery {
+    /// Only the samples after this moment (ms since the Unix epoch): what a page that has the
+    /// rest asks for.
+    since_ms: Option<u64>,
+}
+
+/// The console's charts: this hub's samples of the budget, the queues and the agents, every
+/// 0.5 s for the last 15 minutes (kept in memory: empty after a restart or a takeover).
+#[utoipa::path(get, path = "/admin/history", tag = "admin", params(HistoryQuery),
+    responses((status = 200, body = crate::hub::history::HistoryView), AdminErrors),
+    security(("admin_token" = [])))]
+pub async fn history(
+    State(hub): State<Hub>,
+    headers: HeaderMap,
+    query: Result<axum::extract::Query<HistoryQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<crate::hub::history::HistoryView>, ApiError> {
+    admin(&hub, &headers)?;
+    let axum::extract::Query(query) = query.map_err(|e| {
+        ApiError::bad_request(format!(
+            "since_ms must be a whole number of milliseconds: {}",
+            crate::secret::redact(&e.body_text())
+        ))
+    })?;
+    Ok(Json(hub.history().view(query.since_ms)))
+}
+
 /// `POST /admin/budget`'s body.
 #[derive(utoipa::ToSchema)]
 #[allow(dead_code)] // a schema only: the body is read as JSON

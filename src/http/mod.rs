@@ -14,6 +14,7 @@ pub mod auth;
 pub mod chat_api;
 pub mod client_api;
 pub mod cohere_api;
+pub mod console;
 pub mod error;
 pub mod event_stream;
 pub mod ollama_api;
@@ -72,6 +73,11 @@ pub fn hub_router(hub: Hub) -> Router {
         .config(utoipa_swagger_ui::Config::default().validator_url("none"));
     router
         .route("/v1/agent", get(agent_socket))
+        .route("/console", get(console::page))
+        .route("/console/", get(console::page))
+        .route("/console/console.js", get(console::script))
+        .route("/console/console.css", get(console::style))
+        .route("/console/icon.svg", get(console::icon))
         .merge(docs)
         .fallback(ops::not_found)
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(
@@ -82,6 +88,7 @@ pub fn hub_router(hub: Hub) -> Router {
             (hub.clone(), routes),
             request_id::observe,
         ))
+        .layer(axum::middleware::from_fn(console::admin_no_store))
         .layer(tower_http::compression::CompressionLayer::new().gzip(true))
         .layer(axum::middleware::from_fn_with_state(
             aside::AsideRelay::new(hub.clone()),
@@ -119,6 +126,7 @@ pub fn api_router() -> OpenApiRouter<Hub> {
         // admin
         .routes(routes!(admin_api::get_config, admin_api::post_config))
         .routes(routes!(admin_api::status))
+        .routes(routes!(admin_api::history))
         .routes(routes!(admin_api::post_budget))
         .routes(routes!(admin_api::post_gate_verify))
         .routes(routes!(projects_api::list, projects_api::create))

@@ -13,6 +13,7 @@ pub mod budget;
 pub mod core;
 pub mod gate;
 mod handover;
+pub mod history;
 pub mod metrics;
 pub mod policy;
 pub mod project_admin;
@@ -81,6 +82,8 @@ struct Inner {
     aside: std::sync::Mutex<Option<aside::Aside>>,
     /// The other hubs of an etcd store, as last read (what a fenced leader asks).
     peers: std::sync::Mutex<Option<store::etcd::members::Peers>>,
+    /// The console's charts: recent samples, in memory only.
+    history: std::sync::Mutex<history::History>,
 }
 
 /// Why a client request did not complete.
@@ -234,6 +237,7 @@ impl Hub {
                 handover_saved_ms: std::sync::atomic::AtomicU64::new(0),
                 aside: std::sync::Mutex::new(None),
                 peers: std::sync::Mutex::new(None),
+                history: std::sync::Mutex::new(history::History::default()),
             }),
         })
     }
@@ -494,18 +498,24 @@ impl Hub {
         self.lock_state().clone()
     }
 
+    /// The console's chart samples.
+    pub fn history(&self) -> std::sync::MutexGuard<'_, history::History> {
+        self.inner.history.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Expires leases on a short tick; runs until the hub is dropped by every other holder.
     pub fn spawn_maintenance(&self) -> tokio::task::JoinHandle<()> {
         let weak = Arc::downgrade(&self.inner);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(250));
+            let mut sampled = Instant::now();
             loop {
                 tick.tick().await;
                 let Some(inner) = weak.upgrade() else {
                     return;
                 };
                 let hub = Hub { inner };
-                let spaces = {
+                let (spaces, sample) = {
                     let mut core = hub.core();
                     let now = Instant::now();
                     core.expire(now);
@@ -513,8 +523,16 @@ impl Hub {
                     core.discover_if_due(now);
                     core.gate_tick(now);
                     core.tell_suspensions();
-                    core.gate.take_dirty()
+                    let sample = (now.saturating_duration_since(sampled) >= history::SAMPLE_EVERY)
+                        .then(|| {
+                            sampled = now;
+                            sample_of(&mut core, now)
+                        });
+                    (core.gate.take_dirty(), sample)
                 };
+                if let Some(sample) = sample {
+                    hub.history().push(sample);
+                }
                 if let Some(spaces) = spaces {
                     hub.save_spaces(spaces).await;
                 }
@@ -524,6 +542,25 @@ impl Hub {
                 hub.core().dispatch_all();
             }
         })
+    }
+}
+
+/// The hub now, for the console's charts.
+fn sample_of(core: &mut Core, now: Instant) -> history::Sample {
+    let budget = core.budget.view(now);
+    history::Sample {
+        t_ms: now_ms(),
+        ceiling: budget.ceiling,
+        limit: budget.limit,
+        in_flight: budget.in_flight,
+        throttles: budget.throttles,
+        cooling: budget.cooldown_remaining_ms > 0,
+        stopped: budget.stopped.is_some() || budget.key_rejected.is_some(),
+        queue_depth: Role::ALL
+            .into_iter()
+            .map(|r| (r, core.queue_depth(r)))
+            .collect(),
+        agents: core.agents().len(),
     }
 }
 

@@ -15,6 +15,7 @@ mod black_hole;
 mod budget;
 mod clients;
 mod cloud;
+mod console;
 mod contract;
 mod etcd_cluster;
 mod fantom_master;

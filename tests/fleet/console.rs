@@ -1,0 +1,212 @@
+//! The operator's console as a server answers it: the page and its files under their
+//! Content-Security-Policy, `no-store` on every admin answer, and the history the charts read
+//! (bounded, newer-than filtering, samples that follow the fleet).
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::support::*;
+
+const CSP: &str = "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_is_served_under_its_policy_and_the_history_follows_the_hub() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    for (path, kind) in [
+        ("/console", "text/html"),
+        ("/console/console.js", "text/javascript"),
+        ("/console/console.css", "text/css"),
+    ] {
+        let r = hub.http.get(hub.url(path)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+        let h = r.headers();
+        assert_eq!(h["content-security-policy"], CSP, "{path}");
+        assert!(
+            h["content-type"].to_str().unwrap().starts_with(kind),
+            "{path}"
+        );
+        assert_eq!(h["x-content-type-options"], "nosniff");
+        let body = r.text().await.unwrap();
+        if path == "/console" {
+            assert!(body.contains("<script src=\"/console/console.js\" defer></script>"));
+            assert!(!body.contains("<style") && !body.contains(" style="));
+        }
+    }
+
+    // Every admin answer is no-store, a refusal too.
+    let r = hub.http.get(hub.url("/admin/status")).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.headers()["cache-control"], "no-store");
+    let r = hub
+        .http
+        .get(hub.url("/admin/status"))
+        .bearer_auth(&hub.admin)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["cache-control"], "no-store");
+
+    // The history: samples twice a second, bounded, filtered by `since_ms`.
+    let history = |since: Option<u64>| {
+        let (http, admin) = (hub.http.clone(), hub.admin.clone());
+        let url = match since {
+            Some(ms) => hub.url(&format!("/admin/history?since_ms={ms}")),
+            None => hub.url("/admin/history"),
+        };
+        async move {
+            let r = http.get(url).bearer_auth(admin).send().await.unwrap();
+            assert_eq!(r.headers()["cache-control"], "no-store");
+            r.json::<Value>().await.unwrap()
+        }
+    };
+    let first = eventually("two samples", || async {
+        let h = history(None).await;
+        (h["samples"].as_array()?.len() >= 2).then_some(h)
+    })
+    .await;
+    assert_eq!(first["every_ms"], 500);
+    assert_eq!(first["keep_s"], 900);
+    let samples = first["samples"].as_array().unwrap();
+    let last = &samples[samples.len() - 1];
+    assert_eq!(last["agents"], 0);
+    assert_eq!(last["in_flight"], 0);
+    for role in [
+        "embedding",
+        "code-embedding",
+        "reranker",
+        "code-assistant",
+        "rlm-sandbox",
+    ] {
+        assert_eq!(last["queue_depth"][role], 0, "{last}");
+    }
+    let t = last["t_ms"].as_u64().unwrap();
+    let newer = eventually("a newer sample", || async {
+        let h = history(Some(t)).await;
+        let s = h["samples"].as_array()?.clone();
+        (!s.is_empty()).then_some(s)
+    })
+    .await;
+    assert!(newer.iter().all(|s| s["t_ms"].as_u64().unwrap() > t));
+    // An agent joins: the samples say so.
+    let mut agent = hub.raw_agent().await;
+    agent.hello("sampled", serde_json::json!([])).await;
+    eventually("a sample with the agent", || async {
+        let h = history(None).await;
+        (h["samples"].as_array()?.last()?["agents"] == 1).then_some(())
+    })
+    .await;
+    let r = hub
+        .http
+        .get(hub.url("/admin/history?since_ms=soon"))
+        .bearer_auth(&hub.admin)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    agent.close().await;
+}
+
+/// Debian's chromium (`.ci/run` installs it), or `FANTOM_TEST_CHROMIUM`.
+fn chromium() -> std::path::PathBuf {
+    let path = std::env::var_os("FANTOM_TEST_CHROMIUM")
+        .map_or_else(|| "/usr/bin/chromium".into(), std::path::PathBuf::from);
+    assert!(
+        path.exists(),
+        "no chromium at {}: install Debian's (`apt-get install chromium`) or set FANTOM_TEST_CHROMIUM",
+        path.display()
+    );
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_runs_the_fleet_from_the_console_in_a_real_browser() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
+    let gpu_body = minilm_models_toml();
+    let start_gpu = {
+        let (dir, ws, fleet) = (
+            dir.path().to_path_buf(),
+            hub.ws_url(),
+            hub.fleet_file.clone(),
+        );
+        move || start_agent_toml(&dir, &ws, &fleet, "gpu", &gpu_body, &[])
+    };
+    let mut gpu = start_gpu();
+    hub.wait_for_current_space("embedding:all-minilm-l6-v2:384")
+        .await;
+    // A host whose name holds markup: the page shows it as text.
+    let mut markup = hub.raw_agent().await;
+    markup
+        .send(serde_json::json!({"type": "hello", "agent_id": "markup",
+            "hostname": "<b>markup</b>", "version": "0", "protocol_version": 1, "providers": []}))
+        .await;
+    assert_eq!(markup.recv().await["type"], "welcome");
+    let keepalive = tokio::spawn(async move {
+        loop {
+            markup
+                .send(serde_json::json!({"type": "heartbeat", "providers": []}))
+                .await;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    });
+
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| root.join("target"), std::path::PathBuf::from);
+    let screenshot = target.join("console.png");
+    let mut child = std::process::Command::new(crate::clients::clients_python())
+        .arg(root.join("tests/clients/console_browser.py"))
+        .args(["--base-url", &hub.url("")])
+        .arg("--admin-token-file")
+        .arg(hub.state.join("admin.token"))
+        .arg("--chromium")
+        .arg(chromium())
+        .arg("--screenshot")
+        .arg(&screenshot)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    // The script asks for the fleet to change; its checks come back as lines.
+    let lines = tokio::task::spawn_blocking(move || {
+        use std::io::{BufRead, Write};
+        let mut input = child.stdin.take().unwrap();
+        let output = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut lines: Vec<Value> = Vec::new();
+        for line in output.lines().map_while(Result::ok) {
+            let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                continue;
+            };
+            match v["step"].as_str() {
+                Some("kill-agent") => gpu.kill(),
+                Some("start-agent") => gpu = start_gpu(),
+                _ => {}
+            }
+            if v["step"].is_string() {
+                let _ = writeln!(input, "done");
+            }
+            lines.push(v);
+        }
+        let mut stderr = String::new();
+        let _ = std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr);
+        let _ = child.wait();
+        (lines, stderr)
+    })
+    .await
+    .unwrap();
+    keepalive.abort();
+    let (lines, stderr) = lines;
+    let failed: Vec<&Value> = lines.iter().filter(|l| l["ok"] == false).collect();
+    let summary = lines.iter().find(|l| l["summary"].is_object());
+    assert!(
+        failed.is_empty() && summary.is_some(),
+        "failed: {failed:#?}\nall: {lines:#?}\nstderr: {stderr}"
+    );
+    assert_eq!(summary.unwrap()["summary"]["passed"], 12, "{lines:#?}");
+    assert!(screenshot.exists());
+}
