@@ -41,22 +41,31 @@ fn asset(body: &'static str, content_type: &'static str) -> Response {
     response
 }
 
-/// `GET /console`: the page.
+/// The operator's console: one page that signs in with the admin token and shows the fleet,
+/// the roles, the spaces, the budget, the projects and the hubs.
+#[utoipa::path(get, path = "/console", tag = "console", responses(
+    (status = 200, description = "The console's page", content_type = "text/html")))]
 pub async fn page() -> Response {
     asset(INDEX_HTML, "text/html; charset=utf-8")
 }
 
-/// `GET /console/console.js`.
+/// The console's script.
+#[utoipa::path(get, path = "/console/console.js", tag = "console", responses(
+    (status = 200, description = "The console's script", content_type = "text/javascript")))]
 pub async fn script() -> Response {
     asset(CONSOLE_JS, "text/javascript; charset=utf-8")
 }
 
-/// `GET /console/console.css`.
+/// The console's style sheet.
+#[utoipa::path(get, path = "/console/console.css", tag = "console", responses(
+    (status = 200, description = "The console's style sheet", content_type = "text/css")))]
 pub async fn style() -> Response {
     asset(CONSOLE_CSS, "text/css; charset=utf-8")
 }
 
-/// `GET /console/icon.svg`: the tab's icon (so a browser does not ask for `/favicon.ico`).
+/// The console's icon (so a browser does not ask for `/favicon.ico`).
+#[utoipa::path(get, path = "/console/icon.svg", tag = "console", responses(
+    (status = 200, description = "The console's icon", content_type = "image/svg+xml")))]
 pub async fn icon() -> Response {
     asset(ICON_SVG, "image/svg+xml")
 }

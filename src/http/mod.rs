@@ -73,11 +73,6 @@ pub fn hub_router(hub: Hub) -> Router {
         .config(utoipa_swagger_ui::Config::default().validator_url("none"));
     router
         .route("/v1/agent", get(agent_socket))
-        .route("/console", get(console::page))
-        .route("/console/", get(console::page))
-        .route("/console/console.js", get(console::script))
-        .route("/console/console.css", get(console::style))
-        .route("/console/icon.svg", get(console::icon))
         .merge(docs)
         .fallback(ops::not_found)
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(
@@ -132,6 +127,11 @@ pub fn api_router() -> OpenApiRouter<Hub> {
         .routes(routes!(projects_api::list, projects_api::create))
         .routes(routes!(projects_api::update, projects_api::remove))
         .routes(routes!(projects_api::rotate))
+        // the operator's console
+        .routes(routes!(console::page))
+        .routes(routes!(console::script))
+        .routes(routes!(console::style))
+        .routes(routes!(console::icon))
         // operations
         .routes(routes!(ops::health))
         .routes(routes!(ops::ready))

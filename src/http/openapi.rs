@@ -42,6 +42,7 @@ shape of the route's client family.",
         (name = "fantom", description = "Our own rerank shape (Cohere v1's, with provenance)"),
         (name = "admin", description = "Config pushes, the budget, the gate, projects, status"),
         (name = "operations", description = "Health, readiness, metrics and this document"),
+        (name = "console", description = "The operator's console: a page and its files (it signs in with the admin token)"),
         (name = "fleet", description = "The agents' WebSocket"),
     )
 )]
