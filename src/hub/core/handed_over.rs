@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{Core, ItemOutput, Lease, RequestFailure, Served, Slot};
+use super::{Core, ItemOutput, Lease, Served, Slot};
 use crate::hub::budget;
 use crate::hub::projects::DEFAULT_PROJECT;
 use crate::hub::queue::RequestId;
@@ -239,18 +239,7 @@ impl Core {
         let role = lease.role;
         let Some(completion) = completion else {
             match failure {
-                Some((FailureClass::Fatal, message)) => {
-                    let provider = lease.reference.provider.clone();
-                    for item in &lease.items {
-                        self.fail_request(
-                            item.request,
-                            RequestFailure::Fatal {
-                                provider: provider.clone(),
-                                message: message.clone(),
-                            },
-                        );
-                    }
-                }
+                Some((FailureClass::Fatal, message)) => self.fail_fatally(&lease, &message),
                 _ => {
                     self.requeue(
                         role,

@@ -177,6 +177,20 @@ impl Core {
         Ok(())
     }
 
+    /// Fails every request of `lease`: its provider cannot serve this input (`message`).
+    pub(super) fn fail_fatally(&mut self, lease: &Lease, message: &str) {
+        let provider = lease.reference.provider.clone();
+        for item in &lease.items {
+            self.fail_request(
+                item.request,
+                RequestFailure::Fatal {
+                    provider: provider.clone(),
+                    message: message.to_string(),
+                },
+            );
+        }
+    }
+
     /// Returns a cloud lease's budget permit (each lease ends exactly once).
     pub(super) fn release_permit(&mut self, lease: &Lease, outcome: budget::Outcome) {
         if let Some(route) = &lease.permit {
@@ -442,18 +456,7 @@ impl Core {
                     .collect();
                 self.requeue(role, items, false, &failed.message);
             }
-            FailureClass::Fatal => {
-                let provider = lease.reference.provider.clone();
-                for item in &lease.items {
-                    self.fail_request(
-                        item.request,
-                        RequestFailure::Fatal {
-                            provider: provider.clone(),
-                            message: failed.message.clone(),
-                        },
-                    );
-                }
-            }
+            FailureClass::Fatal => self.fail_fatally(&lease, &failed.message),
             FailureClass::RateLimited => {
                 // Clamped: an agent's number must not overflow the clock or park a provider for long.
                 let wait = retry_after.unwrap_or(Duration::from_secs(1));
