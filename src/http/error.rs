@@ -170,54 +170,48 @@ impl From<HubError> for Shaped {
 
 impl From<HubError> for ApiError {
     fn from(e: HubError) -> Self {
-        let message = e.to_string();
-        match e {
+        let (message, code) = (e.to_string(), e.code());
+        let status = match &e {
             HubError::Submit(SubmitError::Unservable(u) | SubmitError::NotYet(u))
-            | HubError::Failed(RequestFailure::Unservable(u)) => Self::unservable(u),
-            HubError::Submit(SubmitError::DimensionsTooLarge { .. }) => {
-                Self::new(StatusCode::BAD_REQUEST, "dimensions_too_large", message)
+            | HubError::Failed(RequestFailure::Unservable(u)) => {
+                return Self::unservable(u.clone());
             }
-            HubError::Submit(SubmitError::QueueFull { retry_after_s, .. }) => {
-                let mut err = Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", message);
-                err.retry_after_s = Some(retry_after_s);
-                err
-            }
-            HubError::Submit(SubmitError::TooLarge { .. } | SubmitError::TooManyInputs { .. }) => {
-                Self::new(StatusCode::PAYLOAD_TOO_LARGE, "too_many_inputs", message)
-            }
+            HubError::Submit(SubmitError::DimensionsTooLarge { .. }) => StatusCode::BAD_REQUEST,
             HubError::Submit(
-                SubmitError::InputTooLong { .. } | SubmitError::InputTooLargeForFrame { .. },
-            ) => Self::new(StatusCode::PAYLOAD_TOO_LARGE, "input_too_large", message),
-            HubError::Submit(SubmitError::TooManyBytes { .. }) => {
-                Self::new(StatusCode::PAYLOAD_TOO_LARGE, "request_too_large", message)
-            }
-            HubError::Submit(SubmitError::HeldBytesFull { retry_after_s, .. }) => {
-                let mut err = Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", message);
-                err.retry_after_s = Some(retry_after_s);
-                err
-            }
-            HubError::Failed(RequestFailure::Fatal { .. }) => {
-                Self::new(StatusCode::UNPROCESSABLE_ENTITY, "input_refused", message)
-            }
-            HubError::Failed(RequestFailure::TooManyAttempts { .. }) => {
-                Self::new(StatusCode::BAD_GATEWAY, "provider_failures", message)
-            }
-            HubError::Failed(RequestFailure::StreamCut { .. }) => {
-                Self::new(StatusCode::BAD_GATEWAY, "stream_cut", message)
-            }
-            HubError::Failed(RequestFailure::Stopped) => {
-                Self::new(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", message)
-            }
-            HubError::Timeout(_) => Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout", message),
+                SubmitError::QueueFull { .. }
+                | SubmitError::HeldBytesFull { .. }
+                | SubmitError::Project(_),
+            )
+            | HubError::Failed(RequestFailure::Project(_)) => StatusCode::TOO_MANY_REQUESTS,
+            HubError::Submit(
+                SubmitError::TooLarge { .. }
+                | SubmitError::TooManyInputs { .. }
+                | SubmitError::InputTooLong { .. }
+                | SubmitError::InputTooLargeForFrame { .. }
+                | SubmitError::TooManyBytes { .. },
+            ) => StatusCode::PAYLOAD_TOO_LARGE,
+            HubError::Failed(RequestFailure::Fatal { .. }) => StatusCode::UNPROCESSABLE_ENTITY,
+            HubError::Failed(
+                RequestFailure::TooManyAttempts { .. } | RequestFailure::StreamCut { .. },
+            ) => StatusCode::BAD_GATEWAY,
+            HubError::Failed(RequestFailure::Stopped) => StatusCode::SERVICE_UNAVAILABLE,
+            HubError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+        };
+        let mut err = Self::new(status, code, message);
+        match e {
+            HubError::Submit(
+                SubmitError::QueueFull { retry_after_s, .. }
+                | SubmitError::HeldBytesFull { retry_after_s, .. },
+            ) => err.retry_after_s = Some(retry_after_s),
             HubError::Submit(SubmitError::Project(refusal))
             | HubError::Failed(RequestFailure::Project(refusal)) => {
-                let mut err = Self::new(StatusCode::TOO_MANY_REQUESTS, refusal.code(), message);
                 err.retry_after_s = Some(refusal.retry_after_s());
                 // An allowance resets at midnight UTC: retrying before then cannot help.
                 err.final_answer = refusal.code() == "project_quota";
-                err
             }
+            _ => {}
         }
+        err
     }
 }
 

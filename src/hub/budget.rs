@@ -41,6 +41,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+use super::events::{EventKind, EventRing};
 use crate::protocol::{AccountLimits, LimitKind};
 
 /// The budget's constants (DESIGN §5); tests and the simulation may change them.
@@ -131,6 +132,25 @@ pub enum Hold {
     CoolingDown { scope: String, remaining: Duration },
     Full { scope: String, limit: u32 },
     RpmWindow { rpm: u32 },
+}
+
+/// What a throttle that halved a limit did.
+#[derive(Clone, Copy, Debug)]
+struct Halving {
+    from: u32,
+    to: u32,
+    cooldown: Duration,
+}
+
+impl Halving {
+    fn describe(self, what: &str) -> String {
+        format!(
+            "{what}: the limit went from {} to {} and cools down for {:.1} s",
+            self.from,
+            self.to,
+            self.cooldown.as_secs_f64()
+        )
+    }
 }
 
 /// One scope's limiter: the global one, or one route's.
@@ -271,13 +291,15 @@ impl Limiter {
     }
 
     /// A throttle signal: halve from what is in flight (once per window) and cool down.
+    /// Returns the halving (the limit before and after, and the cooldown) when it was one:
+    /// a later refusal of the same burst is not.
     fn throttle(
         &mut self,
         retry_after: Option<Duration>,
         now: Instant,
         s: &BudgetSettings,
         rng: &mut StdRng,
-    ) {
+    ) -> Option<Halving> {
         self.throttles += 1;
         self.window_throttled = true;
         self.trip_throttled = true;
@@ -304,8 +326,9 @@ impl Limiter {
             if self.cooldown_until.is_none_or(|t| t < floor) {
                 self.cooldown_until = Some(floor);
             }
-            return;
+            return None;
         }
+        let from = self.limit;
         self.last_bad = Some((self.limit, now));
         self.limit = (self.limit.min(self.in_flight) / 2).max(1);
         self.halved_to = self.limit;
@@ -320,6 +343,11 @@ impl Limiter {
         self.cooldown_until = Some(now + jittered.max(retry_after));
         self.backoff = (self.backoff * 2).min(s.backoff_max);
         self.last_halving = Some(now);
+        Some(Halving {
+            from,
+            to: self.limit,
+            cooldown: self.cooldown_until.map_or(Duration::ZERO, |t| t - now),
+        })
     }
 
     /// A call came back done (a clean round trip needs one).
@@ -358,6 +386,8 @@ pub struct Budget {
     /// When this hub took the lead over a shared store: the old leader's starts are unknown,
     /// so the RPM window counts as full until a window has passed since.
     took_over: Option<Instant>,
+    /// What the budget did, in time (for the console).
+    events: EventRing,
 }
 
 /// What the budget learned, as a shared store keeps it (checkpointed every few seconds, never
@@ -433,8 +463,14 @@ impl Budget {
             discover_sent: None,
             granted: 0,
             took_over: None,
+            events: EventRing::default(),
             settings,
         }
+    }
+
+    /// Cooldowns, stops, resumptions and overrides, oldest first.
+    pub fn events(&self) -> &EventRing {
+        &self.events
     }
 
     /// What it learned, for a shared store.
@@ -655,13 +691,27 @@ impl Budget {
             Outcome::Limited { kind, retry_after } => {
                 match kind {
                     LimitKind::Platform | LimitKind::InFlightBudget => {
-                        self.global
-                            .throttle(retry_after, now, &self.settings, &mut self.rng);
+                        if let Some(h) =
+                            self.global
+                                .throttle(retry_after, now, &self.settings, &mut self.rng)
+                        {
+                            let what = format!("a 429 for the whole key (via {route})");
+                            self.events
+                                .push(EventKind::Cooldown, "budget", h.describe(&what));
+                        }
                     }
                     LimitKind::Upstream => {
                         let (ceiling, _) = self.ceiling();
-                        route_entry(&mut self.routes, route, ceiling, &self.settings, now)
-                            .throttle(retry_after, now, &self.settings, &mut self.rng);
+                        if let Some(h) =
+                            route_entry(&mut self.routes, route, ceiling, &self.settings, now)
+                                .throttle(retry_after, now, &self.settings, &mut self.rng)
+                        {
+                            self.events.push(
+                                EventKind::Cooldown,
+                                route,
+                                h.describe("a 429 from the route's upstream"),
+                            );
+                        }
                     }
                     LimitKind::Credits | LimitKind::KeyLimit => {
                         let why = match kind {
@@ -673,6 +723,7 @@ impl Budget {
                                 reason = why,
                                 "cloud work stopped until a push with apiKey (the same key after a top-up works) or a rediscovery that finds money"
                             );
+                            self.events.push(EventKind::Stopped, "budget", why);
                         }
                         self.stopped = Some(why.to_string());
                     }
@@ -689,6 +740,14 @@ impl Budget {
     /// The operator's live override (`None` clears it).
     pub fn set_override(&mut self, permits: Option<u32>, now: Instant) {
         self.override_permits = permits.map(|p| p.clamp(1, self.settings.hard_ceiling));
+        self.events.push(
+            EventKind::Override,
+            "budget",
+            match self.override_permits {
+                Some(p) => format!("an operator set the override to {p} calls in flight"),
+                None => "an operator cleared the override".to_string(),
+            },
+        );
         self.tick(now);
         let (ceiling, _) = self.ceiling();
         // An operator's number applies at once, both ways.
@@ -717,6 +776,8 @@ impl Budget {
             && (money(limits.credits_remaining_usd) || money(limits.limit_remaining_usd))
         {
             tracing::info!("the account has money again: cloud work resumes");
+            self.events
+                .push(EventKind::Resumed, "budget", "the account has money again");
             self.stopped = None;
         }
         self.account = limits;
@@ -736,6 +797,11 @@ impl Budget {
                 reason = why,
                 "OpenRouter refused the key: cloud work stopped until a push with a new apiKey"
             );
+            self.events.push(
+                EventKind::Stopped,
+                "budget",
+                format!("OpenRouter refused the key: {why}"),
+            );
         }
         self.key_rejected = Some(format!("OpenRouter refused the key: {why}"));
     }
@@ -747,6 +813,10 @@ impl Budget {
 
     /// A new key arrived: forget a hard stop and what the old key's account allowed.
     pub fn key_changed(&mut self, now: Instant) {
+        if self.stopped.is_some() || self.key_rejected.is_some() {
+            self.events
+                .push(EventKind::Resumed, "budget", "a push brought a new key");
+        }
         self.stopped = None;
         self.key_rejected = None;
         self.account = AccountLimits::default();
@@ -1068,6 +1138,18 @@ mod tests {
         b.release("r", platform, t + 2 * S);
         assert_eq!(b.limit(), 5);
         assert_eq!(b.view(t).throttles, 3);
+        // One cooldown event for the burst (the override's two events before it).
+        let kinds: Vec<EventKind> = b.events().iter().map(|e| e.kind).collect();
+        assert_eq!(
+            kinds,
+            [
+                EventKind::Override,
+                EventKind::Override,
+                EventKind::Cooldown
+            ]
+        );
+        let cooled = b.events().iter().last().unwrap();
+        assert!(cooled.detail.contains("from 16 to 5"), "{}", cooled.detail);
         // A window later, a new 429 halves again, from what is in flight (7 still out).
         b.release("r", platform, t + 16 * S);
         assert_eq!(b.limit(), 2, "min(5, 7) / 2");
@@ -1399,6 +1481,22 @@ mod tests {
         };
         b.set_account(topped_up, t);
         assert_eq!(b.stopped(), None);
+        // Each stop and each resumption is an event, once.
+        let stops: Vec<EventKind> = b
+            .events()
+            .iter()
+            .map(|e| e.kind)
+            .filter(|k| matches!(k, EventKind::Stopped | EventKind::Resumed))
+            .collect();
+        assert_eq!(
+            stops,
+            [
+                EventKind::Stopped,
+                EventKind::Resumed,
+                EventKind::Stopped,
+                EventKind::Resumed
+            ]
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@
 pub mod aside;
 pub mod budget;
 pub mod core;
+pub mod events;
 pub mod gate;
 mod handover;
 pub mod history;
@@ -97,6 +98,35 @@ pub enum HubError {
     Timeout(u64),
 }
 
+impl HubError {
+    /// The code its client is told (the HTTP layer picks the status; status counts refusals
+    /// and failures per role by it).
+    pub fn code(&self) -> &'static str {
+        match self {
+            HubError::Submit(SubmitError::Unservable(u) | SubmitError::NotYet(u))
+            | HubError::Failed(RequestFailure::Unservable(u)) => u.code.as_str(),
+            HubError::Submit(SubmitError::DimensionsTooLarge { .. }) => "dimensions_too_large",
+            HubError::Submit(SubmitError::QueueFull { .. } | SubmitError::HeldBytesFull { .. }) => {
+                "queue_full"
+            }
+            HubError::Submit(SubmitError::TooLarge { .. } | SubmitError::TooManyInputs { .. }) => {
+                "too_many_inputs"
+            }
+            HubError::Submit(
+                SubmitError::InputTooLong { .. } | SubmitError::InputTooLargeForFrame { .. },
+            ) => "input_too_large",
+            HubError::Submit(SubmitError::TooManyBytes { .. }) => "request_too_large",
+            HubError::Submit(SubmitError::Project(r))
+            | HubError::Failed(RequestFailure::Project(r)) => r.code(),
+            HubError::Failed(RequestFailure::Fatal { .. }) => "input_refused",
+            HubError::Failed(RequestFailure::TooManyAttempts { .. }) => "provider_failures",
+            HubError::Failed(RequestFailure::StreamCut { .. }) => "stream_cut",
+            HubError::Failed(RequestFailure::Stopped) => "shutting_down",
+            HubError::Timeout(_) => "timeout",
+        }
+    }
+}
+
 /// Why a config push did not apply.
 #[derive(Debug, thiserror::Error)]
 pub enum PushError {
@@ -143,6 +173,7 @@ pub struct Streaming {
 /// An accepted request: where its outcome arrives, and the guard that cancels it if the
 /// client stops waiting.
 struct Running {
+    role: Role,
     guard: CancelOnDrop,
     reply: tokio::sync::oneshot::Receiver<Result<Completed, RequestFailure>>,
     timeout: Duration,
@@ -151,14 +182,18 @@ struct Running {
 impl Running {
     async fn outcome(mut self) -> Result<Completed, HubError> {
         let result = tokio::time::timeout(self.timeout, &mut self.reply).await;
-        match result {
+        let outcome = match result {
             Ok(Ok(outcome)) => {
                 self.guard.armed = false;
-                Ok(outcome?)
+                outcome.map_err(HubError::from)
             }
             Ok(Err(_)) => Err(RequestFailure::Stopped.into()),
             Err(_) => Err(HubError::Timeout(self.timeout.as_secs())),
+        };
+        if let Err(e) = &outcome {
+            self.guard.hub.core().count_failed(self.role, e.code());
         }
+        outcome
     }
 }
 
@@ -300,8 +335,26 @@ impl Hub {
         })
     }
 
-    /// Admits and queues a request (waiting a little while the fleet settles).
+    /// Admits and queues a request (waiting a little while the fleet settles); a refusal is
+    /// counted for the role, by its code.
     async fn accept(
+        &self,
+        caller: projects::Caller,
+        role: Role,
+        shape: Shape,
+        texts: Vec<String>,
+        stream: Option<core::ChunkTx>,
+    ) -> Result<Running, HubError> {
+        let accepted = self
+            .admit_and_queue(caller, role, shape, texts, stream)
+            .await;
+        if let Err(e) = &accepted {
+            self.core().count_refused(role, e.code());
+        }
+        accepted
+    }
+
+    async fn admit_and_queue(
         &self,
         caller: projects::Caller,
         role: Role,
@@ -341,6 +394,7 @@ impl Hub {
                             core.stream_to(id, tx);
                         }
                         return Ok(Running {
+                            role,
                             guard: CancelOnDrop {
                                 hub: self.clone(),
                                 id,
@@ -600,5 +654,58 @@ mod tests {
         assert_eq!(hub.state().budget_override, None);
         let on_disk = store::file::read(dir.path()).unwrap();
         assert_eq!(on_disk.budget_override, None);
+        // The two overrides are events in status, in order.
+        let overrides = hub.status().events;
+        assert_eq!(overrides.len(), 2, "{overrides:?}");
+        assert!(
+            overrides
+                .iter()
+                .all(|e| e.kind == events::EventKind::Override)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_refused_request_is_counted_for_its_role_by_the_code_its_client_got() {
+        let dir = tempfile::tempdir().unwrap();
+        let hub = Hub::open(
+            HubOptions {
+                settings: HubSettings::default(),
+                store: StateStore::File(store::file::FileStore::open(dir.path()).unwrap()),
+                fleet_token: Secret::new("fleet-token-for-tests"),
+                admin_token: Secret::new("admin-token-for-tests"),
+                client_token: None,
+                require_project_key: false,
+                gate: gate::GateSettings::default(),
+            },
+            HubState::fresh(),
+        )
+        .unwrap();
+        let caller = || projects::Caller::default_project(crate::protocol::WorkClass::Batch);
+        let rerank = || Shape::Rerank {
+            query: "q".into(),
+            instruction: None,
+        };
+        // Nothing connected: refused at once, twice; and one past the hub's input limit.
+        for _ in 0..2 {
+            let e = hub
+                .run(caller(), Role::Reranker, rerank(), vec!["d".into()])
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), "no_provider", "{e}");
+        }
+        let many = vec!["d".to_string(); HubSettings::default().limits.max_inputs + 1];
+        let e = hub
+            .run(caller(), Role::Reranker, rerank(), many)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), "too_many_inputs", "{e}");
+        let status = hub.status();
+        let reranker = &status.roles[&Role::Reranker];
+        assert_eq!(
+            reranker.refused,
+            std::collections::BTreeMap::from([("no_provider", 2), ("too_many_inputs", 1)])
+        );
+        assert!(reranker.failed.is_empty() && reranker.wait_ms.is_none());
+        assert!(status.roles[&Role::Embedding].refused.is_empty());
     }
 }

@@ -12,7 +12,8 @@ use super::Hub;
 use super::budget::BudgetView;
 use super::registry::{ModelOrigin, SocketCount};
 
-use crate::protocol::{ConfigAck, DeviceInfo, HeldConfig, ProviderStats};
+use crate::metrics::recent::Quantiles;
+use crate::protocol::{ConfigAck, DeviceInfo, HeldConfig, ProviderStats, WorkClass};
 use crate::roles::{Policy, Role};
 
 #[derive(Debug, Serialize)]
@@ -37,6 +38,9 @@ pub struct StatusView {
     pub projects: Vec<super::project_admin::ProjectView>,
     /// Where the state is kept and, with etcd, this hub's lead.
     pub ha: super::store::HaView,
+    /// What the gate and the budget did lately (suspensions, refusals, verifies; cooldowns,
+    /// stops, overrides), oldest first; empty after a restart or a takeover.
+    pub events: Vec<super::events::Event>,
 }
 
 #[derive(Debug, Serialize)]
@@ -94,6 +98,16 @@ pub struct ProviderView {
 pub struct RoleView {
     pub policy: Policy,
     pub queue_depth: usize,
+    /// Items waiting, per class (`interactive`, `batch`) and project.
+    pub waiting: BTreeMap<WorkClass, BTreeMap<String, usize>>,
+    /// How long its requests waited for their first lease over the last minute, in ms
+    /// (absent: none was leased in that minute).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<Quantiles>,
+    /// Requests refused at admission since start, by the code their client was told.
+    pub refused: BTreeMap<&'static str, u64>,
+    /// Accepted requests that ended without an answer since start, by code.
+    pub failed: BTreeMap<&'static str, u64>,
     pub leases: usize,
     pub items_in_flight: usize,
     /// Why a new request of the role would not be served now (absent: it would be).
@@ -205,6 +219,19 @@ impl Hub {
                 let view = RoleView {
                     policy: core.cloud.policy(role),
                     queue_depth: core.queue_depth(role),
+                    waiting: core.waiting(role),
+                    wait_ms: core
+                        .counters
+                        .recent_waits_ms
+                        .get_mut(&role)
+                        .and_then(|r| r.quantiles(now)),
+                    refused: core
+                        .counters
+                        .refused
+                        .get(&role)
+                        .cloned()
+                        .unwrap_or_default(),
+                    failed: core.counters.failed.get(&role).cloned().unwrap_or_default(),
                     leases: n,
                     items_in_flight: items,
                     unservable: core.role_outlook(role).map(|u| UnservableView {
@@ -215,9 +242,11 @@ impl Hub {
                 (role, view)
             })
             .collect();
+        let events = super::events::merged([core.gate.events(), core.budget.events()]);
         StatusView {
             projects,
             ha,
+            events,
             uptime_s: self.uptime().as_secs(),
             agents,
             sockets: core.sockets().clone(),

@@ -11,6 +11,7 @@
 
 pub mod histogram;
 pub mod process;
+pub mod recent;
 
 use std::fmt;
 

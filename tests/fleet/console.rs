@@ -158,22 +158,42 @@ async fn an_operator_runs_the_fleet_from_the_console_in_a_real_browser() {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map_or_else(|| root.join("target"), std::path::PathBuf::from);
     let screenshot = target.join("console.png");
+    let mut args: Vec<std::ffi::OsString> = vec!["--base-url".into(), hub.url("").into()];
+    args.extend(["--screenshot".into(), screenshot.clone().into_os_string()]);
+    args.extend([
+        "--admin-token-file".into(),
+        hub.state.join("admin.token").into_os_string(),
+    ]);
+    // The script asks for the fleet to change; the test acts, then answers.
+    let (lines, stderr) = drive_browser(args, move |step| match step {
+        "kill-agent" => gpu.kill(),
+        "start-agent" => gpu = start_gpu(),
+        _ => {}
+    })
+    .await;
+    keepalive.abort();
+    assert_all_passed(&lines, &stderr, 14);
+    assert!(screenshot.exists());
+}
+
+/// Runs `tests/clients/console_browser.py` with `args` (and the chromium), calling `act` with
+/// each step it asks for before answering it; its JSON lines and its stderr.
+async fn drive_browser(
+    args: Vec<std::ffi::OsString>,
+    mut act: impl FnMut(&str) + Send + 'static,
+) -> (Vec<Value>, String) {
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let mut child = std::process::Command::new(crate::clients::clients_python())
         .arg(root.join("tests/clients/console_browser.py"))
-        .args(["--base-url", &hub.url("")])
-        .arg("--admin-token-file")
-        .arg(hub.state.join("admin.token"))
+        .args(args)
         .arg("--chromium")
         .arg(chromium())
-        .arg("--screenshot")
-        .arg(&screenshot)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("python3 runs");
-    // The script asks for the fleet to change; its checks come back as lines.
-    let lines = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         use std::io::{BufRead, Write};
         let mut input = child.stdin.take().unwrap();
         let output = std::io::BufReader::new(child.stdout.take().unwrap());
@@ -182,12 +202,8 @@ async fn an_operator_runs_the_fleet_from_the_console_in_a_real_browser() {
             let Ok(v) = serde_json::from_str::<Value>(&line) else {
                 continue;
             };
-            match v["step"].as_str() {
-                Some("kill-agent") => gpu.kill(),
-                Some("start-agent") => gpu = start_gpu(),
-                _ => {}
-            }
-            if v["step"].is_string() {
+            if let Some(step) = v["step"].as_str() {
+                act(step);
                 let _ = writeln!(input, "done");
             }
             lines.push(v);
@@ -198,15 +214,84 @@ async fn an_operator_runs_the_fleet_from_the_console_in_a_real_browser() {
         (lines, stderr)
     })
     .await
-    .unwrap();
-    keepalive.abort();
-    let (lines, stderr) = lines;
+    .unwrap()
+}
+
+/// Every check passed, and there were `n`.
+fn assert_all_passed(lines: &[Value], stderr: &str, n: u64) {
     let failed: Vec<&Value> = lines.iter().filter(|l| l["ok"] == false).collect();
     let summary = lines.iter().find(|l| l["summary"].is_object());
     assert!(
         failed.is_empty() && summary.is_some(),
         "failed: {failed:#?}\nall: {lines:#?}\nstderr: {stderr}"
     );
-    assert_eq!(summary.unwrap()["summary"]["passed"], 12, "{lines:#?}");
-    assert!(screenshot.exists());
+    assert_eq!(summary.unwrap()["summary"]["passed"], n, "{lines:#?}");
+}
+
+/// The console through a standby served over TLS, in a phone-sized window driven from the
+/// keyboard; and the leader's page over plain http to a name that is not loopback, which
+/// warns before the token is typed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_works_through_a_standby_behind_tls_from_the_keyboard_in_a_narrow_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = crate::etcd_cluster::Cluster::start(dir.path()).await;
+    let a = crate::ha::etcd_hub(dir.path(), "a", &cluster);
+    crate::ha::leads(&a).await;
+    let certified =
+        rcgen::generate_simple_self_signed(vec!["127.0.0.1".into(), "localhost".into()]).unwrap();
+    let (cert, key) = (dir.path().join("b.pem"), dir.path().join("b.key"));
+    std::fs::write(&cert, certified.cert.pem()).unwrap();
+    std::fs::write(&key, certified.signing_key.serialize_pem()).unwrap();
+    let (cert_arg, key_arg) = (cert.display().to_string(), key.display().to_string());
+    let b = crate::ha::etcd_hub_with(
+        dir.path(),
+        "b",
+        &cluster,
+        &["--tls-cert", &cert_arg, "--tls-key", &key_arg],
+    );
+    let b_url = format!("https://localhost:{}", b.proc.addr.port());
+    let https = reqwest::Client::builder()
+        .add_root_certificate(
+            reqwest::Certificate::from_pem(certified.cert.pem().as_bytes()).unwrap(),
+        )
+        .build()
+        .unwrap();
+    eventually("b stands by behind a over TLS", || async {
+        let r = https.get(format!("{b_url}/health")).send().await.ok()?;
+        let body: Value = r.json().await.ok()?;
+        (body["status"] == "standby").then_some(())
+    })
+    .await;
+    // An agent on the leader: the page through the standby shows it.
+    let mut agent = a.raw_agent().await;
+    agent
+        .send(
+            serde_json::json!({"type": "hello", "agent_id": "leaders-agent",
+            "hostname": "gpu-host-7", "version": "0", "protocol_version": 1, "providers": []}),
+        )
+        .await;
+    assert_eq!(agent.recv().await["type"], "welcome");
+    let keepalive = tokio::spawn(async move {
+        loop {
+            agent
+                .send(serde_json::json!({"type": "heartbeat", "providers": []}))
+                .await;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    });
+    let args: Vec<std::ffi::OsString> = vec![
+        "--scenario".into(),
+        "standby".into(),
+        "--base-url".into(),
+        b_url.into(),
+        "--plain-url".into(),
+        format!("http://console.test:{}", a.proc.addr.port()).into(),
+        "--loopback-url".into(),
+        a.url("").into(),
+        "--admin-token-file".into(),
+        a.state.join("admin.token").into_os_string(),
+    ];
+    let (lines, stderr) = drive_browser(args, |_| {}).await;
+    keepalive.abort();
+    assert_all_passed(&lines, &stderr, 9);
 }

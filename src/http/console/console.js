@@ -37,9 +37,12 @@ function svg(tag, attrs) {
   return e;
 }
 
-function table(headers, rows) {
+// A table in a region that scrolls sideways in a narrow window (focusable, so a keyboard
+// can scroll it too), named by `label`.
+function table(headers, rows, label) {
   if (!rows.length) return el("p", { class: "muted" }, "None.");
-  return el("div", { class: "scroll" }, el("table", {},
+  const name = label || headers.join(", ");
+  return el("div", { class: "scroll", id: "region-" + name.toLowerCase().replace(/[^a-z0-9]+/g, "-"), tabindex: 0, role: "region", "aria-label": name }, el("table", {},
     el("thead", {}, el("tr", {}, headers.map((h) => el("th", { scope: "col" }, h)))),
     el("tbody", {}, rows.map((r) => el("tr", {}, r.map((c) => el("td", {}, c)))))));
 }
@@ -90,6 +93,7 @@ function signOut(message) {
   if (timer) clearTimeout(timer);
   timer = null;
   samples = [];
+  projectsShown = "";
   showSignedIn(false);
   $("freshness").textContent = "Not signed in";
   $("sign-in-error").textContent = message || "";
@@ -105,10 +109,13 @@ function renderHa(status) {
   rows.push(["Fenced", ha.fenced ? el("span", { class: "bad" }, "yes: " + ha.fenced) : word(true, "no", "")]);
   if (ha.aside) rows.push(["Stepped aside", el("span", { class: "bad" }, JSON.stringify(ha.aside))]);
   if (ha.peers) rows.push(["Other hubs", ha.peers.join(", ") || "none"]);
-  const out = [table(["", ""], rows)];
+  const out = [table(["", ""], rows, "This hub's HA")];
+  if (status.leader_unreachable) {
+    out.push(el("p", { class: "bad" }, "This hub is a standby and the leader's data is missing: " + status.leader_unreachable));
+  }
   if (status.leader_ha) {
-    out.push(el("p", {}, "This page is served through a standby; the data below is the leader's."));
-    out.push(table(["Leader", ""], [["Role", status.leader_ha.role || "?"], ["Epoch", status.leader_ha.epoch ?? "?"]]));
+    out.push(el("p", { id: "through-standby" }, "This page is served through a standby; the data below is the leader's."));
+    out.push(table(["Leader", ""], [["Role", status.leader_ha.role || "?"], ["Epoch", status.leader_ha.epoch ?? "?"]], "The leader's HA"));
   }
   $("ha").replaceChildren(...out);
 }
@@ -137,15 +144,48 @@ function renderFleet(status) {
     ["Agent", "Host", "Session", "Role", "Provider", "Backend", "dtype", "Model", "Latency", "In flight", "Credits", "State"], rows));
 }
 
+// "code: n, code: n", or "none".
+function counts(map) {
+  const parts = Object.entries(map || {}).map(([k, n]) => k + ": " + n);
+  return parts.length ? parts.join(", ") : "none";
+}
+
+// Items waiting per class and project: "interactive: a 2; batch: a 4, b 3".
+function waiting(w) {
+  const parts = Object.entries(w || {}).map(([cls, per]) =>
+    cls + ": " + Object.entries(per).map(([p, n]) => p + " " + n).join(", "));
+  return parts.length ? parts.join("; ") : "nothing waiting";
+}
+
+function waits(q) {
+  if (!q) return el("span", { class: "muted" }, "none leased in the last minute");
+  return "p50 " + Math.round(q.p50) + " ms, p99 " + Math.round(q.p99) + " ms (" + q.count + " in " + q.window_s + " s)";
+}
+
 function renderRoles(status) {
-  const head = ["Role", "Policy", "Readiness", "Queued", "Leases", "Items in flight"];
+  const head = ["Role", "Policy", "Readiness", "Queued", "Waiting by class and project", "Queue wait", "Leases", "Items in flight", "Refused", "Failed"];
   const rows = Object.entries(status.roles || {}).map(([role, r]) => el("tr", { id: "role-" + role },
     el("th", { scope: "row" }, role), el("td", {}, r.policy),
     el("td", {}, r.unservable ? el("span", { class: "bad" }, "not ready (" + r.unservable.code + "): " + r.unservable.message) : word(true, "ready", "")),
-    el("td", {}, r.queue_depth), el("td", {}, r.leases), el("td", {}, r.items_in_flight)));
-  $("roles").replaceChildren(el("div", { class: "scroll" }, el("table", {},
+    el("td", {}, r.queue_depth), el("td", { class: "waiting" }, waiting(r.waiting)), el("td", {}, waits(r.wait_ms)),
+    el("td", {}, r.leases), el("td", {}, r.items_in_flight),
+    el("td", { class: "refused" }, counts(r.refused)), el("td", {}, counts(r.failed))));
+  $("roles").replaceChildren(el("div", { class: "scroll", id: "region-roles", tabindex: 0, role: "region", "aria-label": "Roles and queues" }, el("table", {},
     el("thead", {}, el("tr", {}, head.map((h) => el("th", { scope: "col" }, h)))),
     el("tbody", {}, rows))));
+}
+
+const GATE_EVENTS = ["suspended", "refused", "verify"];
+const BUDGET_EVENTS = ["cooldown", "stopped", "resumed", "override"];
+
+// Events of `kinds`, newest first, as a table with their times.
+function eventTable(status, kinds, label) {
+  const rows = (status.events || []).filter((e) => kinds.includes(e.kind)).reverse().map((e) => [
+    el("time", { datetime: new Date(e.t_ms).toISOString() }, new Date(e.t_ms).toLocaleTimeString() + " (" + ago(e.t_ms) + ")"),
+    el("span", { class: e.kind === "resumed" || e.kind === "override" || e.kind === "verify" ? "" : "bad" }, e.kind),
+    e.subject, e.detail,
+  ]);
+  return table(["When", "Event", "About", "What happened"], rows, label);
 }
 
 function renderSpaces(status) {
@@ -170,7 +210,9 @@ function renderSpaces(status) {
     el("h3", {}, "Verdicts"),
     table(["Provider", "Space", "Verdict", "Lowest cosine", "Checks", "Judged", "Caught by"], verdicts),
     el("h3", {}, "Scorers"),
-    table(["Reranker", "Scores as", "State"], scorers));
+    table(["Reranker", "Scores as", "State"], scorers),
+    el("h3", {}, "Suspensions, refusals and verifies"),
+    el("div", { id: "gate-events" }, eventTable(status, GATE_EVENTS, "Gate events")));
 }
 
 function renderBudget(status) {
@@ -186,7 +228,8 @@ function renderBudget(status) {
     ["Account", b.funded === false ? el("span", { class: "bad" }, "not funded") : (b.funded ? "funded" : "not known yet")],
   ];
   if (b.rpm != null) rows.push(["Requests per minute", b.rpm]);
-  $("budget").replaceChildren(table(["", ""], rows));
+  $("budget").replaceChildren(table(["", ""], rows, "Budget"));
+  $("budget-events").replaceChildren(eventTable(status, BUDGET_EVENTS, "Budget events"));
   renderChart();
 }
 
@@ -230,29 +273,77 @@ function legend() {
     el("span", {}, "solid green: in flight"), el("span", {}, "▲ throttle"));
 }
 
+const LIMITS = [
+  ["max_queued_items", "Items queued at most", "1"],
+  ["max_cloud_in_flight", "Cloud calls in flight at most", "1"],
+  ["cloud_tokens_per_day", "Cloud tokens per UTC day", "1"],
+  ["cloud_usd_per_day", "Cloud US$ per UTC day", "0.01"],
+];
+
+// A project's limits and today's use against each, in words.
+function limitsText(p) {
+  const limits = p.limits || {};
+  const today = (p.usage && p.usage.today) || {};
+  const out = [];
+  if (limits.max_queued_items != null) out.push((p.usage ? p.usage.items_queued : 0) + " of " + limits.max_queued_items + " items queued");
+  if (limits.max_cloud_in_flight != null) out.push((p.usage ? p.usage.cloud_in_flight : 0) + " of " + limits.max_cloud_in_flight + " cloud calls in flight");
+  if (limits.cloud_tokens_per_day != null) out.push((today.cloud_tokens || 0) + " of " + limits.cloud_tokens_per_day + " cloud tokens today");
+  if (limits.cloud_usd_per_day != null) out.push("$" + (today.cloud_usd || 0).toFixed(4) + " of $" + limits.cloud_usd_per_day + " today");
+  if (today.over) out.push("over: " + today.over);
+  return out.length ? out.join("; ") : "no limits";
+}
+
+// The edit form of a project: its weight and limits (an empty limit field means none).
+function editForm(p) {
+  const id = (k) => "edit-" + p.name + "-" + k;
+  const limits = p.limits || {};
+  const fields = [el("label", { for: id("weight") }, "Weight"),
+    el("input", { id: id("weight"), name: "weight", type: "number", min: 1, max: 1000, required: true, value: p.weight ?? 1 })];
+  for (const [key, label, step] of LIMITS) {
+    fields.push(el("label", { for: id(key) }, label),
+      el("input", { id: id(key), name: key, type: "number", min: 0, step, value: limits[key] ?? "", placeholder: "none" }));
+  }
+  return el("details", { "data-project": p.name },
+    el("summary", {}, "Edit " + p.name),
+    el("form", { "data-edit": p.name }, fields, el("button", { type: "submit" }, "Save")));
+}
+
+let projectsShown = "";
+
 function renderProjects(list) {
+  const box = $("projects");
+  // An operator editing a project keeps what they typed: the table waits for them.
+  if (box.contains(document.activeElement) && document.activeElement.matches("input, select")) return;
+  const shown = JSON.stringify(list.projects || []);
+  if (shown === projectsShown) return;
+  projectsShown = shown;
+  const open = new Set([...box.querySelectorAll("details[open]")].map((d) => d.getAttribute("data-project")));
   const rows = (list.projects || []).map((p) => {
     const today = (p.usage && p.usage.today) || {};
-    const limits = p.limits || {};
-    const actions = el("span", {});
+    const actions = el("span", { class: "actions" });
     if (p.has_key) {
       actions.append(el("button", { type: "button", "data-rotate": p.name }, "Rotate key"));
     }
     if (p.name !== "default") {
       actions.append(el("button", { type: "button", "data-remove": p.name }, "Remove"));
     }
-    const weight = el("form", { "data-weight": p.name },
-      el("label", { for: "weight-" + p.name }, "Weight"),
-      el("input", { id: "weight-" + p.name, type: "number", min: 1, max: 1000, value: p.weight ?? 1 }),
-      el("button", { type: "submit" }, "Set"));
-    const allowance = [];
-    if (limits.cloud_tokens_per_day != null) allowance.push((today.cloud_tokens || 0) + " / " + limits.cloud_tokens_per_day + " tokens");
-    if (limits.cloud_usd_per_day != null) allowance.push("$" + (today.cloud_usd || 0).toFixed(4) + " / $" + limits.cloud_usd_per_day);
-    const refused = Object.entries((p.usage && p.usage.refused) || {}).map(([k, n]) => k + ": " + n).join(", ");
-    return [p.name, weight, allowance.join("; ") || "no daily allowance", "$" + (today.cloud_usd || 0).toFixed(4),
-      (today.cloud_tokens || 0) + " cloud tokens", refused || "none", actions];
+    const edit = editForm(p);
+    if (open.has(p.name)) edit.open = true;
+    return [p.name, String(p.weight ?? 1), limitsText(p), "$" + (today.cloud_usd || 0).toFixed(4),
+      (p.usage ? p.usage.requests : 0) + " requests, " + (today.cloud_tokens || 0) + " cloud tokens today",
+      counts(p.usage && p.usage.refused), el("div", {}, actions, edit)];
   });
-  $("projects").replaceChildren(table(["Project", "Weight", "Today against its allowance", "Cloud spend today", "Use today", "Refusals", ""], rows));
+  box.replaceChildren(table(["Project", "Weight", "Limits and today's use", "Cloud spend today", "Use", "Refusals", ""], rows, "Projects"));
+}
+
+// What the edit form asks for: the weight, and each limit (null: none).
+function editPatch(form) {
+  const patch = { weight: Number(form.elements.weight.value), limits: {} };
+  for (const [key] of LIMITS) {
+    const v = form.elements[key].value.trim();
+    patch.limits[key] = v === "" ? null : Number(v);
+  }
+  return patch;
 }
 
 function showKey(project, key) {
@@ -265,6 +356,20 @@ function showKey(project, key) {
 }
 
 // ---- the loop
+
+// A selector that finds the focused element again after the views are drawn anew (a
+// keyboard user's place survives the refresh), or null.
+function focusedSelector() {
+  const e = document.activeElement;
+  if (!e || e === document.body) return null;
+  if (e.id) return "#" + CSS.escape(e.id);
+  for (const attr of ["data-rotate", "data-remove"]) {
+    if (e.hasAttribute(attr)) return "button[" + attr + '="' + CSS.escape(e.getAttribute(attr)) + '"]';
+  }
+  const d = e.closest("details[data-project]");
+  if (d && e.tagName === "SUMMARY") return 'details[data-project="' + CSS.escape(d.getAttribute("data-project")) + '"] > summary';
+  return null;
+}
 
 async function refresh() {
   timer = null;
@@ -279,8 +384,13 @@ async function refresh() {
     samples = samples.concat(history.samples || []);
     const cutoff = Date.now() - (history.keep_s || 900) * 1000;
     samples = samples.filter((s) => s.t_ms >= cutoff);
+    const focused = focusedSelector();
     renderHa(status); renderFleet(status); renderRoles(status); renderSpaces(status);
     renderBudget(status); renderProjects(projects);
+    if (focused && (document.activeElement === document.body || !document.activeElement)) {
+      const again = document.querySelector(focused);
+      if (again) again.focus({ preventScroll: true });
+    }
     lastOk = Date.now();
     lastError = "";
   } catch (e) {
@@ -289,6 +399,13 @@ async function refresh() {
   }
   showFreshness();
   timer = setTimeout(refresh, POLL_MS);
+}
+
+// Reads again now (after an action), unless a read is already under way.
+function refreshSoon() {
+  if (!timer) return;
+  clearTimeout(timer);
+  refresh();
 }
 
 function showFreshness() {
@@ -337,12 +454,14 @@ document.addEventListener("DOMContentLoaded", () => {
     try {
       await api("/admin/budget", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ permits: Number($("permits").value) }) });
       $("override-result").textContent = "The override is set.";
+      refreshSoon();
     } catch (e) { $("override-result").textContent = "Not set: " + e.message; }
   });
   $("clear-override").addEventListener("click", async () => {
     try {
       await api("/admin/budget", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ permits: null }) });
       $("override-result").textContent = "The override is cleared.";
+      refreshSoon();
     } catch (e) { $("override-result").textContent = "Not cleared: " + e.message; }
   });
 
@@ -354,6 +473,7 @@ document.addEventListener("DOMContentLoaded", () => {
       $("project-name").value = "";
       $("projects-result").textContent = "Project " + name + " created.";
       showKey(name, made.key);
+      refreshSoon();
     } catch (e) { $("projects-result").textContent = "Not created: " + e.message; }
   });
   $("projects").addEventListener("click", async (ev) => {
@@ -369,18 +489,21 @@ document.addEventListener("DOMContentLoaded", () => {
       } else if (remove && confirm("Remove project " + remove + "? Its key stops working at once.")) {
         await api("/admin/projects/" + encodeURIComponent(remove), { method: "DELETE" });
         $("projects-result").textContent = "Project " + remove + " removed.";
+        refreshSoon();
       }
     } catch (e) { $("projects-result").textContent = "Not done: " + e.message; }
   });
   $("projects").addEventListener("submit", async (ev) => {
     ev.preventDefault();
     const form = ev.target;
-    const name = form.getAttribute("data-weight");
-    const input = form.querySelector("input");
+    const name = form.getAttribute("data-edit");
     try {
-      await api("/admin/projects/" + encodeURIComponent(name), { method: "PATCH", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ weight: Number(input.value) }) });
-      $("projects-result").textContent = "The weight of " + name + " is " + input.value + ".";
-    } catch (e) { $("projects-result").textContent = "Not changed: " + e.message; }
+      await api("/admin/projects/" + encodeURIComponent(name), { method: "PATCH", headers: { "Content-Type": "application/json" }, body: JSON.stringify(editPatch(form)) });
+      $("projects-result").textContent = "Project " + name + " saved.";
+      document.activeElement.blur();
+      projectsShown = "";
+      refreshSoon();
+    } catch (e) { $("projects-result").textContent = "Not saved: " + e.message; }
   });
   $("copy-key").addEventListener("click", async () => {
     const field = $("key-value");

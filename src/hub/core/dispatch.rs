@@ -401,6 +401,11 @@ impl Core {
                     histogram::SECONDS,
                     waited.as_secs_f64(),
                 );
+                self.counters
+                    .recent_waits_ms
+                    .entry(role)
+                    .or_default()
+                    .observe(now, waited.as_secs_f64() * 1000.0);
                 if let Some(usage) = self.projects.usage.get_mut(&req.caller.project) {
                     usage.queue_seconds.observe(waited.as_secs_f64());
                 }

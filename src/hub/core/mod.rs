@@ -48,6 +48,7 @@ use crate::config::hub::RequestLimits;
 use crate::config::push::CloudSettings;
 use crate::config::timings::RoleTimings;
 use crate::metrics::histogram::Histogram;
+use crate::metrics::recent::Recent;
 use crate::protocol::{self, Score};
 use crate::roles::{Op, Policy, Role};
 
@@ -410,6 +411,13 @@ pub struct Counters {
     pub rescored: u64,
     /// Per role: seconds from acceptance to a request's first lease.
     pub queue_seconds: BTreeMap<Role, Histogram>,
+    /// Per role: the same waits of the last minute, in ms (for status' quantiles).
+    pub recent_waits_ms: BTreeMap<Role, Recent>,
+    /// Per role: requests refused at admission, by the code their client was told.
+    pub refused: BTreeMap<Role, BTreeMap<&'static str, u64>>,
+    /// Per role: accepted requests that ended without an answer, by the code their client
+    /// was told (a timeout, provider failures, a cut stream).
+    pub failed: BTreeMap<Role, BTreeMap<&'static str, u64>>,
     /// Per role: items per work frame granted.
     pub batch_items: BTreeMap<Role, Histogram>,
     /// Per role: tokens of each completed request.
@@ -863,6 +871,18 @@ impl Core {
             .or_default() += 1;
     }
 
+    /// A request of `role` refused at admission, by the code its client was told.
+    pub fn count_refused(&mut self, role: Role, code: &'static str) {
+        let n = self.counters.refused.entry(role).or_default();
+        *n.entry(code).or_default() += 1;
+    }
+
+    /// An accepted request of `role` that ended without an answer, by its code.
+    pub fn count_failed(&mut self, role: Role, code: &'static str) {
+        let n = self.counters.failed.entry(role).or_default();
+        *n.entry(code).or_default() += 1;
+    }
+
     /// A receiver that changes whenever who can serve what may have changed.
     pub fn watch_changes(&self) -> watch::Receiver<u64> {
         self.changes.subscribe()
@@ -962,6 +982,29 @@ impl Core {
 
     pub fn queue_depth(&self, role: Role) -> usize {
         self.queues.get(&role).map_or(0, RoleQueue::len)
+    }
+
+    /// Items waiting in `role`'s queue, per class and project (classes with none left out).
+    pub fn waiting(
+        &self,
+        role: Role,
+    ) -> BTreeMap<crate::protocol::WorkClass, BTreeMap<String, usize>> {
+        use crate::protocol::WorkClass;
+        let Some(q) = self.queues.get(&role) else {
+            return BTreeMap::new();
+        };
+        [WorkClass::Interactive, WorkClass::Batch]
+            .into_iter()
+            .map(|class| {
+                let per: BTreeMap<String, usize> = q
+                    .waiting_in(class)
+                    .into_iter()
+                    .map(|(p, n)| (p.to_string(), n))
+                    .collect();
+                (class, per)
+            })
+            .filter(|(_, per)| !per.is_empty())
+            .collect()
     }
 
     /// Leases out and the items on them, per role.

@@ -667,6 +667,16 @@ fn a_drifted_canary_suspends_its_provider_at_once_and_its_lease_serves_nothing()
         v.verdict
     );
     assert_eq!(v.caught_by, Some("canary"));
+    // The suspension is an event in time, with its reason.
+    let events: Vec<_> = core.gate.events().iter().collect();
+    assert_eq!(events.len(), 1, "{events:?}");
+    let e = events[0];
+    assert_eq!(e.kind, crate::hub::events::EventKind::Suspended);
+    assert_eq!(e.subject, "a/e");
+    assert!(
+        e.detail.contains("caught by canary") && e.detail.contains("0.6000"),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -1428,4 +1438,59 @@ fn a_cloud_call_an_agent_still_runs_for_an_earlier_hub_holds_a_permit_and_its_co
     core.kept("cloudy", session, kept).unwrap();
     assert_eq!(day(&core), (1, 0.25));
     assert_eq!(core.replies.handed_over, 1);
+}
+
+#[test]
+fn status_sees_the_queue_per_class_and_project_and_the_waits_of_the_last_minute() {
+    let (mut core, sa, mut a, shape) = one_gated_embedder();
+    // The one credit goes to the first request; what comes after waits.
+    let texts = |n: usize| (0..n).map(|i| format!("t{i}")).collect::<Vec<_>>();
+    core.submit(Role::Embedding, shape, texts(1)).unwrap();
+    let work = next_work(&mut a);
+    let caller = |project: &str, class| Caller {
+        project: Arc::from(project),
+        sub_project: None,
+        class,
+        weight: 1,
+    };
+    let embed = || Shape::Embed {
+        dimensions: None,
+        is_query: false,
+        instruction: None,
+    };
+    let interactive = crate::protocol::WorkClass::Interactive;
+    let batch = crate::protocol::WorkClass::Batch;
+    core.submit_as(
+        caller("alpha", interactive),
+        Role::Embedding,
+        embed(),
+        texts(2),
+    )
+    .unwrap();
+    core.submit_as(caller("beta", batch), Role::Embedding, embed(), texts(3))
+        .unwrap();
+    core.submit_as(caller("alpha", batch), Role::Embedding, embed(), texts(4))
+        .unwrap();
+    let waiting = core.waiting(Role::Embedding);
+    assert_eq!(
+        waiting[&interactive],
+        BTreeMap::from([("alpha".to_string(), 2)])
+    );
+    assert_eq!(
+        waiting[&batch],
+        BTreeMap::from([("alpha".to_string(), 4), ("beta".to_string(), 3)])
+    );
+    assert!(core.waiting(Role::Reranker).is_empty());
+    // One request was leased: one wait in the last minute, none for the other roles.
+    let now = Instant::now();
+    let q = core
+        .counters
+        .recent_waits_ms
+        .get_mut(&Role::Embedding)
+        .and_then(|r| r.quantiles(now))
+        .unwrap();
+    assert_eq!(q.count, 1);
+    assert!(q.p50 >= 0.0 && q.p99 == q.p50, "{q:?}");
+    assert!(!core.counters.recent_waits_ms.contains_key(&Role::Reranker));
+    let _ = (sa, work);
 }

@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use self::measure::{Evidence, Judgement, check_shape, judge, probe_texts};
+use super::events::{EventKind, EventRing};
 use super::now_ms;
 use crate::protocol::{Backend, Suspension};
 use crate::roles::{Policy, Role};
@@ -313,6 +314,8 @@ pub struct Gate {
     /// A suspension since the verdicts were last stored: they are stored now, not at the next
     /// checkpoint ([`Gate::take_urgent`]).
     urgent: bool,
+    /// Suspensions, refusals and verifies, in time (for the console).
+    events: EventRing,
 }
 
 impl Gate {
@@ -346,6 +349,7 @@ impl Gate {
             reported: BTreeMap::new(),
             verified_at_ms: BTreeMap::new(),
             urgent: false,
+            events: EventRing::default(),
         }
     }
 
@@ -622,6 +626,13 @@ impl Gate {
             probe: None,
             untold: false,
         };
+        if let Verdict::Refused { reason } = &entry.verdict {
+            self.events.push(
+                EventKind::Refused,
+                c.provider.clone(),
+                format!("for {space}: {reason}"),
+            );
+        }
         self.verdicts.insert(key, entry);
     }
 
@@ -748,6 +759,11 @@ impl Gate {
                     .unwrap_or_else(|| vectors.first().map_or(0, Vec::len));
                 if let Err(why) = check_shape(&vectors, n, width) {
                     tracing::warn!(provider = %c.provider, reason = %why, "the reference is refused");
+                    self.events.push(
+                        EventKind::Refused,
+                        c.provider.clone(),
+                        format!("as the reference of {}: {why}", p.space),
+                    );
                     entry.verdict = Verdict::Refused { reason: why };
                     entry.checked_at_ms = Some(now_ms());
                     entry.checks += 1;
@@ -812,6 +828,7 @@ impl Gate {
                         // said so. Only an operator's verify lifts it.
                         let r = self.reported.remove(&p.key).map(|r| r.reason);
                         suspend(
+                            &mut self.events,
                             entry,
                             format!(
                                 "suspended by an earlier leader (reported by its agent): {}",
@@ -834,9 +851,14 @@ impl Gate {
                     }
                     Judgement::Refused { reason, evidence } => {
                         if p.purpose == Purpose::Sentinel {
-                            suspend(entry, reason, "sentinel");
+                            suspend(&mut self.events, entry, reason, "sentinel");
                         } else {
                             tracing::warn!(provider = %c.provider, space = %space, reason = %reason, "gate: refused");
+                            self.events.push(
+                                EventKind::Refused,
+                                c.provider.clone(),
+                                format!("for {space}: {reason}"),
+                            );
                             entry.verdict = Verdict::Refused { reason };
                         }
                         if evidence.is_some() {
@@ -890,7 +912,7 @@ impl Gate {
                 "canary (probe {probe}, {preview:?}…) at cosine {cos:.4} to the space's fingerprint, under {min}"
             )
         };
-        suspend(entry, reason.clone(), "canary");
+        suspend(&mut self.events, entry, reason.clone(), "canary");
         Some(reason)
     }
 
@@ -1021,6 +1043,14 @@ impl Gate {
         self.reported
             .retain(|key, _| provider.is_some_and(|p| !key.starts_with(&format!("{p}|"))));
         let now = now_ms();
+        self.events.push(
+            EventKind::Verify,
+            provider.unwrap_or("every provider"),
+            format!(
+                "an operator asked for a new judgement ({} verdicts forgotten)",
+                before - self.verdicts.len()
+            ),
+        );
         match provider {
             Some(p) => {
                 self.verified_at_ms.insert(p.to_string(), now);
@@ -1034,6 +1064,11 @@ impl Gate {
             }
         }
         before - self.verdicts.len()
+    }
+
+    /// Suspensions, refusals and verifies, oldest first.
+    pub fn events(&self) -> &EventRing {
+        &self.events
     }
 
     pub fn count_rows(&mut self, space: &str, provider: &str, rows: u64) {
@@ -1083,8 +1118,13 @@ impl Gate {
 mod tests;
 
 /// Suspends a provider that passed and drifted: the one path of the sentinel and the canary.
-fn suspend(entry: &mut VerdictEntry, reason: String, by: &'static str) {
+fn suspend(events: &mut EventRing, entry: &mut VerdictEntry, reason: String, by: &'static str) {
     tracing::error!(provider = %entry.provider, space = %entry.space, caught_by = by, reason = %reason, "drift: the provider is suspended");
+    events.push(
+        EventKind::Suspended,
+        entry.provider.clone(),
+        format!("in {} (caught by {by}): {reason}", entry.space),
+    );
     entry.verdict = Verdict::Suspended { reason };
     entry.caught_by = Some(by);
     entry.checked_at_ms = Some(now_ms());

@@ -70,7 +70,7 @@ impl Gate {
                 if !judged_before || lifts {
                     return false;
                 }
-                suspend(e, reason, "agent");
+                suspend(&mut self.events, e, reason, "agent");
                 e.checked_at_ms = Some(s.at_ms);
                 // The agent knows already.
                 e.untold = false;

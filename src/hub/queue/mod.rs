@@ -251,13 +251,23 @@ impl RoleQueue {
 
     /// Items waiting per project (both classes).
     pub fn waiting_by_project(&self) -> BTreeMap<Arc<str>, usize> {
-        let mut out: BTreeMap<Arc<str>, usize> = BTreeMap::new();
-        for class in [&self.interactive, &self.batch] {
-            for (project, flow) in class.backlog() {
-                *out.entry(project.clone()).or_default() += flow.len();
-            }
+        let mut out = self.waiting_in(WorkClass::Interactive);
+        for (project, n) in self.waiting_in(WorkClass::Batch) {
+            *out.entry(project).or_default() += n;
         }
         out
+    }
+
+    /// Items waiting in `class`, per project.
+    pub fn waiting_in(&self, class: WorkClass) -> BTreeMap<Arc<str>, usize> {
+        let queue = match class {
+            WorkClass::Interactive => &self.interactive,
+            WorkClass::Batch => &self.batch,
+        };
+        queue
+            .backlog()
+            .map(|(project, flow)| (project.clone(), flow.len()))
+            .collect()
     }
 
     /// Takes a batch for one puller, from one flow: interactive work first unless waiting
