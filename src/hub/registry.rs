@@ -287,6 +287,9 @@ pub struct AgentEntry {
     pub config_awaiting_ack: bool,
     /// The agent keeps keyed chats' answers across sessions (`hello.keeps_answers`).
     pub keeps_answers: bool,
+    /// It withdrew every provider after serving some (an agent shutting down announces an
+    /// empty set and finishes its leases): draining, not idle.
+    pub draining: bool,
 }
 
 impl AgentEntry {

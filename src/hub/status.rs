@@ -60,6 +60,8 @@ pub struct AgentView {
     /// Whether it holds the hub's current key (when one was pushed): without it, its cloud
     /// routes serve nothing until a push with the key reaches it.
     pub needs_key_push: bool,
+    /// It withdrew every provider and finishes its leases (shutting down).
+    pub draining: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -209,6 +211,7 @@ impl Hub {
                 last_config_ack: a.last_config_ack.clone(),
                 holds: a.held.clone(),
                 needs_key_push: needing_key.contains(id),
+                draining: a.draining,
             })
             .collect();
         let leases = core.leases_by_role();

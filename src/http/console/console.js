@@ -129,7 +129,7 @@ function renderFleet(status) {
       if (a.needs_key_push) flags.push("needs the key");
       if (p.benched) flags.push("benched");
       if (p.paused) flags.push("paused");
-      if (p.draining) flags.push("draining");
+      if (a.draining) flags.push("draining");
       rows.push([
         a.id, a.hostname, duration(a.connected_s || 0), p.role, p.provider,
         p.backend + (p.device ? " on " + p.device : ""), p.dtype || "", p.model || "",
@@ -138,7 +138,10 @@ function renderFleet(status) {
         flags.length ? el("span", { class: "bad" }, flags.join("; ")) : el("span", { class: "good" }, "serving"),
       ]);
     }
-    if (!(a.providers || []).length) rows.push([a.id, a.hostname, duration(a.connected_s || 0), "", "no providers", "", "", "", "", "", "", el("span", { class: "warn" }, "idle")]);
+    if (!(a.providers || []).length) {
+      const state = a.draining ? "draining: finishing " + a.leases + " leases" : "idle";
+      rows.push([a.id, a.hostname, duration(a.connected_s || 0), "", "no providers", "", "", "", "", "", "", el("span", { class: "warn" }, state)]);
+    }
   }
   $("fleet").replaceChildren(table(
     ["Agent", "Host", "Session", "Role", "Provider", "Backend", "dtype", "Model", "Latency", "In flight", "Credits", "State"], rows));

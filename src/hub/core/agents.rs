@@ -138,6 +138,7 @@ impl Core {
                 config_sent: None,
                 config_awaiting_ack: false,
                 keeps_answers: hello.keeps_answers,
+                draining: false,
             },
         );
         // Keyed chats it still runs for an earlier session: a retry waits for their answers,
@@ -265,6 +266,7 @@ impl Core {
         // (a push replaced its route) did not vanish; one it no longer serves (a drain) may
         // come back with the agent.
         let serving: Vec<Role> = next.values().map(ProviderEntry::role).collect();
+        entry.draining = next.is_empty() && (entry.draining || !entry.providers.is_empty());
         let gone = std::mem::replace(&mut entry.providers, next);
         self.note_vanished(gone.values().filter(|p| !serving.contains(&p.role())));
         self.refresh_routes();

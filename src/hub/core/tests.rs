@@ -1494,3 +1494,27 @@ fn status_sees_the_queue_per_class_and_project_and_the_waits_of_the_last_minute(
     assert!(!core.counters.recent_waits_ms.contains_key(&Role::Reranker));
     let _ = (sa, work);
 }
+
+#[test]
+fn an_agent_that_withdraws_every_provider_is_draining_and_one_that_never_had_any_is_idle() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (sa, _a) = connect(&mut core, "a", provider("e", Role::Embedding, "ma", 8), 1);
+    assert!(!core.agents()["a"].draining);
+    core.set_providers("a", sa, Vec::new()).unwrap();
+    assert!(core.agents()["a"].draining);
+    // Providers again (a push put a route back): serving, not draining.
+    core.set_providers("a", sa, vec![provider("e", Role::Embedding, "ma", 8)])
+        .unwrap();
+    assert!(!core.agents()["a"].draining);
+    // Said twice, still draining.
+    core.set_providers("a", sa, Vec::new()).unwrap();
+    core.set_providers("a", sa, Vec::new()).unwrap();
+    assert!(core.agents()["a"].draining);
+    // An agent that announced nothing from its hello on is idle.
+    let (tx, _b) = mpsc::unbounded_channel();
+    let mut hello = hello_as("b", None);
+    hello.providers.clear();
+    let sb = core.hello(hello, tx).unwrap();
+    core.set_providers("b", sb, Vec::new()).unwrap();
+    assert!(!core.agents()["b"].draining);
+}
