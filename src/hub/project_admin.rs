@@ -23,14 +23,16 @@ const USAGE_CHECKPOINT_MS: u64 = 5_000;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Unidentified {
     #[error(
-        "the bearer token is not a key of this hub: send a project's key (`fantom-sidecar projects add <name>` makes one), the client token, or no Authorization header for the project 'default' (an unknown key is never taken as 'default')"
+        "the bearer token looks like a project key (fsp-…) but is not one of this hub's: it was rotated, removed or mistyped (a project key is never taken as 'default'); an operator shows the projects with `fantom-sidecar projects list` and makes a new key with `fantom-sidecar projects rotate <name>`"
     )]
     UnknownKey,
     #[error(
-        "this hub requires a project key: send 'Authorization: Bearer <project key>' (an operator makes one with `fantom-sidecar projects add <name>`)"
+        "this hub requires a project key: send 'Authorization: Bearer <project key>' (an operator makes one with `fantom-sidecar projects add <name>`; a placeholder such as EMPTY is not one)"
     )]
     KeyRequired,
-    #[error("this endpoint needs 'Authorization: Bearer <client token or project key>'")]
+    #[error(
+        "this endpoint needs 'Authorization: Bearer <client token or project key>' (a placeholder such as EMPTY is neither)"
+    )]
     TokenRequired,
 }
 
@@ -95,6 +97,12 @@ impl Hub {
     /// The caller of a client request: the project whose key `bearer` is (or `default` for
     /// the client token, or for no token where neither the client token nor a project key is
     /// required), its sub-project (when its key may name one) and the request's class.
+    ///
+    /// A bearer that begins with [`projects::KEY_PREFIX`] and matches no key is refused: a
+    /// rotated, removed or mistyped project key never lands in `default`. Any other bearer
+    /// that is not the client token is a placeholder (`EMPTY`, `unused`: what an
+    /// OpenAI-compatible client must send) and counts as no `Authorization` header at all,
+    /// as vLLM, TEI and Ollama treat it.
     pub fn identify(
         &self,
         bearer: Option<&str>,
@@ -102,19 +110,27 @@ impl Hub {
         class: WorkClass,
     ) -> Result<Caller, Unidentified> {
         let core = self.core();
-        let project = match bearer {
+        let known = match bearer {
             Some(token) => match core.projects.authenticate(token) {
-                Some(project) => project,
+                Some(project) => Some(project),
                 None if self
                     .inner
                     .client_token
                     .as_ref()
                     .is_some_and(|t| t.matches(token)) =>
                 {
-                    Arc::from(DEFAULT_PROJECT)
+                    Some(Arc::from(DEFAULT_PROJECT))
                 }
-                None => return Err(Unidentified::UnknownKey),
+                None if token.starts_with(projects::KEY_PREFIX) => {
+                    return Err(Unidentified::UnknownKey);
+                }
+                // A placeholder: as if no header were sent.
+                None => None,
             },
+            None => None,
+        };
+        let project = match known {
+            Some(project) => project,
             None if self.inner.require_project_key => return Err(Unidentified::KeyRequired),
             None if self.inner.client_token.is_some() => return Err(Unidentified::TokenRequired),
             None => Arc::from(DEFAULT_PROJECT),
@@ -350,4 +366,91 @@ fn merge_limits(
     serde_json::from_value(serde_json::Value::Object(merged)).map_err(|e| {
         ProjectError::Invalid(format!("limits: {}", crate::secret::redact(&e.to_string())))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hub::core::HubSettings;
+    use crate::hub::state::HubState;
+    use crate::hub::store::{StateStore, file::FileStore};
+    use crate::hub::{HubOptions, gate};
+
+    fn hub(dir: &std::path::Path, client_token: Option<&str>, require_key: bool) -> Hub {
+        Hub::open(
+            HubOptions {
+                settings: HubSettings::default(),
+                store: StateStore::File(FileStore::open(dir).unwrap()),
+                fleet_token: Secret::new("fleet-token-for-tests"),
+                admin_token: Secret::new("admin-token-for-tests"),
+                client_token: client_token.map(Secret::new),
+                require_project_key: require_key,
+                gate: gate::GateSettings::default(),
+            },
+            HubState::fresh(),
+        )
+        .unwrap()
+    }
+
+    fn who(hub: &Hub, bearer: Option<&str>) -> Result<String, Unidentified> {
+        hub.identify(bearer, None, WorkClass::Batch)
+            .map(|c| c.project.to_string())
+    }
+
+    #[tokio::test]
+    async fn a_placeholder_is_no_key_and_an_unknown_project_key_is_never_default() {
+        let dir = tempfile::tempdir().unwrap();
+        // Nothing required: no header and any placeholder are `default`.
+        let open = hub(&dir.path().join("open"), None, false);
+        let key = open
+            .create_project("alpha".into(), ProjectSettings::default())
+            .await
+            .unwrap();
+        assert_eq!(who(&open, Some(key.expose())).unwrap(), "alpha");
+        for placeholder in [None, Some("EMPTY"), Some("unused"), Some("sk-anything")] {
+            assert_eq!(
+                who(&open, placeholder).unwrap(),
+                "default",
+                "{placeholder:?}"
+            );
+        }
+        // A project key of the right shape that is not one: 401, however open the hub.
+        let rotated = open.rotate_project("alpha".into()).await.unwrap();
+        assert!(matches!(
+            who(&open, Some(key.expose())),
+            Err(Unidentified::UnknownKey)
+        ));
+        assert_eq!(who(&open, Some(rotated.expose())).unwrap(), "alpha");
+        let stranger = format!("{}{}", projects::KEY_PREFIX, "0".repeat(64));
+        assert!(matches!(
+            who(&open, Some(&stranger)),
+            Err(Unidentified::UnknownKey)
+        ));
+
+        // A client token: it is `default`; a placeholder is as no header, refused.
+        let guarded = hub(&dir.path().join("guarded"), Some("client-token-1"), false);
+        assert_eq!(who(&guarded, Some("client-token-1")).unwrap(), "default");
+        for placeholder in [None, Some("EMPTY")] {
+            assert!(matches!(
+                who(&guarded, placeholder),
+                Err(Unidentified::TokenRequired)
+            ));
+        }
+        // A project key required: a placeholder is refused as no key is.
+        let strict = hub(&dir.path().join("strict"), None, true);
+        for placeholder in [None, Some("EMPTY")] {
+            assert!(matches!(
+                who(&strict, placeholder),
+                Err(Unidentified::KeyRequired)
+            ));
+        }
+        // No message echoes what was sent.
+        for e in [
+            Unidentified::UnknownKey,
+            Unidentified::KeyRequired,
+            Unidentified::TokenRequired,
+        ] {
+            assert!(!e.to_string().contains(&stranger));
+        }
+    }
 }

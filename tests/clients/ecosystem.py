@@ -98,8 +98,10 @@ def main():
     rr = refs["rerank"]
     timeout = args.timeout
 
-    # The SDKs that must send a key send a project's key (an unknown key is 401).
-    key = os.environ["FANTOM_API_KEY"]
+    # The SDKs that must send a key send the placeholder every OpenAI-compatible server
+    # documents: with no client token and no required project key it is no key at all
+    # (project 'default'). A project key that was rotated is 401, never 'default'.
+    key = "EMPTY"
     oa = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=timeout)
     co = cohere.ClientV2(base_url=base, api_key=key, timeout=timeout, max_retries=0)
     hf = InferenceClient(model=base, timeout=timeout)
@@ -112,15 +114,24 @@ def main():
 
     # --- openai
     @check
-    def openai_unknown_key_is_refused():
-        stranger = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0,
+    def openai_rotated_key_is_refused():
+        rotated = os.environ["FANTOM_ROTATED_KEY"]
+        stranger = openai.OpenAI(base_url=base + "/v1", api_key=rotated, max_retries=0,
                                  timeout=timeout)
         try:
             stranger.embeddings.create(model="embedding", input=texts[:1])
         except openai.AuthenticationError as e:
-            assert "unused" not in str(e), "the key was echoed"
+            assert rotated not in str(e) and rotated[4:12] not in str(e), "the key was echoed"
             return
-        raise AssertionError("an unknown key was served")
+        raise AssertionError("a rotated key was served")
+
+    @check
+    def openai_placeholder_key_is_no_key():
+        for placeholder in ("unused", "sk-no-key-required"):
+            anyone = openai.OpenAI(base_url=base + "/v1", api_key=placeholder, max_retries=0,
+                                   timeout=timeout)
+            r = anyone.embeddings.create(model="embedding", input=texts[:1])
+            assert len(r.data) == 1, f"{placeholder}: {r}"
 
     @check
     def openai_embed_base64():

@@ -192,10 +192,15 @@ async fn the_official_clients_work_unchanged_against_serve() {
     // Every client, through its public API only.
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/ecosystem.py");
     let base = hub.url("");
-    let key = project_key(&hub, "sdk-clients").await;
+    // A project key that was rotated: 401 however the client sends it.
+    let rotated = project_key(&hub, "sdk-clients").await;
+    let (code, _) = hub
+        .post_admin("/admin/projects/sdk-clients/rotate", &json!({}))
+        .await;
+    assert_eq!(code, 200);
     let out = tokio::task::spawn_blocking(move || {
         Command::new(python)
-            .env("FANTOM_API_KEY", key)
+            .env("FANTOM_ROTATED_KEY", rotated)
             .arg(script)
             .args(["--base-url", &base, "--refs"])
             .arg(&refs_file)

@@ -497,6 +497,18 @@ async fn project_keys_are_shown_once_kept_as_digests_and_never_logged() {
         let (code, body) = embed(Some(stranger.into()), path).await;
         assert_eq!(code, 401, "{path}: {body}");
         assert!(!body.contains(stranger), "{path} echoed the key");
+        assert!(
+            body.contains("rotated, removed or mistyped"),
+            "{path}: {body}"
+        );
+        // A placeholder is no key: this hub requires one.
+        let (code, body) = embed(Some("placeholder-1234".into()), path).await;
+        assert_eq!(code, 401, "{path}: {body}");
+        assert!(body.contains("requires a project key"), "{path}: {body}");
+        assert!(
+            !body.contains("placeholder-1234"),
+            "{path} echoed the placeholder"
+        );
     }
     let (code, body) = embed(Some(first.clone()), "/v1/embeddings").await;
     assert_ne!(code, 401, "the project's key is taken: {body}");
