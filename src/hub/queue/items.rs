@@ -1,86 +1,246 @@
-//! One flow's items in arrival order (a sub-project's, or a project's own): batches leave
-//! from the head, sized to the puller; items that come back go to the front, in their order.
+//! One flow's items (a sub-project's, or a project's own), shared between its requests by
+//! deficit round robin counting tokens, as projects share a class: a one-text request never
+//! waits behind the whole of a 2 000-text request of the same flow, only behind a round.
+//!
+//! A frame still fills across requests: its first item is the first that fits, in round
+//! order, and the requests of that item's shape follow in round order, each taking items
+//! while its deficit lasts (it earns [`REQUEST_QUANTUM_TOKENS`] a round), until the puller's
+//! limits are reached or no request has anything that fits. The next frame starts where this
+//! one stopped. Inside a request, items leave in their order; items that come back (an
+//! expired lease, a lost agent, a transient failure) go to the front of their request, and
+//! their request to the front of the round.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use super::drr::Backlog;
-use super::{Item, Offer, SCAN_LIMIT, Shape, estimate_tokens};
+use super::{Item, Offer, RequestId, SCAN_LIMIT, Shape, estimate_tokens};
+
+/// Tokens a request earns per round: about two typical texts, so requests interleave finely
+/// inside a frame (a round of eight requests is about one frame of a local engine).
+pub const REQUEST_QUANTUM_TOKENS: i64 = 128;
+
+#[derive(Debug, Default)]
+struct RequestFlow {
+    deficit: i64,
+    items: VecDeque<Item>,
+}
 
 #[derive(Debug, Default)]
 pub(super) struct ItemQueue {
-    items: VecDeque<Item>,
+    requests: HashMap<RequestId, RequestFlow>,
+    /// Requests holding items, in round order; the front one has the turn.
+    ring: VecDeque<RequestId>,
+    /// Items in every request.
+    len: usize,
 }
 
 impl ItemQueue {
     pub fn push_back(&mut self, item: Item) {
-        self.items.push_back(item);
+        let id = item.request;
+        let flow = self.requests.entry(id).or_default();
+        if flow.items.is_empty() {
+            self.ring.push_back(id);
+        }
+        flow.items.push_back(item);
+        self.len += 1;
     }
 
+    /// An item that came back: first in its request, and its request first in the round.
     pub fn push_front(&mut self, item: Item) {
-        self.items.push_front(item);
+        let id = item.request;
+        let flow = self.requests.entry(id).or_default();
+        if flow.items.is_empty() {
+            self.ring.push_front(id);
+        }
+        flow.items.push_front(item);
+        self.len += 1;
     }
+
+    /// Drops the requests `alive` says are gone, with their items.
+    fn drop_dead(&mut self, alive: &dyn Fn(RequestId) -> bool) {
+        let (requests, len) = (&mut self.requests, &mut self.len);
+        self.ring.retain(|id| {
+            if alive(*id) {
+                return true;
+            }
+            if let Some(flow) = requests.remove(id) {
+                *len -= flow.items.len();
+            }
+            false
+        });
+    }
+
+    /// Takes the head item of request `id`; the request leaves when it empties.
+    fn pop(&mut self, id: RequestId) -> Option<Item> {
+        let flow = self.requests.get_mut(&id)?;
+        let item = flow.items.pop_front()?;
+        self.len -= 1;
+        Some(item)
+    }
+
+    /// Forgets requests that emptied (they bank no deficit).
+    fn forget_empty(&mut self) {
+        let requests = &mut self.requests;
+        self.ring.retain(|id| {
+            let keep = requests.get(id).is_some_and(|f| !f.items.is_empty());
+            if !keep {
+                requests.remove(id);
+            }
+            keep
+        });
+    }
+}
+
+/// Whether `item` may join a frame led by an item of `shape` (and its `retry` flag).
+fn joins(item: &Item, shape: &Arc<Shape>, retry: bool) -> bool {
+    !item.solo
+        && item.failed_locally == retry
+        && (Arc::ptr_eq(&item.shape, shape) || *item.shape == **shape)
 }
 
 impl Backlog for ItemQueue {
     fn len(&self) -> usize {
-        self.items.len()
+        self.len
     }
 
-    /// The first live item that fits the offer (looking at most [`SCAN_LIMIT`] items from the
-    /// head), then the live items right behind it, of its shape, that fit too, while they fit
-    /// the puller's limits (the first item always goes, however long). A solo item and a chat
-    /// go alone; items that failed locally go only with each other.
+    /// The first request in round order whose head item fits the offer leads the frame (looking
+    /// at most [`SCAN_LIMIT`] requests); then, from it on in round order, each request whose
+    /// head is of the lead's shape takes items while its deficit lasts and they fit the
+    /// offer and the puller's limits (the first item always goes, however long). A solo item
+    /// and a chat go alone; items that failed locally go only with each other.
     fn take(&mut self, offer: &mut Offer<'_>) -> Option<(Vec<Item>, usize)> {
-        let alive = offer.alive;
-        while self.items.front().is_some_and(|i| !alive(i.request)) {
-            self.items.pop_front();
-        }
-        let scan = self.items.len().min(SCAN_LIMIT);
-        let start =
-            (0..scan).find(|&i| alive(self.items[i].request) && (offer.fits)(&self.items[i]))?;
-        let first = &self.items[start];
+        self.drop_dead(offer.alive);
+        let scan = self.ring.len().min(SCAN_LIMIT);
+        let lead = (0..scan).find(|&p| {
+            self.requests
+                .get(&self.ring[p])
+                .and_then(|f| f.items.front())
+                .is_some_and(|i| (offer.fits)(i))
+        })?;
+        let lead_id = self.ring[lead];
+        let first = self.requests.get(&lead_id)?.items.front()?;
         // A chat is one completion: two equal bodies from two clients are two answers.
         if first.solo || matches!(*first.shape, Shape::Chat { .. }) {
-            let item = self.items.remove(start)?;
+            let item = self.pop(lead_id)?;
             let tokens = item.shape.shared_tokens() + estimate_tokens(&item.text);
+            if let Some(flow) = self.requests.get_mut(&lead_id) {
+                flow.deficit = flow.deficit.saturating_sub(tokens as i64);
+            }
+            // It had its turn: the round goes on behind it.
+            self.ring.remove(lead);
+            self.ring.push_back(lead_id);
+            self.forget_empty();
             return Some((vec![item], tokens));
         }
-        let shape = first.shape.clone();
-        let retry = first.failed_locally;
-        let mut tokens = shape.shared_tokens() + estimate_tokens(&first.text);
-        let (mut count, mut end) = (1, start + 1);
-        while count < offer.limits.max_items && end < self.items.len() {
-            let next = &self.items[end];
-            if !alive(next.request) {
-                end += 1; // swept out with the batch
+        let (shape, retry) = (first.shape.clone(), first.failed_locally);
+        let mut tokens = shape.shared_tokens();
+        let mut batch: Vec<Item> = Vec::new();
+        let n = self.ring.len();
+        // Where the next frame starts: the request after the last that took an item, or that
+        // request itself while its deficit lasts.
+        let mut resume = lead;
+        let full = |batch: &Vec<Item>, tokens: usize| {
+            batch.len() >= offer.limits.max_items || tokens >= offer.limits.max_tokens
+        };
+        // Rounds over the requests from the lead on. A request of the lead's shape whose
+        // deficit is spent waits for the round's end to earn its quantum; when none took
+        // anything in a round, the waiting earn at once the rounds the first of them needs.
+        'rounds: loop {
+            let mut took_any = false;
+            let mut waiting: Vec<RequestId> = Vec::new();
+            for step in 0..n {
+                let pos = (lead + step) % n;
+                let id = self.ring[pos];
+                let Some(flow) = self.requests.get_mut(&id) else {
+                    continue;
+                };
+                if !flow.items.front().is_some_and(|i| joins(i, &shape, retry)) {
+                    continue;
+                }
+                if flow.deficit <= 0 {
+                    waiting.push(id);
+                    continue;
+                }
+                let mut took = false;
+                while flow.deficit > 0 && !full(&batch, tokens) {
+                    let Some(next) = flow.items.front() else {
+                        break;
+                    };
+                    if !joins(next, &shape, retry) || !(offer.fits)(next) {
+                        break;
+                    }
+                    let cost = estimate_tokens(&next.text);
+                    if !batch.is_empty() && tokens + cost > offer.limits.max_tokens {
+                        break;
+                    }
+                    let Some(item) = flow.items.pop_front() else {
+                        break;
+                    };
+                    self.len -= 1;
+                    flow.deficit = flow.deficit.saturating_sub(cost as i64);
+                    tokens += cost;
+                    batch.push(item);
+                    took = true;
+                }
+                if took {
+                    took_any = true;
+                    resume = if flow.deficit > 0 && !flow.items.is_empty() {
+                        pos
+                    } else {
+                        (pos + 1) % n
+                    };
+                }
+                if full(&batch, tokens) {
+                    break 'rounds;
+                }
+            }
+            if waiting.is_empty() {
+                // Every request that could join took what fits, or none could.
+                if !took_any {
+                    break;
+                }
                 continue;
             }
-            if next.solo || next.failed_locally != retry {
-                break;
+            let rounds = if took_any {
+                1
+            } else {
+                waiting
+                    .iter()
+                    .filter_map(|id| self.requests.get(id))
+                    .map(|f| {
+                        (1i64.saturating_sub(f.deficit) as u64)
+                            .div_ceil(REQUEST_QUANTUM_TOKENS as u64) as i64
+                    })
+                    .min()
+                    .unwrap_or(1)
+                    .max(1)
+            };
+            for id in &waiting {
+                if let Some(f) = self.requests.get_mut(id) {
+                    f.deficit = f
+                        .deficit
+                        .saturating_add(rounds.saturating_mul(REQUEST_QUANTUM_TOKENS));
+                }
             }
-            if !(Arc::ptr_eq(&next.shape, &shape) || *next.shape == *shape) || !(offer.fits)(next) {
-                break;
-            }
-            let cost = estimate_tokens(&next.text);
-            if tokens + cost > offer.limits.max_tokens {
-                break;
-            }
-            tokens += cost;
-            count += 1;
-            end += 1;
         }
-        let batch: Vec<Item> = self
-            .items
-            .drain(start..end)
-            .filter(|i| alive(i.request))
-            .collect();
+        if batch.is_empty() {
+            return None;
+        }
+        self.ring.rotate_left(resume);
+        self.forget_empty();
         Some((batch, tokens))
     }
 
     fn sweep(&mut self, gone: &mut dyn FnMut(&Item) -> bool) -> usize {
-        let before = self.items.len();
-        self.items.retain(|i| !gone(i));
-        before - self.items.len()
+        let mut dropped = 0;
+        for flow in self.requests.values_mut() {
+            let before = flow.items.len();
+            flow.items.retain(|i| !gone(i));
+            dropped += before - flow.items.len();
+        }
+        self.len -= dropped;
+        self.forget_empty();
+        dropped
     }
 }

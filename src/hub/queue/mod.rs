@@ -5,9 +5,10 @@
 //! batch work [`BATCH_SHARE`] of the tokens dispatched. Inside a class, each project is a flow
 //! served by deficit round robin weighted by its weight and counting tokens ([`drr`]); inside
 //! a project, its sub-projects (named with `X-FantomMCP-Project`) share its turn the same way;
-//! each sub-project's items wait in arrival order ([`items`]). Items leave sized to the
-//! puller; items that come back (an expired lease, a lost agent, a transient failure) go back
-//! to the **front** of their own flow, in their order.
+//! inside a sub-project, its requests share by the same deficit round robin, by tokens, and a
+//! frame fills across them in round order ([`items`]). Items leave sized to the puller; items
+//! that come back (an expired lease, a lost agent, a transient failure) go back to the
+//! **front** of their own request, in their order.
 //!
 //! An item is one text to embed or one document to score. Items of a request share its
 //! [`Shape`] (options, the rerank query) and its [`Caller`]; one work frame carries items of
@@ -615,6 +616,78 @@ mod tests {
             "{per_request:?}"
         );
         assert_eq!(q.waiting_by_project()["m"], 20_000 - r1 - r2);
+    }
+
+    #[test]
+    fn requests_of_one_project_share_its_turn_by_tokens_and_frames_still_fill_across_them() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(100_000);
+        let one = caller("default", None, WorkClass::Batch, 1);
+        // A flood of eight 250-text requests, then one text of the same project.
+        let text = |mut items: Vec<Item>| {
+            for item in &mut items {
+                item.text = "y".repeat(114); // 40 tokens each
+            }
+            items
+        };
+        for r in 1..=8 {
+            q.push_back(text(of(&one, r, &s, 250)));
+        }
+        q.push_back(text(of(&one, 9, &s, 1)));
+        let mut frames = 0;
+        let served_at = loop {
+            let b = q.take_batch(FRAME, |_| true, |_| true);
+            frames += 1;
+            assert_eq!(b.len(), FRAME.max_items, "frames stay full across requests");
+            if b.iter().any(|i| i.request == 9) {
+                break frames;
+            }
+            assert!(frames < 20, "the one text waited behind the flood");
+        };
+        // One round of the eight before it (each its quantum and one text past it: 8 × 168
+        // tokens, 34 texts, 5 frames of 8), not the flood's 2 000 texts.
+        let round = 8 * (items::REQUEST_QUANTUM_TOKENS as usize + 40) / 40;
+        assert!(
+            served_at <= 1 + round.div_ceil(FRAME.max_items),
+            "{served_at}"
+        );
+
+        // Two floods of unequal texts share by tokens, not items.
+        let mut q = RoleQueue::new(100_000);
+        let mut long = of(&one, 1, &s, 5_000);
+        for item in &mut long {
+            item.text = "x".repeat(300); // 102 tokens each
+        }
+        q.push_back(long);
+        q.push_back(of(&one, 2, &s, 5_000)); // 4 tokens each
+        let mut tokens = [0usize; 3];
+        for _ in 0..200 {
+            for i in q.take_batch(FRAME, |_| true, |_| true) {
+                tokens[i.request as usize] += estimate_tokens(&i.text);
+            }
+        }
+        let [_, long, short] = tokens;
+        assert!(
+            (long as f64 / short as f64 - 1.0).abs() < 0.15,
+            "{tokens:?}"
+        );
+        // Items of a request still leave in their order.
+        let mut q = RoleQueue::new(100);
+        q.push_back(of(&one, 1, &s, 40));
+        q.push_back(of(&one, 2, &s, 40));
+        let mut last = [None::<u32>; 3];
+        while !q.is_empty() {
+            for i in q.take_batch(FRAME, |_| true, |_| true) {
+                let r = i.request as usize;
+                assert!(
+                    last[r].is_none_or(|l| l + 1 == i.index),
+                    "{r}: {:?} then {}",
+                    last[r],
+                    i.index
+                );
+                last[r] = Some(i.index);
+            }
+        }
     }
 
     #[test]
