@@ -108,6 +108,11 @@ pub struct HubArgs {
     /// canary (cloud providers always carry one).
     #[arg(long, value_delimiter = ',')]
     gate_no_canary: Option<Vec<String>>,
+    /// Seconds after its agent left that a provider's passing or probe-failed verdict, its
+    /// counters and its metric series are forgotten; suspended and refused verdicts stay until
+    /// an operator's verify [default: 86400].
+    #[arg(long)]
+    forget_departed_s: Option<u64>,
     /// Roles `GET /ready` waits for, comma-separated (every role a provider or a cloud route
     /// has offered counts too; `serve` adds the roles it loads).
     #[arg(long, value_delimiter = ',')]
@@ -143,6 +148,7 @@ impl HubArgs {
             gate_sentinel_s: self.gate_sentinel_s,
             gate_reference: self.gate_reference.clone(),
             gate_no_canary: self.gate_no_canary.clone(),
+            forget_departed_s: self.forget_departed_s,
             ready_roles: self.ready_roles.clone(),
             tls_cert: tls.and_then(|t| t.tls_cert.clone()),
             tls_key: tls.and_then(|t| t.tls_key.clone()),
@@ -590,6 +596,10 @@ async fn reload_hub_on_hangup(
                 gate.no_canary = wanted.no_canary;
                 applied.push("gate_no_canary");
             }
+            if new.forget_departed_s != running.forget_departed_s {
+                gate.forget_departed = wanted.forget_departed;
+                applied.push("forget_departed_s");
+            }
         }
         running = HubConfig {
             timings: new.timings,
@@ -599,6 +609,7 @@ async fn reload_hub_on_hangup(
             gate_sentinel_s: new.gate_sentinel_s,
             gate_reference: new.gate_reference,
             gate_no_canary: new.gate_no_canary,
+            forget_departed_s: new.forget_departed_s,
             ..running.clone()
         };
         reload::ReloadReport {

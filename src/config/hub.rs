@@ -41,6 +41,9 @@ pub struct HubLayer {
     pub gate_reference: Option<String>,
     /// Local providers (`agent/provider`) whose embedding work carries no canary.
     pub gate_no_canary: Option<Vec<String>>,
+    /// Seconds after its agent left that a provider's passing or probe-failed verdict, its
+    /// counters and its series are forgotten (suspended and refused verdicts stay).
+    pub forget_departed_s: Option<u64>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     /// Roles `/ready` waits for (besides every role a provider or a cloud route has served).
@@ -91,6 +94,7 @@ pub struct HubConfig {
     pub gate_sentinel_s: u64,
     pub gate_reference: Option<String>,
     pub gate_no_canary: Vec<String>,
+    pub forget_departed_s: u64,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub ready_roles: Vec<Role>,
@@ -172,6 +176,10 @@ impl HubLayer {
                 .unwrap_or(600),
             gate_reference: pick(&self.gate_reference, &under.gate_reference),
             gate_no_canary: pick(&self.gate_no_canary, &under.gate_no_canary).unwrap_or_default(),
+            forget_departed_s: self
+                .forget_departed_s
+                .or(under.forget_departed_s)
+                .unwrap_or(86_400),
             tls_cert,
             tls_key,
             ready_roles: pick(&self.ready_roles, &under.ready_roles).unwrap_or_default(),

@@ -576,6 +576,7 @@ impl Hub {
                     core.replies.expire(now);
                     core.discover_if_due(now);
                     core.gate_tick(now);
+                    core.forget_departed();
                     core.tell_suspensions();
                     let sample = (now.saturating_duration_since(sampled) >= history::SAMPLE_EVERY)
                         .then(|| {

@@ -276,6 +276,19 @@ impl ScorerCheck {
         self.standings.retain(|p, _| !p.starts_with(&prefix));
     }
 
+    /// An agent gone for good (the hub's retention passed): its providers' failures and
+    /// standings are forgotten, so ids that come and go leave nothing behind.
+    pub fn forget_agent(&mut self, agent: &str) {
+        let prefix = format!("{agent}/");
+        self.standings.retain(|p, _| !p.starts_with(&prefix));
+        self.failures.retain(|p, _| !p.starts_with(&prefix));
+    }
+
+    /// How many providers the check keeps state for (standings, failure counts).
+    pub fn providers_kept(&self) -> usize {
+        self.standings.len() + self.failures.len()
+    }
+
     /// The scorer `provider` serves as, once checked.
     pub fn scorer_of(&self, provider: &str) -> Option<Arc<ScorerRef>> {
         match self.standings.get(provider)? {

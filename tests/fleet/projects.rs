@@ -257,6 +257,172 @@ async fn a_projects_flood_does_not_stall_anothers_queries_and_stops_at_its_limit
     );
 }
 
+/// `project`'s local tokens so far.
+async fn local_tokens(hub: &HubProc, project: &str) -> u64 {
+    let projects = hub.admin_get("/admin/projects").await;
+    projects["projects"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == project)
+        .map_or(0, |p| p["usage"]["local_tokens"].as_u64().unwrap_or(0))
+}
+
+/// Inside one project (no key at all: `default`, as a new user runs it) a one-text document
+/// embed is not queued behind the whole of the project's own flood; and `X-Priority:
+/// interactive` buys latency, not weight: a weight-1 project flooding "interactive" leaves a
+/// weight-10 project's batch flood its share, while its lone queries still come first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_share_inside_a_project_and_interactive_cannot_buy_weight() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let hub = serve(dir.path(), &[]).await;
+    let http = reqwest::Client::new();
+    let texts = Arc::new(code_chunks(2000));
+    let url = hub.url("/v1/embeddings");
+
+    // One project: the placeholder key every OpenAI client sends is no key (`default`).
+    let one_text = |http: reqwest::Client, url: String| async move {
+        let started = Instant::now();
+        let r = post_embed(
+            &http,
+            &url,
+            "EMPTY",
+            vec!["fn renew(lease: &mut Lease)".into()],
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+        let _ = r.bytes().await;
+        started.elapsed().as_secs_f64()
+    };
+    let mut alone = Vec::new();
+    for _ in 0..5 {
+        alone.push(one_text(http.clone(), url.clone()).await);
+    }
+    let solo = median(alone);
+    let flood_solo = flood(http.clone(), url.clone(), "EMPTY".into(), texts.clone()).await;
+    let frame_s = flood_solo * 64.0 / texts.len() as f64;
+    let running = tokio::spawn(flood(
+        http.clone(),
+        url.clone(),
+        "EMPTY".into(),
+        texts.clone(),
+    ));
+    let mut during = Vec::new();
+    while !running.is_finished() && during.len() < 60 {
+        let s = one_text(http.clone(), url.clone()).await;
+        if !running.is_finished() {
+            during.push(s);
+        }
+    }
+    let flood_s = running.await.unwrap();
+    assert!(during.len() >= 3, "texts ran during the flood: {during:?}");
+    let (mid, worst) = (
+        median(during.clone()),
+        during.iter().copied().fold(0.0, f64::max),
+    );
+    eprintln!(
+        "inside one project: one text alone {:.0} ms; under the project's own flood median {:.0} ms, worst {:.0} ms over {} requests; flood alone {flood_solo:.1} s, with them {flood_s:.1} s; one frame {:.0} ms",
+        solo * 1e3,
+        mid * 1e3,
+        worst * 1e3,
+        during.len(),
+        frame_s * 1e3
+    );
+    // A round of the flood's requests, not the flood (2 000 texts, some 30 frames).
+    assert!(
+        mid <= solo + 3.0 * frame_s,
+        "median {mid:.3} s under the project's own flood vs {solo:.3} s alone (a frame is {frame_s:.3} s)"
+    );
+    assert!(
+        worst <= solo + 6.0 * frame_s,
+        "worst {worst:.3} s (a frame is {frame_s:.3} s)"
+    );
+
+    // Weight 1 marking everything interactive against weight 10 in batch.
+    let light = add_project(&hub, json!({"name": "light", "weight": 1})).await;
+    let heavy = add_project(&hub, json!({"name": "heavy", "weight": 10})).await;
+    let heavy_flood = tokio::spawn(flood(
+        http.clone(),
+        url.clone(),
+        heavy.clone(),
+        Arc::new(code_chunks(2000)),
+    ));
+    // While only the heavy project floods, the light one's lone queries come first.
+    let mut lone = Vec::new();
+    for _ in 0..3 {
+        let (code, s) = one_query(&http, &hub, &light, true).await;
+        assert_eq!(code, 200);
+        lone.push(s);
+    }
+    assert!(
+        median(lone.clone()) <= solo + 3.0 * frame_s,
+        "{lone:?} (a frame is {frame_s:.3} s)"
+    );
+    let light_before = local_tokens(&hub, "light").await;
+    let light_flood = {
+        let (http, url, key) = (http.clone(), url.clone(), light.clone());
+        let texts = code_chunks(1000);
+        tokio::spawn(async move {
+            let tasks: Vec<_> = texts
+                .chunks(250)
+                .map(|chunk| {
+                    let (http, url, key, chunk) =
+                        (http.clone(), url.clone(), key.clone(), chunk.to_vec());
+                    tokio::spawn(async move {
+                        let r = http
+                            .post(&url)
+                            .bearer_auth(&key)
+                            .header("x-priority", "interactive")
+                            .json(&json!({"model": "embedding", "input": chunk}))
+                            .send()
+                            .await
+                            .unwrap();
+                        assert_eq!(r.status(), 200);
+                        let _ = r.bytes().await;
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
+        })
+    };
+    // The shares while both flood: from when the light flood was first served to the heavy
+    // flood's end (sampled every 200 ms: a measurement, nothing waits on it).
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    let mut first: Option<(u64, u64)> = None;
+    let mut last = (0, 0);
+    while !heavy_flood.is_finished() {
+        tick.tick().await;
+        let now = (
+            local_tokens(&hub, "light").await,
+            local_tokens(&hub, "heavy").await,
+        );
+        if heavy_flood.is_finished() {
+            break;
+        }
+        match first {
+            None if now.0 > light_before && now.1 > 0 => first = Some(now),
+            _ => {}
+        }
+        last = now;
+    }
+    heavy_flood.await.unwrap();
+    light_flood.await.unwrap();
+    let start = first.expect("both projects were served while the heavy one flooded");
+    let end = last;
+    let (light_tokens, heavy_tokens) = (end.0 - start.0, end.1 - start.1);
+    let share = heavy_tokens as f64 / (light_tokens + heavy_tokens) as f64;
+    eprintln!(
+        "interactive cannot buy weight: heavy (10, batch) {heavy_tokens} tokens, light (1, interactive) {light_tokens}: heavy's share {share:.3}"
+    );
+    assert!(
+        share >= 0.85,
+        "the weight-10 batch flood got {share:.3} of the tokens"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cloud_flood_leaves_others_their_permits_and_stops_at_its_allowance() {
     let _one = ONE_AT_A_TIME.lock().await;

@@ -19,10 +19,10 @@ use super::{Canary, Core, Counters, Lease};
 use crate::hub::budget;
 use crate::hub::gate;
 use crate::hub::policy::{self, Admission};
-use crate::hub::queue::{BatchLimits, Item, Shape};
+use crate::hub::queue::{BatchLimits, Frame, Item, Shape};
 use crate::hub::registry::ProviderEntry;
 use crate::metrics::histogram;
-use crate::protocol::{self, Backend, HubFrame, Work, WorkClass};
+use crate::protocol::{self, Backend, HubFrame, Work};
 use crate::roles::{Policy, Role};
 
 /// What one provider was offered.
@@ -190,9 +190,6 @@ impl Core {
         let mut batch_space: Option<String> = None;
         let mut last_space: Option<(*const super::SpaceRef, bool)> = None;
         let fits = |item: &Item| {
-            if keep_for_interactive && item.caller.class == WorkClass::Batch {
-                return false;
-            }
             if is_cloud && !cloud_ok.get(&item.caller.project).copied().unwrap_or(true) {
                 return false;
             }
@@ -242,17 +239,25 @@ impl Core {
             }
             admitted
         };
-        let items = queue.take_batch(limits, |r| requests.contains_key(&r), fits);
-        if items.is_empty() {
+        let Some(frame) = queue.take_frame(
+            limits,
+            |r| requests.contains_key(&r),
+            fits,
+            keep_for_interactive,
+        ) else {
+            return Offer::Nothing;
+        };
+        if frame.items.is_empty() {
             return Offer::Nothing;
         }
-        self.grant(role, agent_id, pid, items, now);
+        self.grant(role, agent_id, pid, frame, now);
         Offer::Granted
     }
 
-    /// Sends `items` to `agent_id/pid` as one lease (the first lease of a rerank request binds
-    /// it to this provider's scorer).
-    fn grant(&mut self, role: Role, agent_id: &str, pid: &str, items: Vec<Item>, now: Instant) {
+    /// Sends a frame's items to `agent_id/pid` as one lease, of the class the queue gave it
+    /// (the first lease of a rerank request binds it to this provider's scorer).
+    fn grant(&mut self, role: Role, agent_id: &str, pid: &str, frame: Frame, now: Instant) {
+        let Frame { items, class } = frame;
         let Some((agent, entry)) = self
             .agents
             .get(agent_id)
@@ -338,7 +343,7 @@ impl Core {
             input: shape.work_input(texts),
             deadline_ms: crate::hub::now_ms().saturating_add(ms(timings.lease)),
             call_timeout_ms: Some(ms(timings.call_timeout)),
-            class: caller.class,
+            class,
             idempotency: shape.idempotency().cloned(),
         });
         let keeps_answer = shape.idempotency().is_some()
@@ -364,7 +369,7 @@ impl Core {
         }
         if let Some(p) = provider {
             p.credits = p.credits.saturating_sub(1);
-            p.lease_granted(caller.class);
+            p.lease_granted(class);
         }
         self.turn = self.turn.wrapping_add(1);
         self.counters.leases_granted += 1;
@@ -424,7 +429,7 @@ impl Core {
             lease_id,
             Lease {
                 project: caller.project.clone(),
-                class: caller.class,
+                class,
                 agent: agent_id.to_string(),
                 session,
                 provider: pid.to_string(),

@@ -871,6 +871,33 @@ impl Core {
             .or_default() += 1;
     }
 
+    /// Forgets, a while after their agent left ([`crate::hub::gate::GateSettings::forget_departed`]),
+    /// what the hub keeps per provider and agent: the gate's passing and probe-failed verdicts
+    /// and rows, the canary counters, the scorer check's state, the agent's socket count. An
+    /// autoscaled fleet whose hosts get new names leaves nothing behind; suspended and refused
+    /// verdicts stay until an operator's verify.
+    pub fn forget_departed(&mut self) {
+        let agents = &self.agents;
+        let gone = self
+            .gate
+            .forget_departed(crate::hub::now_ms(), &|a| agents.contains_key(a));
+        let c = &mut self.counters;
+        for p in &gone.providers {
+            c.canary_texts.remove(p);
+            c.canary_tokens.remove(p);
+            c.canary_failures.remove(p);
+        }
+        for agent in &gone.agents {
+            let prefix = format!("{agent}/");
+            let mine = |p: &String| p.starts_with(&prefix);
+            c.canary_texts.retain(|p, _| !mine(p));
+            c.canary_tokens.retain(|p, _| !mine(p));
+            c.canary_failures.retain(|p, _| !mine(p));
+            self.scorer_check.forget_agent(agent);
+            self.sockets.remove(agent);
+        }
+    }
+
     /// A request of `role` refused at admission, by the code its client was told.
     pub fn count_refused(&mut self, role: Role, code: &'static str) {
         let n = self.counters.refused.entry(role).or_default();

@@ -1518,3 +1518,105 @@ fn an_agent_that_withdraws_every_provider_is_draining_and_one_that_never_had_any
     core.set_providers("b", sb, Vec::new()).unwrap();
     assert!(!core.agents()["b"].draining);
 }
+
+#[test]
+fn a_thousand_agents_that_come_and_go_leave_the_state_the_stored_verdicts_and_metrics_bounded() {
+    use crate::hub::store::{StateStore, file::FileStore};
+    use crate::hub::{Hub, HubOptions, gate::GateSettings, state::HubState};
+    let dir = tempfile::tempdir().unwrap();
+    let hub = Hub::open(
+        HubOptions {
+            settings: HubSettings::default(),
+            store: StateStore::File(FileStore::open(dir.path()).unwrap()),
+            fleet_token: crate::secret::Secret::new("fleet-token-for-tests"),
+            admin_token: crate::secret::Secret::new("admin-token-for-tests"),
+            client_token: None,
+            require_project_key: false,
+            gate: GateSettings {
+                forget_departed: Duration::ZERO,
+                ..GateSettings::default()
+            },
+        },
+        HubState::fresh(),
+    )
+    .unwrap();
+    let mut registry = crate::metrics::registry("hub");
+    let scraped = hub.clone();
+    registry.register_collector(Box::new(crate::metrics::Scrape::new(
+        move |f: &mut crate::metrics::Families| scraped.encode_metrics(f),
+    )));
+    let scrape = || crate::metrics::render(&registry, None).1;
+    let space = "embedding:ma:2";
+    let mut sizes = Vec::new();
+    {
+        let mut core = hub.core();
+        let core = &mut *core;
+        // The space's reference stays; a provider judged again and refused keeps its verdict
+        // (and its rows) after it left, as a suspended one does.
+        let (s0, mut a0) = connect(core, "stays", provider("e", Role::Embedding, "ma", 8), 1);
+        answer_probes(core, "stays", s0, &mut a0, 0);
+        let (sd, mut d) = connect(core, "drifted", provider("e", Role::Embedding, "ma", 8), 1);
+        answer_probes(core, "drifted", sd, &mut d, 0);
+        core.gate.count_rows(space, "drifted/e", 5);
+        assert_eq!(core.gate.reverify(Some("drifted/e")), 1);
+        core.gate_tick(Instant::now());
+        answer_probes(core, "drifted", sd, &mut d, 1);
+        core.disconnect("drifted", sd);
+        core.forget_departed();
+    }
+    let before = scrape().len();
+    for i in 0..1000 {
+        let mut core = hub.core();
+        let core = &mut *core;
+        let id = format!("autoscaled-{i}");
+        let (s, mut rx) = connect(core, &id, provider("e", Role::Embedding, "ma", 8), 1);
+        answer_probes(core, &id, s, &mut rx, 0);
+        core.gate.count_rows(space, &format!("{id}/e"), 3);
+        *core
+            .counters
+            .canary_texts
+            .entry(format!("{id}/e"))
+            .or_default() += 1;
+        core.disconnect(&id, s);
+        core.forget_departed();
+        if i % 250 == 249 {
+            sizes.push((core.gate.sizes(), core.sockets().len()));
+        }
+    }
+    // Every size is what it was after the first quarter: nothing grows with the ids.
+    assert!(sizes.windows(2).all(|w| w[0] == w[1]), "{sizes:?}");
+    let core = hub.core();
+    let ((departed, verdicts, rows), sockets) = (core.gate.sizes(), core.sockets().len());
+    assert_eq!(departed, 1, "only the refused agent, whose verdict stays");
+    assert!(
+        verdicts <= 3 && rows <= 3 && sockets <= 2,
+        "{verdicts} {rows} {sockets}"
+    );
+    assert!(core.counters.canary_texts.is_empty());
+    let view = core.gate.view(&Default::default());
+    let totals = &view.spaces.iter().find(|s| s.id == space).unwrap().rows;
+    assert_eq!(
+        totals[crate::hub::gate::DEPARTED_ROWS],
+        3000,
+        "the space's totals stay"
+    );
+    assert_eq!(totals["drifted/e"], 5, "a refused provider keeps its rows");
+    let stored = core.gate.stored_verdicts();
+    assert!(stored.len() <= 3, "{}", stored.len());
+    let suspended = stored
+        .values()
+        .find(|v| v.provider == "drifted/e")
+        .expect("the refusal is stored");
+    assert!(matches!(
+        suspended.verdict,
+        crate::hub::gate::Verdict::Suspended { .. } | crate::hub::gate::Verdict::Refused { .. }
+    ));
+    assert!(suspended.left_at_ms.is_some(), "with when its agent left");
+    drop(core);
+    let after = scrape();
+    assert!(
+        !after.contains("autoscaled-"),
+        "no series of a forgotten agent"
+    );
+    assert!(after.len() <= before + 200, "{} -> {}", before, after.len());
+}

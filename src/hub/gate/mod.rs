@@ -54,6 +54,9 @@ pub struct GateSettings {
     /// Local providers (`agent/provider`) whose work frames carry no canary (cloud ones
     /// always do).
     pub no_canary: std::collections::BTreeSet<String>,
+    /// How long after its agent left a provider's passing or probe-failed verdicts and its
+    /// rows are kept ([`Gate::forget_departed`]).
+    pub forget_departed: Duration,
 }
 
 impl Default for GateSettings {
@@ -66,6 +69,7 @@ impl Default for GateSettings {
             retry_initial: Duration::from_secs(30),
             retry_max: Duration::from_secs(900),
             no_canary: Default::default(),
+            forget_departed: Duration::from_secs(86_400),
         }
     }
 }
@@ -79,6 +83,7 @@ impl GateSettings {
             sentinel: Duration::from_secs(c.gate_sentinel_s.max(1)),
             reference: c.gate_reference.clone(),
             no_canary: c.gate_no_canary.iter().cloned().collect(),
+            forget_departed: Duration::from_secs(c.forget_departed_s),
             ..Default::default()
         }
     }
@@ -316,6 +321,22 @@ pub struct Gate {
     urgent: bool,
     /// Suspensions, refusals and verifies, in time (for the console).
     events: EventRing,
+    /// Agents gone, and since when (ms since the epoch): their providers' forgettable state
+    /// goes [`GateSettings::forget_departed`] later ([`Gate::forget_departed`]).
+    departed: BTreeMap<String, u64>,
+}
+
+/// Where the rows of forgotten providers are counted, per space (every provider id has a
+/// `/`; this has none).
+pub const DEPARTED_ROWS: &str = "departed";
+
+/// What [`Gate::forget_departed`] let go of.
+#[derive(Debug, Default)]
+pub struct Forgotten {
+    /// Agents gone past the retention with nothing of theirs kept.
+    pub agents: Vec<String>,
+    /// Providers whose verdicts and rows went.
+    pub providers: BTreeSet<String>,
 }
 
 impl Gate {
@@ -350,6 +371,7 @@ impl Gate {
             verified_at_ms: BTreeMap::new(),
             urgent: false,
             events: EventRing::default(),
+            departed: BTreeMap::new(),
         }
     }
 
@@ -1008,6 +1030,7 @@ impl Gate {
 
     /// An agent reconnected: its probe failures and probes in flight are forgotten.
     pub fn agent_reconnected(&mut self, agent: &str) {
+        self.departed.remove(agent);
         let prefix = format!("{agent}/");
         self.verdicts.retain(|_, e| {
             !(e.provider.starts_with(&prefix)
@@ -1021,6 +1044,7 @@ impl Gate {
     /// it was fingerprinting goes to the next reference at once, never after the probe
     /// timeout).
     pub fn agent_left(&mut self, agent: &str, now: Instant) {
+        self.departed.insert(agent.to_string(), now_ms());
         let prefix = format!("{agent}/");
         let probes: Vec<String> = self
             .pending
@@ -1069,6 +1093,85 @@ impl Gate {
     /// Suspensions, refusals and verifies, oldest first.
     pub fn events(&self) -> &EventRing {
         &self.events
+    }
+
+    /// When `provider`'s agent left, if it is gone.
+    pub fn departed_at_ms(&self, provider: &str) -> Option<u64> {
+        let agent = provider.split('/').next()?;
+        self.departed.get(agent).copied()
+    }
+
+    /// Forgets what the gate keeps of the providers of agents gone longer than
+    /// [`GateSettings::forget_departed`] (and not in `connected`): their passing, probing and
+    /// probe-failed verdicts, and their rows (added to the space's [`DEPARTED_ROWS`], so each
+    /// space's totals stay). A suspended or refused verdict stays, with its rows, until an
+    /// operator's verify: a suspension never lifts on its own. Returns what was forgotten, for
+    /// the hub to drop its own counters and series of them.
+    pub fn forget_departed(&mut self, now_ms: u64, connected: &dyn Fn(&str) -> bool) -> Forgotten {
+        let after_ms = u64::try_from(self.settings.forget_departed.as_millis()).unwrap_or(u64::MAX);
+        let due: Vec<String> = self
+            .departed
+            .iter()
+            .filter(|(agent, at)| now_ms.saturating_sub(**at) >= after_ms || connected(agent))
+            .map(|(agent, _)| agent.clone())
+            .collect();
+        let mut forgotten = BTreeSet::new();
+        let mut agents = Vec::new();
+        for agent in due {
+            if connected(&agent) {
+                self.departed.remove(&agent);
+                continue;
+            }
+            let prefix = format!("{agent}/");
+            let mut kept = BTreeSet::new();
+            self.verdicts.retain(|_, e| {
+                if !e.provider.starts_with(&prefix) {
+                    return true;
+                }
+                let keep = matches!(
+                    e.verdict,
+                    Verdict::Suspended { .. } | Verdict::Refused { .. }
+                ) || e.probe.is_some();
+                if keep {
+                    kept.insert(e.provider.clone());
+                } else {
+                    forgotten.insert(e.provider.clone());
+                }
+                keep
+            });
+            let gone: Vec<(String, String)> = self
+                .rows
+                .keys()
+                .filter(|(_, p)| p.starts_with(&prefix) && !kept.contains(p))
+                .cloned()
+                .collect();
+            for key in gone {
+                if let Some(n) = self.rows.remove(&key) {
+                    *self
+                        .rows
+                        .entry((key.0, DEPARTED_ROWS.to_string()))
+                        .or_default() += n;
+                }
+                forgotten.insert(key.1);
+            }
+            self.verified_at_ms
+                .retain(|p, _| !p.starts_with(&prefix) || kept.contains(p));
+            if kept.is_empty() {
+                self.departed.remove(&agent);
+                agents.push(agent);
+            }
+        }
+        forgotten.retain(|p| !self.verdicts.values().any(|e| e.provider == *p));
+        Forgotten {
+            agents,
+            providers: forgotten,
+        }
+    }
+
+    /// How many agents the gate counts as gone, and its verdicts and rows (for tests of the
+    /// bounds).
+    pub fn sizes(&self) -> (usize, usize, usize) {
+        (self.departed.len(), self.verdicts.len(), self.rows.len())
     }
 
     pub fn count_rows(&mut self, space: &str, provider: &str, rows: u64) {

@@ -30,6 +30,10 @@ pub struct StoredVerdict {
     pub checks: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub caught_by: Option<String>,
+    /// When its agent left (ms since the epoch), if it was gone: the next leader forgets it
+    /// on the same clock ([`Gate::forget_departed`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub left_at_ms: Option<u64>,
 }
 
 impl Gate {
@@ -58,6 +62,7 @@ impl Gate {
                         checked_at_ms: e.checked_at_ms,
                         checks: e.checks,
                         caught_by: e.caught_by.map(str::to_string),
+                        left_at_ms: self.departed_at_ms(&e.provider),
                     },
                 ))
             })
@@ -78,6 +83,13 @@ impl Gate {
                 continue;
             }
             let next_check = (v.verdict == Verdict::Pass).then(|| now + self.settings.sentinel);
+            // Gone since it said, or (connected to the old leader) gone until its agent
+            // reconnects here.
+            if let Some(agent) = v.provider.split('/').next() {
+                self.departed
+                    .entry(agent.to_string())
+                    .or_insert_with(|| v.left_at_ms.unwrap_or_else(super::now_ms));
+            }
             self.verdicts.insert(
                 key.clone(),
                 VerdictEntry {

@@ -8,7 +8,13 @@
 //! rounds it borrowed. A flow whose waiting work the offered provider cannot take (bound to
 //! another space or scorer, cloud work under `backup`, past its project's cloud share) is
 //! skipped and keeps its deficit; a flow that empties leaves the ring and forgets it (idle
-//! flows bank nothing). Work-conserving: a flow alone gets everything.
+//! flows bank nothing). A flow that joins starts with one round's quantum, so a lone request
+//! of an idle flow is served in this round, not the next. Work-conserving: a flow alone gets
+//! everything.
+//!
+//! [`Drr::take_within_deficit`] serves, out of turn, the first flow in round order that still
+//! has deficit and holds what the caller asks for (the queue's interactive work): charged to
+//! that flow like any batch, so it moves nothing ahead of its share.
 //!
 //! The scheduler is generic over what a flow holds, so the same code shares a class among
 //! projects and a project among its sub-projects.
@@ -19,6 +25,8 @@ use std::collections::{BTreeMap, VecDeque};
 pub(super) trait Backlog: Default {
     /// Items waiting in this flow.
     fn len(&self) -> usize;
+    /// Items waiting in this flow that their clients sent as `class`.
+    fn waiting_of(&self, class: crate::protocol::WorkClass) -> usize;
     /// A batch for the offer, and its tokens, or `None` when nothing here fits it.
     fn take(&mut self, offer: &mut super::Offer<'_>) -> Option<(Vec<super::Item>, usize)>;
     /// Drops items `gone` says are dead; how many left.
@@ -66,9 +74,10 @@ impl<K: Ord + Clone, F: Backlog> Drr<K, F> {
     /// Adds work to flow `key` (created at the back of the ring, with no deficit, when it
     /// held none); `weight` is its weight from now on.
     pub fn push(&mut self, key: &K, weight: u32, add: impl FnOnce(&mut F)) {
+        let quantum = self.quantum.saturating_mul(i64::from(weight.max(1)));
         let flow = self.flows.entry(key.clone()).or_insert_with(|| Flow {
             weight,
-            deficit: 0,
+            deficit: quantum,
             inner: F::default(),
         });
         flow.weight = weight.max(1);
@@ -139,6 +148,43 @@ impl<K: Ord + Clone, F: Backlog> Drr<K, F> {
         None
     }
 
+    /// Out of turn: the first flow in round order with deficit left that `wanted` says holds
+    /// what the offer asks for, served and charged; no round passes, no turn moves.
+    pub fn take_within_deficit(
+        &mut self,
+        offer: &mut super::Offer<'_>,
+        wanted: &dyn Fn(&F) -> bool,
+    ) -> Option<(Vec<super::Item>, usize)> {
+        let candidates: Vec<K> = self
+            .ring
+            .iter()
+            .filter(|k| {
+                self.flows
+                    .get(*k)
+                    .is_some_and(|f| f.deficit > 0 && wanted(&f.inner))
+            })
+            .cloned()
+            .collect();
+        for key in candidates {
+            let Some(flow) = self.flows.get_mut(&key) else {
+                continue;
+            };
+            if let Some((items, tokens)) = flow.inner.take(offer) {
+                flow.deficit = flow
+                    .deficit
+                    .saturating_sub(i64::try_from(tokens).unwrap_or(i64::MAX));
+                if flow.inner.len() == 0 {
+                    self.forget(&key);
+                }
+                return Some((items, tokens));
+            }
+            if flow.inner.len() == 0 {
+                self.forget(&key);
+            }
+        }
+        None
+    }
+
     /// Drops dead items from every flow; flows left empty leave the ring. How many left.
     pub fn sweep(&mut self, gone: &mut dyn FnMut(&super::Item) -> bool) -> usize {
         let mut dropped = 0;
@@ -171,6 +217,10 @@ impl<K: Ord + Clone, F: Backlog> Default for Drr<K, F> {
 impl<K: Ord + Clone, F: Backlog> Backlog for Drr<K, F> {
     fn len(&self) -> usize {
         Drr::len(self)
+    }
+
+    fn waiting_of(&self, class: crate::protocol::WorkClass) -> usize {
+        self.flows.values().map(|f| f.inner.waiting_of(class)).sum()
     }
 
     fn take(&mut self, offer: &mut super::Offer<'_>) -> Option<(Vec<super::Item>, usize)> {

@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use super::drr::Backlog;
 use super::{Item, Offer, RequestId, SCAN_LIMIT, Shape, estimate_tokens};
+use crate::protocol::WorkClass;
 
 /// Tokens a request earns per round: about two typical texts, so requests interleave finely
 /// inside a frame (a round of eight requests is about one frame of a local engine).
@@ -33,6 +34,12 @@ pub(super) struct ItemQueue {
     ring: VecDeque<RequestId>,
     /// Items in every request.
     len: usize,
+    /// Of those, the items their clients sent as interactive.
+    interactive: usize,
+}
+
+fn is_interactive(item: &Item) -> bool {
+    item.caller.class == WorkClass::Interactive
 }
 
 impl ItemQueue {
@@ -42,6 +49,7 @@ impl ItemQueue {
         if flow.items.is_empty() {
             self.ring.push_back(id);
         }
+        self.interactive += usize::from(is_interactive(&item));
         flow.items.push_back(item);
         self.len += 1;
     }
@@ -53,19 +61,22 @@ impl ItemQueue {
         if flow.items.is_empty() {
             self.ring.push_front(id);
         }
+        self.interactive += usize::from(is_interactive(&item));
         flow.items.push_front(item);
         self.len += 1;
     }
 
     /// Drops the requests `alive` says are gone, with their items.
     fn drop_dead(&mut self, alive: &dyn Fn(RequestId) -> bool) {
-        let (requests, len) = (&mut self.requests, &mut self.len);
+        let (requests, len, interactive) =
+            (&mut self.requests, &mut self.len, &mut self.interactive);
         self.ring.retain(|id| {
             if alive(*id) {
                 return true;
             }
             if let Some(flow) = requests.remove(id) {
                 *len -= flow.items.len();
+                *interactive -= flow.items.iter().filter(|i| is_interactive(i)).count();
             }
             false
         });
@@ -76,6 +87,7 @@ impl ItemQueue {
         let flow = self.requests.get_mut(&id)?;
         let item = flow.items.pop_front()?;
         self.len -= 1;
+        self.interactive -= usize::from(is_interactive(&item));
         Some(item)
     }
 
@@ -92,16 +104,25 @@ impl ItemQueue {
     }
 }
 
-/// Whether `item` may join a frame led by an item of `shape` (and its `retry` flag).
-fn joins(item: &Item, shape: &Arc<Shape>, retry: bool) -> bool {
+/// Whether `item` may join a frame led by an item of `shape` (and its `retry` flag), for an
+/// offer of `only` that class.
+fn joins(item: &Item, shape: &Arc<Shape>, retry: bool, only: Option<WorkClass>) -> bool {
     !item.solo
         && item.failed_locally == retry
+        && only.is_none_or(|c| item.caller.class == c)
         && (Arc::ptr_eq(&item.shape, shape) || *item.shape == **shape)
 }
 
 impl Backlog for ItemQueue {
     fn len(&self) -> usize {
         self.len
+    }
+
+    fn waiting_of(&self, class: WorkClass) -> usize {
+        match class {
+            WorkClass::Interactive => self.interactive,
+            WorkClass::Batch => self.len - self.interactive,
+        }
     }
 
     /// The first request in round order whose head item fits the offer leads the frame (looking
@@ -116,7 +137,7 @@ impl Backlog for ItemQueue {
             self.requests
                 .get(&self.ring[p])
                 .and_then(|f| f.items.front())
-                .is_some_and(|i| (offer.fits)(i))
+                .is_some_and(|i| offer.only.is_none_or(|c| i.caller.class == c) && (offer.fits)(i))
         })?;
         let lead_id = self.ring[lead];
         let first = self.requests.get(&lead_id)?.items.front()?;
@@ -133,7 +154,7 @@ impl Backlog for ItemQueue {
             self.forget_empty();
             return Some((vec![item], tokens));
         }
-        let (shape, retry) = (first.shape.clone(), first.failed_locally);
+        let (shape, retry, only) = (first.shape.clone(), first.failed_locally, offer.only);
         let mut tokens = shape.shared_tokens();
         let mut batch: Vec<Item> = Vec::new();
         let n = self.ring.len();
@@ -155,7 +176,11 @@ impl Backlog for ItemQueue {
                 let Some(flow) = self.requests.get_mut(&id) else {
                     continue;
                 };
-                if !flow.items.front().is_some_and(|i| joins(i, &shape, retry)) {
+                if !flow
+                    .items
+                    .front()
+                    .is_some_and(|i| joins(i, &shape, retry, only))
+                {
                     continue;
                 }
                 if flow.deficit <= 0 {
@@ -167,7 +192,7 @@ impl Backlog for ItemQueue {
                     let Some(next) = flow.items.front() else {
                         break;
                     };
-                    if !joins(next, &shape, retry) || !(offer.fits)(next) {
+                    if !joins(next, &shape, retry, only) || !(offer.fits)(next) {
                         break;
                     }
                     let cost = estimate_tokens(&next.text);
@@ -178,6 +203,7 @@ impl Backlog for ItemQueue {
                         break;
                     };
                     self.len -= 1;
+                    self.interactive -= usize::from(is_interactive(&item));
                     flow.deficit = flow.deficit.saturating_sub(cost as i64);
                     tokens += cost;
                     batch.push(item);
@@ -234,12 +260,18 @@ impl Backlog for ItemQueue {
 
     fn sweep(&mut self, gone: &mut dyn FnMut(&Item) -> bool) -> usize {
         let mut dropped = 0;
+        let mut interactive = 0;
         for flow in self.requests.values_mut() {
             let before = flow.items.len();
-            flow.items.retain(|i| !gone(i));
+            flow.items.retain(|i| {
+                let drop = gone(i);
+                interactive += usize::from(drop && is_interactive(i));
+                !drop
+            });
             dropped += before - flow.items.len();
         }
         self.len -= dropped;
+        self.interactive -= interactive;
         self.forget_empty();
         dropped
     }

@@ -1,9 +1,12 @@
 //! One role's shared queue: the items of accepted client requests, waiting for a provider's
 //! pull, shared fairly between projects.
 //!
-//! Two classes ([`WorkClass`]): interactive work goes first, with a guard that gives waiting
-//! batch work [`BATCH_SHARE`] of the tokens dispatched. Inside a class, each project is a flow
-//! served by deficit round robin weighted by its weight and counting tokens ([`drr`]); inside
+//! Each project is a flow served by deficit round robin weighted by its weight and counting
+//! tokens ([`drr`]), whatever the class of its work. Interactive work ([`WorkClass`]) is for
+//! latency, not for share: a project's interactive items go first while its deficit lasts
+//! (charged to it like any other), and go as `interactive` to the agent; what it sends as
+//! interactive beyond its share waits its turn with its batch work and goes as `batch`. So a
+//! lone query comes first, and a flood marked interactive buys no more than its weight. Inside
 //! a project, its sub-projects (named with `X-FantomMCP-Project`) share its turn the same way;
 //! inside a sub-project, its requests share by the same deficit round robin, by tokens, and a
 //! frame fills across them in round order ([`items`]). Items leave sized to the puller; items
@@ -20,7 +23,7 @@ mod items;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use self::drr::Drr;
+use self::drr::{Backlog, Drr};
 use self::items::ItemQueue;
 pub use crate::hub::projects::Caller;
 use crate::protocol::{EmbedInput, RerankInput, WorkClass, WorkInput};
@@ -141,28 +144,28 @@ pub struct Offer<'a> {
     pub limits: BatchLimits,
     pub alive: &'a dyn Fn(RequestId) -> bool,
     pub fits: &'a mut dyn FnMut(&Item) -> bool,
+    /// Only items of this class lead or join the frame (`None`: any).
+    pub only: Option<WorkClass>,
 }
 
 /// Tokens a flow of weight 1 earns per round: about one small frame, so flows interleave
 /// finely while a round stays cheap.
 pub const QUANTUM_TOKENS: u32 = 512;
 
-/// The share of dispatched tokens waiting batch work is guaranteed while interactive work
-/// waits too (it gets more whenever interactive work leaves room).
-pub const BATCH_SHARE: f64 = 0.10;
-
-/// A project's flow: its sub-projects (`None`: the project's own requests), each in order.
+/// A project's flow: its sub-projects (`None`: the project's own requests).
 type ProjectFlow = Drr<Option<Arc<str>>, ItemQueue>;
-/// A class: its projects.
-type ClassQueue = Drr<Arc<str>, ProjectFlow>;
 
-/// A role's queue: two classes of projects' flows, with a capacity in items.
+/// A role's queue: the projects' flows, with a capacity in items.
 pub struct RoleQueue {
-    interactive: ClassQueue,
-    batch: ClassQueue,
-    /// Tokens each class was given since both last had work waiting (the batch guard).
-    given: [u64; 2],
+    projects: Drr<Arc<str>, ProjectFlow>,
     capacity: usize,
+}
+
+/// A frame's items and the class it goes to the agent as.
+#[derive(Debug)]
+pub struct Frame {
+    pub items: Vec<Item>,
+    pub class: WorkClass,
 }
 
 impl std::fmt::Debug for RoleQueue {
@@ -177,19 +180,17 @@ impl std::fmt::Debug for RoleQueue {
 impl RoleQueue {
     pub fn new(capacity: usize) -> Self {
         Self {
-            interactive: ClassQueue::default(),
-            batch: ClassQueue::default(),
-            given: [0; 2],
+            projects: Drr::default(),
             capacity,
         }
     }
 
     pub fn len(&self) -> usize {
-        self.interactive.len() + self.batch.len()
+        self.projects.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.interactive.is_empty() && self.batch.is_empty()
+        self.projects.is_empty()
     }
 
     pub fn capacity(&self) -> usize {
@@ -201,16 +202,9 @@ impl RoleQueue {
         self.len() + n <= self.capacity
     }
 
-    fn class_mut(&mut self, class: WorkClass) -> &mut ClassQueue {
-        match class {
-            WorkClass::Interactive => &mut self.interactive,
-            WorkClass::Batch => &mut self.batch,
-        }
-    }
-
     fn put(&mut self, item: Item, front: bool) {
         let caller = item.caller.clone();
-        self.class_mut(caller.class)
+        self.projects
             .push(&caller.project, caller.weight, |project| {
                 project.push(&caller.sub_project, 1, |flow| {
                     if front {
@@ -246,71 +240,76 @@ impl RoleQueue {
     }
 
     fn sweep(&mut self, gone: &mut dyn FnMut(&Item) -> bool) {
-        self.interactive.sweep(gone);
-        self.batch.sweep(gone);
+        self.projects.sweep(gone);
     }
 
     /// Items waiting per project (both classes).
     pub fn waiting_by_project(&self) -> BTreeMap<Arc<str>, usize> {
-        let mut out = self.waiting_in(WorkClass::Interactive);
-        for (project, n) in self.waiting_in(WorkClass::Batch) {
-            *out.entry(project).or_default() += n;
-        }
-        out
-    }
-
-    /// Items waiting in `class`, per project.
-    pub fn waiting_in(&self, class: WorkClass) -> BTreeMap<Arc<str>, usize> {
-        let queue = match class {
-            WorkClass::Interactive => &self.interactive,
-            WorkClass::Batch => &self.batch,
-        };
-        queue
+        self.projects
             .backlog()
             .map(|(project, flow)| (project.clone(), flow.len()))
             .collect()
     }
 
-    /// Takes a batch for one puller, from one flow: interactive work first unless waiting
-    /// batch work is owed its guaranteed share; inside a class, the projects' flows in
-    /// weighted deficit round robin (see [`drr`]); inside a flow, the first live item that
-    /// `fits` (looking at most [`SCAN_LIMIT`] items from its head) and the items of its shape
-    /// right behind it that fit too, within the limits (the first item always goes, however
-    /// long). A solo item and a chat go alone; items that failed locally go only with each
-    /// other. Items of gone requests are dropped on the way.
-    pub fn take_batch(
+    /// Items waiting that their clients sent as `class`, per project (projects with none left
+    /// out).
+    pub fn waiting_in(&self, class: WorkClass) -> BTreeMap<Arc<str>, usize> {
+        self.projects
+            .backlog()
+            .map(|(project, flow)| (project.clone(), flow.waiting_of(class)))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+
+    /// A frame for one puller, from one project: first the interactive items of the first
+    /// project in round order whose deficit lasts (charged to it, sent as `interactive`);
+    /// else the projects in weighted deficit round robin (see [`drr`]), any class, sent as
+    /// `batch` — unless `interactive_only` (a local provider keeping its last credit for
+    /// interactive work), when nothing else goes. Inside a project, its sub-projects and then
+    /// its requests share the same way, and a frame fills across requests of one shape in
+    /// round order ([`items`]), within the limits (the first item always goes, however long).
+    /// A solo item and a chat go alone; items that failed locally go only with each other.
+    /// Items of gone requests are dropped on the way.
+    pub fn take_frame(
         &mut self,
         limits: BatchLimits,
         alive: impl Fn(RequestId) -> bool,
         mut fits: impl FnMut(&Item) -> bool,
-    ) -> Vec<Item> {
-        let both_waiting = !self.interactive.is_empty() && !self.batch.is_empty();
-        if !both_waiting {
-            self.given = [0; 2];
-        }
-        let [interactive, batch] = self.given;
-        let total = (interactive + batch) as f64;
-        let batch_owed = both_waiting && (batch as f64) < BATCH_SHARE * total;
-        let order = if batch_owed {
-            [WorkClass::Batch, WorkClass::Interactive]
-        } else {
-            [WorkClass::Interactive, WorkClass::Batch]
-        };
+        interactive_only: bool,
+    ) -> Option<Frame> {
         let mut offer = Offer {
             limits,
             alive: &alive,
             fits: &mut fits,
+            only: Some(WorkClass::Interactive),
         };
-        for class in order {
-            if let Some((items, tokens)) = self.class_mut(class).take(&mut offer) {
-                if both_waiting {
-                    let slot = usize::from(class == WorkClass::Batch);
-                    self.given[slot] = self.given[slot].saturating_add(tokens as u64);
-                }
-                return items;
-            }
+        let within_share = |flow: &ProjectFlow| flow.waiting_of(WorkClass::Interactive) > 0;
+        if let Some((items, _)) = self.projects.take_within_deficit(&mut offer, &within_share) {
+            return Some(Frame {
+                items,
+                class: WorkClass::Interactive,
+            });
         }
-        Vec::new()
+        if interactive_only {
+            return None;
+        }
+        offer.only = None;
+        let (items, _) = self.projects.take(&mut offer)?;
+        Some(Frame {
+            items,
+            class: WorkClass::Batch,
+        })
+    }
+
+    /// [`RoleQueue::take_frame`]'s items, for a provider that keeps nothing back.
+    pub fn take_batch(
+        &mut self,
+        limits: BatchLimits,
+        alive: impl Fn(RequestId) -> bool,
+        fits: impl FnMut(&Item) -> bool,
+    ) -> Vec<Item> {
+        self.take_frame(limits, alive, fits, false)
+            .map_or_else(Vec::new, |f| f.items)
     }
 }
 
@@ -556,32 +555,62 @@ mod tests {
     }
 
     #[test]
-    fn interactive_work_goes_first_and_batch_still_gets_its_share() {
+    fn interactive_work_goes_first_within_its_share_and_cannot_buy_weight() {
         let s = embed_shape(None);
-        let mut q = RoleQueue::new(100_000);
-        q.push_back(of(&caller("a", None, WorkClass::Batch, 1), 1, &s, 10_000));
-        q.push_back(of(&caller("b", None, WorkClass::Interactive, 1), 2, &s, 1));
-        let first = q.take_batch(FRAME, |_| true, |_| true);
+        let mut q = RoleQueue::new(1_000_000);
+        // B (weight 10) floods batch; A's lone query comes first, sent as interactive.
+        q.push_back(of(&caller("b", None, WorkClass::Batch, 10), 1, &s, 100_000));
+        for _ in 0..3 {
+            q.take_batch(FRAME, |_| true, |_| true);
+        }
+        q.push_back(of(&caller("a", None, WorkClass::Interactive, 1), 2, &s, 1));
+        let first = q.take_frame(FRAME, |_| true, |_| true, false).unwrap();
         assert_eq!(
-            first[0].caller.class,
-            WorkClass::Interactive,
+            first.items[0].request, 2,
             "the query waits behind no batch frame"
         );
-        // A project marking everything interactive still leaves batch its share.
+        assert_eq!(first.class, WorkClass::Interactive);
+        // A (weight 1) floods interactive: B keeps its weight's share, and what A sends beyond
+        // its share goes as batch.
         q.push_back(of(
-            &caller("c", None, WorkClass::Interactive, 1),
+            &caller("a", None, WorkClass::Interactive, 1),
             3,
             &s,
-            10_000,
+            100_000,
         ));
-        let mut tokens = [0usize; 2];
-        for _ in 0..500 {
-            let b = q.take_batch(FRAME, |_| true, |_| true);
-            let cost: usize = b.iter().map(|i| estimate_tokens(&i.text)).sum();
-            tokens[usize::from(b[0].caller.class == WorkClass::Batch)] += cost;
+        let mut tokens: BTreeMap<(&str, WorkClass), usize> = BTreeMap::new();
+        for _ in 0..2_000 {
+            let f = q.take_frame(FRAME, |_| true, |_| true, false).unwrap();
+            let cost: usize = f.items.iter().map(|i| estimate_tokens(&i.text)).sum();
+            let who = if f.items[0].request == 1 { "b" } else { "a" };
+            *tokens.entry((who, f.class)).or_default() += cost;
         }
-        let batch = tokens[1] as f64 / (tokens[0] + tokens[1]) as f64;
-        assert!((0.09..0.12).contains(&batch), "batch share {batch}");
+        let b = tokens[&("b", WorkClass::Batch)] as f64;
+        let a_fast = tokens
+            .get(&("a", WorkClass::Interactive))
+            .copied()
+            .unwrap_or(0) as f64;
+        let a_slow = tokens.get(&("a", WorkClass::Batch)).copied().unwrap_or(0) as f64;
+        let share = b / (a_fast + a_slow + b);
+        assert!(share >= 0.85, "B's share {share:.3}: {tokens:?}");
+        assert!(
+            !tokens.contains_key(&("b", WorkClass::Interactive)),
+            "{tokens:?}"
+        );
+        // A provider keeping its last credit for interactive work takes A's within its
+        // deficit, or nothing.
+        let kept = q.take_frame(FRAME, |_| true, |_| true, true);
+        assert!(
+            kept.as_ref().is_none_or(
+                |f| f.class == WorkClass::Interactive && f.items.iter().all(|i| i.request == 3)
+            ),
+            "{kept:?}"
+        );
+        let waiting = q.waiting_in(WorkClass::Interactive);
+        assert!(
+            waiting["a"] > 0 && !waiting.contains_key("b"),
+            "{waiting:?}"
+        );
     }
 
     #[test]
