@@ -620,25 +620,38 @@ fn sample_of(core: &mut Core, now: Instant) -> history::Sample {
 }
 
 #[cfg(test)]
+impl Hub {
+    /// A hub on a state dir at `dir`, with fixed tokens, for unit tests.
+    pub(crate) fn open_for_tests(
+        dir: &std::path::Path,
+        client_token: Option<&str>,
+        require_project_key: bool,
+        gate: gate::GateSettings,
+    ) -> Hub {
+        Hub::open(
+            HubOptions {
+                settings: HubSettings::default(),
+                store: StateStore::File(store::file::FileStore::open(dir).unwrap()),
+                fleet_token: Secret::new("fleet-token-for-tests"),
+                admin_token: Secret::new("admin-token-for-tests"),
+                client_token: client_token.map(Secret::new),
+                require_project_key,
+                gate,
+            },
+            HubState::fresh(),
+        )
+        .unwrap()
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
     #[tokio::test]
     async fn status_and_the_config_never_wait_for_a_state_write_in_progress() {
         let dir = tempfile::tempdir().unwrap();
-        let hub = Hub::open(
-            HubOptions {
-                settings: HubSettings::default(),
-                store: StateStore::File(store::file::FileStore::open(dir.path()).unwrap()),
-                fleet_token: Secret::new("fleet-token-for-tests"),
-                admin_token: Secret::new("admin-token-for-tests"),
-                client_token: None,
-                require_project_key: false,
-                gate: gate::GateSettings::default(),
-            },
-            HubState::fresh(),
-        )
-        .unwrap();
+        let hub = Hub::open_for_tests(dir.path(), None, false, gate::GateSettings::default());
         // A writer holds the state (its fsync under way on a blocking thread).
         let writing = hub.inner.state_writes.lock().await;
         let status = hub.status();
@@ -668,19 +681,7 @@ mod tests {
     #[tokio::test]
     async fn a_refused_request_is_counted_for_its_role_by_the_code_its_client_got() {
         let dir = tempfile::tempdir().unwrap();
-        let hub = Hub::open(
-            HubOptions {
-                settings: HubSettings::default(),
-                store: StateStore::File(store::file::FileStore::open(dir.path()).unwrap()),
-                fleet_token: Secret::new("fleet-token-for-tests"),
-                admin_token: Secret::new("admin-token-for-tests"),
-                client_token: None,
-                require_project_key: false,
-                gate: gate::GateSettings::default(),
-            },
-            HubState::fresh(),
-        )
-        .unwrap();
+        let hub = Hub::open_for_tests(dir.path(), None, false, gate::GateSettings::default());
         let caller = || projects::Caller::default_project(crate::protocol::WorkClass::Batch);
         let rerank = || Shape::Rerank {
             query: "q".into(),

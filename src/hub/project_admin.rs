@@ -371,25 +371,16 @@ fn merge_limits(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hub::core::HubSettings;
-    use crate::hub::state::HubState;
-    use crate::hub::store::{StateStore, file::FileStore};
-    use crate::hub::{HubOptions, gate};
+    use crate::hub::gate;
 
     fn hub(dir: &std::path::Path, client_token: Option<&str>, require_key: bool) -> Hub {
-        Hub::open(
-            HubOptions {
-                settings: HubSettings::default(),
-                store: StateStore::File(FileStore::open(dir).unwrap()),
-                fleet_token: Secret::new("fleet-token-for-tests"),
-                admin_token: Secret::new("admin-token-for-tests"),
-                client_token: client_token.map(Secret::new),
-                require_project_key: require_key,
-                gate: gate::GateSettings::default(),
-            },
-            HubState::fresh(),
+        std::fs::create_dir_all(dir).unwrap();
+        Hub::open_for_tests(
+            dir,
+            client_token,
+            require_key,
+            gate::GateSettings::default(),
         )
-        .unwrap()
     }
 
     fn who(hub: &Hub, bearer: Option<&str>) -> Result<String, Unidentified> {

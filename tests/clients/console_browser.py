@@ -90,6 +90,21 @@ def no_serious_violations(page):
     assert not bad, json.dumps([{"id": v["id"], "impact": v["impact"], "nodes": len(v["nodes"])} for v in bad])
 
 
+def sign_out_and_check_clean(page, check, foreign, errors):
+    """The last two checks of every scenario: signing out forgets the token; nothing went to
+    another origin and the console logged no error."""
+    def sign_out():
+        page.click("#sign-out")
+        expect(page.locator("#sign-in-section")).to_be_visible()
+        assert page.evaluate("() => sessionStorage.length") == 0, "the token stays in the tab"
+    check("signing out forgets the token", sign_out)
+
+    def clean():
+        assert not foreign, f"requests to other origins: {foreign}"
+        assert not errors, f"console errors: {errors}"
+    check("no request to another origin and no console error", clean)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenario", choices=["operator", "standby"], default="operator")
@@ -242,17 +257,7 @@ def operator(args, admin, check):
 
         page.screenshot(path=args.screenshot, full_page=True)
 
-        def sign_out():
-            page.click("#sign-out")
-            expect(page.locator("#sign-in-section")).to_be_visible()
-            stored = page.evaluate("() => sessionStorage.length")
-            assert stored == 0, "the token stays in the tab"
-        check("signing out forgets the token", sign_out)
-
-        def clean():
-            assert not foreign, f"requests to other origins: {foreign}"
-            assert not errors, f"console errors: {errors}"
-        check("no request to another origin and no console error", clean)
+        sign_out_and_check_clean(page, check, foreign, errors)
         browser.close()
 
 
@@ -326,16 +331,7 @@ def standby(args, admin, check):
             other.close()
         check("plain http to a name that is not loopback warns before the token is typed", warns_in_clear)
 
-        def sign_out():
-            page.click("#sign-out")
-            expect(page.locator("#sign-in-section")).to_be_visible()
-            assert page.evaluate("() => sessionStorage.length") == 0, "the token stays in the tab"
-        check("signing out forgets the token", sign_out)
-
-        def clean():
-            assert not foreign, f"requests to other origins: {foreign}"
-            assert not errors, f"console errors: {errors}"
-        check("no request to another origin and no console error", clean)
+        sign_out_and_check_clean(page, check, foreign, errors)
         browser.close()
 
 

@@ -463,7 +463,10 @@ async fn killing_the_leader_under_chat_and_embedding_load_keeps_one_budget_and_o
         }
     };
     assert_eq!(with(&key).await, 200);
-    assert_eq!(with("sk-not-a-key-of-this-hub").await, 401);
+    // A project key this hub does not know (rotated, removed, mistyped) is refused; a
+    // placeholder such as "EMPTY" would be no key at all (`default`).
+    let stranger = format!("fsp-{}", "0".repeat(64));
+    assert_eq!(with(&stranger).await, 401);
     let projects = b.admin_get("/admin/projects").await;
     assert!(projects.to_string().contains("indexer"), "{projects}");
 }

@@ -1521,25 +1521,13 @@ fn an_agent_that_withdraws_every_provider_is_draining_and_one_that_never_had_any
 
 #[test]
 fn a_thousand_agents_that_come_and_go_leave_the_state_the_stored_verdicts_and_metrics_bounded() {
-    use crate::hub::store::{StateStore, file::FileStore};
-    use crate::hub::{Hub, HubOptions, gate::GateSettings, state::HubState};
+    use crate::hub::{Hub, gate::GateSettings};
     let dir = tempfile::tempdir().unwrap();
-    let hub = Hub::open(
-        HubOptions {
-            settings: HubSettings::default(),
-            store: StateStore::File(FileStore::open(dir.path()).unwrap()),
-            fleet_token: crate::secret::Secret::new("fleet-token-for-tests"),
-            admin_token: crate::secret::Secret::new("admin-token-for-tests"),
-            client_token: None,
-            require_project_key: false,
-            gate: GateSettings {
-                forget_departed: Duration::ZERO,
-                ..GateSettings::default()
-            },
-        },
-        HubState::fresh(),
-    )
-    .unwrap();
+    let gate = GateSettings {
+        forget_departed: Duration::ZERO,
+        ..GateSettings::default()
+    };
+    let hub = Hub::open_for_tests(dir.path(), None, false, gate);
     let mut registry = crate::metrics::registry("hub");
     let scraped = hub.clone();
     registry.register_collector(Box::new(crate::metrics::Scrape::new(

@@ -118,12 +118,7 @@ impl<K: Ord + Clone, F: Backlog> Drr<K, F> {
             }
             match flow.inner.take(offer) {
                 Some((items, tokens)) => {
-                    flow.deficit = flow
-                        .deficit
-                        .saturating_sub(i64::try_from(tokens).unwrap_or(i64::MAX));
-                    if flow.inner.len() == 0 {
-                        self.forget(&key);
-                    }
+                    self.charge(&key, tokens);
                     return Some((items, tokens));
                 }
                 None if flow.inner.len() == 0 => {
@@ -170,12 +165,7 @@ impl<K: Ord + Clone, F: Backlog> Drr<K, F> {
                 continue;
             };
             if let Some((items, tokens)) = flow.inner.take(offer) {
-                flow.deficit = flow
-                    .deficit
-                    .saturating_sub(i64::try_from(tokens).unwrap_or(i64::MAX));
-                if flow.inner.len() == 0 {
-                    self.forget(&key);
-                }
+                self.charge(&key, tokens);
                 return Some((items, tokens));
             }
             if flow.inner.len() == 0 {
@@ -199,6 +189,18 @@ impl<K: Ord + Clone, F: Backlog> Drr<K, F> {
             self.forget(&key);
         }
         dropped
+    }
+
+    /// Charges a batch's tokens to flow `key`; it leaves the ring when it emptied.
+    fn charge(&mut self, key: &K, tokens: usize) {
+        if let Some(flow) = self.flows.get_mut(key) {
+            flow.deficit = flow
+                .deficit
+                .saturating_sub(i64::try_from(tokens).unwrap_or(i64::MAX));
+            if flow.inner.len() == 0 {
+                self.forget(key);
+            }
+        }
     }
 
     fn forget(&mut self, key: &K) {
