@@ -1,14 +1,18 @@
 //! The cloud budget with real processes: a hub and three cloud-only agents (this build's
 //! binary, each its own process, on loopback sockets) in front of the OpenRouter stand-in of
-//! the tests (`tests/fleet/upstream.rs`), which holds 10 calls at once for 0.8–1.2 s each
-//! (1 s on average), refuses the 11th with a fast 429 (`Retry-After: 1`) and reports no RPM (a
-//! funded key: 16 permits at first). 48 clients send chats until 400 are answered — the shape
-//! of `budget_sim`'s last row, measured for real.
+//! the tests (`tests/fleet/upstream.rs`), which holds a hidden number of calls at once for
+//! 0.8–1.2 s each (1 s on average), refuses one more with a fast 429 (`Retry-After: 1`) and
+//! reports no RPM (a funded key: a ceiling of 16 permits). 48 clients send chats until 400 are
+//! answered. Two shapes, as `budget_sim`'s last rows:
 //!
-//! `cargo bench --bench budget_fleet` prints the goodput over the whole run, start included
-//! (chats answered over what the upstream could answer in the run's time: 10 at once for
-//! 1 s each), the upstream's 429s, and a timeline of calls in flight at the upstream per
-//! second against its cap of 10, to see where any shortfall goes.
+//! * **cap 10**: the upstream holds fewer than the ceiling, so the budget must find the wall;
+//! * **cap 20**: it holds more, so the ceiling of 16 is the limit and the run's time is what
+//!   a start below the ceiling could cost.
+//!
+//! `cargo bench --bench budget_fleet` prints, per shape, the run's time, the goodput over the
+//! whole run, start included (chats answered over what the upstream could answer in the run's
+//! time at the smaller of its cap and the ceiling, 1 s each), the upstream's 429s, and a
+//! timeline of calls in flight at the upstream per second, to see where any shortfall goes.
 
 #[path = "support/latency.rs"]
 #[allow(dead_code)]
@@ -27,7 +31,10 @@ use upstream::{Endpoint, EndpointKind, Upstream, UpstreamConfig};
 
 const KEY: &str = "sk-or-v1-bench-budget-0123456789abcdef0123456789abcdef";
 const MODEL: &str = "poolside/laguna-s-2.1";
-const CAP: usize = 10;
+/// The upstream's hidden concurrency, per shape.
+const CAPS: [usize; 2] = [10, 20];
+/// The budget's ceiling for a funded key without an RPM.
+const CEILING: usize = 16;
 const LATENCY_MS: (u64, u64) = (800, 1200);
 const CLIENTS: usize = 48;
 const CHATS: usize = 400;
@@ -74,10 +81,12 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    latency::runtime().block_on(run());
+    for cap in CAPS {
+        latency::runtime().block_on(run(cap));
+    }
 }
 
-async fn run() {
+async fn run(cap: usize) {
     let up = Upstream::start(UpstreamConfig {
         key: KEY.into(),
         endpoints: vec![Endpoint {
@@ -86,7 +95,7 @@ async fn run() {
             quantization: "unknown".into(),
             kind: EndpointKind::Chat,
         }],
-        max_concurrency: Some(CAP),
+        max_concurrency: Some(cap),
         latency_ms: LATENCY_MS,
         ..Default::default()
     })
@@ -223,11 +232,11 @@ async fn run() {
     let samples = sampler.await.expect("the sampler");
 
     let mean_s = (LATENCY_MS.0 + LATENCY_MS.1) as f64 / 2000.0;
-    let possible = CAP as f64 * took.as_secs_f64() / mean_s;
+    let possible = cap.min(CEILING) as f64 * took.as_secs_f64() / mean_s;
     let served = up.state.served();
     let (throttled, calls) = (up.state.throttled_429(), up.state.requests());
     println!(
-        "budget_fleet: {CHATS} chats from {CLIENTS} clients through 3 agent processes, upstream cap {CAP} at {}-{} ms:",
+        "budget_fleet: {CHATS} chats from {CLIENTS} clients through 3 agent processes, upstream cap {cap} at {}-{} ms:",
         LATENCY_MS.0, LATENCY_MS.1
     );
     println!(
@@ -250,7 +259,7 @@ async fn run() {
         let mean = window.iter().sum::<usize>() as f64 / window.len() as f64;
         line.push_str(&format!(" {mean:.1}"));
     }
-    println!("  in flight per second (cap {CAP}):{line}");
+    println!("  in flight per second (cap {cap}):{line}");
     println!("  route at the end: {route}");
     drop(agents);
 }

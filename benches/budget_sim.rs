@@ -12,9 +12,14 @@
 //!
 //! * **15 s ramp**: the same budget with the ramp of before (capacity back only one permit per
 //!   clean 15 s window), the reference the round-trip ramp is measured against.
+//! * **jump**: the same budget without the start (a guessed ceiling applied at once), the
+//!   reference the start is measured against.
 //!
 //! It prints goodput as a fraction of the capacity and the share of requests refused with
-//! 429, per scenario. Run: `cargo bench --bench budget_sim`.
+//! 429, per scenario; then, for the hidden-concurrency shapes, a finite run of 400 requests
+//! from 48 waiting (the shape `budget_fleet` measures with processes): its time, goodput over
+//! that whole time (start included) and 429s, with the start and with the jump. Run:
+//! `cargo bench --bench budget_sim`.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -45,6 +50,8 @@ struct Scenario {
     /// Work frames each provider of the budget fleet may hold (its demand: the clients'
     /// requests waiting for it).
     credits: usize,
+    /// Requests to serve, then stop (a refused one goes back to the queue); `None`: endless.
+    work: Option<u64>,
 }
 
 #[derive(Default)]
@@ -52,6 +59,8 @@ struct Tally {
     requests: u64,
     ok: u64,
     throttled: u64,
+    /// When the last of a finite run's requests was served.
+    done_ms: Option<u64>,
 }
 
 /// The simulated upstream: a sliding window of arrivals and the calls in progress.
@@ -151,15 +160,17 @@ fn run(s: Scenario, with_budget: bool, settings: BudgetSettings) -> Tally {
     let mut events: BinaryHeap<Reverse<Event>> = BinaryHeap::new();
     let mut tally = Tally::default();
     let (mut now, mut seq, mut turn, mut next_tick) = (0u64, 0u64, 0usize, 0u64);
-    while now < total_ms {
+    let mut waiting = s.work.unwrap_or(u64::MAX);
+    while now < total_ms && tally.done_ms.is_none() {
         // Dispatch: providers in turn while one has credit and the budget allows.
         while let Some(p) = (0..PROVIDERS)
             .map(|k| (turn + k) % PROVIDERS)
             .find(|&p| credits[p] > 0)
         {
-            if with_budget && !budget.try_acquire(ROUTE, at(now)) {
+            if waiting == 0 || (with_budget && !budget.try_acquire(ROUTE, at(now))) {
                 break;
             }
+            waiting -= 1;
             turn = p + 1;
             credits[p] -= 1;
             tally.requests += 1;
@@ -204,12 +215,18 @@ fn run(s: Scenario, with_budget: bool, settings: BudgetSettings) -> Tally {
                 if now <= total_ms {
                     tally.ok += 1;
                 }
+                if s.work == Some(tally.ok) {
+                    tally.done_ms = Some(now);
+                }
                 Outcome::Success {
                     latency_ms: e.value as f64,
                 }
             }
             k => {
                 tally.throttled += 1;
+                if s.work.is_some() {
+                    waiting += 1;
+                }
                 Outcome::Limited {
                     kind: if k == 1 {
                         LimitKind::Platform
@@ -252,6 +269,7 @@ fn main() {
             reported_rpm: Some(120.0),
             minutes: 30,
             credits: 32,
+            work: None,
         },
         Scenario {
             name: "600 rpm, 1.0 s -> 2.5 s",
@@ -261,6 +279,7 @@ fn main() {
             reported_rpm: Some(600.0),
             minutes: 30,
             credits: 32,
+            work: None,
         },
         Scenario {
             name: "1800 rpm, 0.8 s -> 2.0 s",
@@ -270,6 +289,7 @@ fn main() {
             reported_rpm: Some(1800.0),
             minutes: 30,
             credits: 32,
+            work: None,
         },
         Scenario {
             name: "600 rpm, 2.0 s -> 0.5 s",
@@ -279,6 +299,7 @@ fn main() {
             reported_rpm: Some(600.0),
             minutes: 30,
             credits: 32,
+            work: None,
         },
         Scenario {
             name: "hidden: 12 at once, rpm unknown",
@@ -288,6 +309,7 @@ fn main() {
             reported_rpm: None,
             minutes: 30,
             credits: 32,
+            work: None,
         },
         // A funded key whose upstream allows 10 in flight and reports no RPM; 48 clients'
         // requests waiting (16 per provider), as measured with the real processes (issue 20).
@@ -299,6 +321,19 @@ fn main() {
             reported_rpm: None,
             minutes: 30,
             credits: 16,
+            work: None,
+        },
+        // The same with an upstream that holds more than the funded ceiling of 16: the
+        // ceiling is the limit, and the start is what it could cost.
+        Scenario {
+            name: "hidden: 20 at once, 1 s, 48 waiting",
+            rpm: None,
+            concurrency: Some(20),
+            latency_ms: (1000, 1000),
+            reported_rpm: None,
+            minutes: 30,
+            credits: 16,
+            work: None,
         },
     ];
     // The reference: the same budget with the ramp of before (one permit per clean 15 s
@@ -307,11 +342,18 @@ fn main() {
         bad_memory: Duration::ZERO,
         ..BudgetSettings::default()
     };
+    // The reference of the start: a guessed ceiling applied at once.
+    let jump = BudgetSettings {
+        slow_start: false,
+        ..BudgetSettings::default()
+    };
+    let rate = |t: &Tally| 100.0 * t.throttled as f64 / t.requests.max(1) as f64;
     println!(
-        "{:<36} {:>13} {:>10} {:>13} {:>10} {:>12} {:>10}",
+        "{:<36} {:>13} {:>10} {:>9} {:>13} {:>10} {:>12} {:>10}",
         "scenario (capacity, latency drift)",
         "budget good/C",
         "budget 429",
+        "jump",
         "15 s ramp",
         "its 429",
         "naive good/C",
@@ -320,18 +362,59 @@ fn main() {
     for s in scenarios {
         let c = capacity(&s);
         let ours = run(s, true, BudgetSettings::default());
+        let jumped = run(s, true, jump.clone());
         let before = run(s, true, slow_ramp.clone());
         let naive = run(s, false, BudgetSettings::default());
-        let rate = |t: &Tally| 100.0 * t.throttled as f64 / t.requests.max(1) as f64;
         println!(
-            "{:<36} {:>13.3} {:>9.2}% {:>13.3} {:>9.2}% {:>12.3} {:>9.2}%",
+            "{:<36} {:>13.3} {:>9.2}% {:>9.3} {:>13.3} {:>9.2}% {:>12.3} {:>9.2}%",
             s.name,
             ours.ok as f64 / c,
             rate(&ours),
+            jumped.ok as f64 / c,
             before.ok as f64 / c,
             rate(&before),
             naive.ok as f64 / c,
             rate(&naive),
+        );
+    }
+
+    // The start itself: 400 requests from 48 waiting, from a cold budget (the funded ceiling
+    // of 16 just discovered). Goodput is over the run's whole time at the smaller of the
+    // upstream's concurrency and the ceiling.
+    println!();
+    println!(
+        "{:<36} {:>9} {:>9} {:>6} {:>9} {:>9} {:>6}",
+        "400 requests, 48 waiting", "start s", "good/C", "429s", "jump s", "good/C", "429s"
+    );
+    for cap in [10usize, 20] {
+        let s = Scenario {
+            name: "",
+            rpm: None,
+            concurrency: Some(cap),
+            latency_ms: (1000, 1000),
+            reported_rpm: None,
+            minutes: 10,
+            credits: 16,
+            work: Some(400),
+        };
+        let at_once = cap.min(16) as f64;
+        let cols = |t: &Tally| {
+            let secs = t.done_ms.map_or(f64::NAN, |ms| ms as f64 / 1000.0);
+            (secs, t.ok as f64 / (at_once * secs), t.throttled)
+        };
+        let (a, b) = (
+            cols(&run(s, true, BudgetSettings::default())),
+            cols(&run(s, true, jump.clone())),
+        );
+        println!(
+            "{:<36} {:>9.2} {:>9.3} {:>6} {:>9.2} {:>9.3} {:>6}",
+            format!("hidden: {cap} at once, 1 s"),
+            a.0,
+            a.1,
+            a.2,
+            b.0,
+            b.1,
+            b.2
         );
     }
 }

@@ -27,6 +27,16 @@
 //!   wall again); `last_bad` is forgotten after [`BudgetSettings::bad_memory`] without a
 //!   halving (the upstream's capacity changes), and from there, as when nothing was learnt,
 //!   each clean, well-used 15 s window adds one permit, up to the ceiling.
+//! * **Start**: a ceiling nothing has confirmed (the funded default, Little's Law, the default
+//!   itself after a new key) is not jumped to. A limit that rises to one, and a new route's,
+//!   opens at half of it (never under [`BudgetSettings::default_ceiling`]) and grows by one
+//!   per call that came back done while the limit was all in use: it doubles per round trip
+//!   at full use, as TCP's slow start does, and reaches the ceiling in about a round trip. A
+//!   429 during the start ends it at the wall it found: the limit goes to one under what was
+//!   in flight, each further refusal of that round trip lowers it by one, and none of them
+//!   halves or cools down (the calls still out are not refused, so the scope is at the wall,
+//!   not over it). An operator's override and a limit restored from a checkpoint start at
+//!   their own number.
 //! * **Scopes**: platform 429s and the in-flight 402 shrink the global limit; an upstream 429
 //!   shrinks only its route (role + model + pinned upstream), under the global ceiling.
 //! * **Hard stop**: a credits or key-limit 402 stops cloud work until a new key is pushed.
@@ -70,6 +80,9 @@ pub struct BudgetSettings {
     pub bad_memory: Duration,
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
+    /// Whether a ceiling nothing has confirmed is approached by the start (see the module
+    /// comment); `false` jumps to it (the reference `budget_sim` measures the start against).
+    pub slow_start: bool,
     /// How often the account's limits are asked again.
     pub rediscover_every: Duration,
     /// How long a `discover` may go unanswered before it is asked again.
@@ -92,11 +105,15 @@ impl Default for BudgetSettings {
             bad_memory: Duration::from_secs(120),
             backoff_initial: Duration::from_secs(2),
             backoff_max: Duration::from_secs(60),
+            slow_start: true,
             rediscover_every: Duration::from_secs(600),
             discover_timeout: Duration::from_secs(30),
         }
     }
 }
+
+/// A ceiling and where it came from.
+pub type Ceiling = (u32, CeilingSource);
 
 /// Where the ceiling came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -140,10 +157,26 @@ struct Halving {
     from: u32,
     to: u32,
     cooldown: Duration,
+    /// It ended the start (no halving, no cooldown: the limit went under the wall).
+    ended_start: bool,
 }
 
 impl Halving {
+    fn kind(self) -> EventKind {
+        if self.ended_start {
+            EventKind::Wall
+        } else {
+            EventKind::Cooldown
+        }
+    }
+
     fn describe(self, what: &str) -> String {
+        if self.ended_start {
+            return format!(
+                "{what} ended the start: the limit went from {} to {}, one under the wall, with no cooldown",
+                self.from, self.to
+            );
+        }
         format!(
             "{what}: the limit went from {} to {} and cools down for {:.1} s",
             self.from,
@@ -178,6 +211,10 @@ struct Limiter {
     trip_done: u32,
     throttles: u64,
     latency_ewma_ms: Option<f64>,
+    /// The ceiling the start grows towards, while it runs.
+    start_target: Option<u32>,
+    /// When a 429 ended the start: refusals within a round trip of it are the same burst.
+    start_ended: Option<Instant>,
 }
 
 impl Limiter {
@@ -199,6 +236,39 @@ impl Limiter {
             trip_done: 0,
             throttles: 0,
             latency_ewma_ms: None,
+            start_target: None,
+            start_ended: None,
+        }
+    }
+
+    /// A limiter for a new scope: at the ceiling when it is the operator's, else at the
+    /// start's opening limit.
+    fn opening(ceiling: Ceiling, s: &BudgetSettings, now: Instant) -> Self {
+        let mut l = Self::new(1, s.backoff_initial, now);
+        l.raise_to(ceiling, s);
+        l
+    }
+
+    /// The ceiling rose above the limit: an operator's number applies at once; a guessed one
+    /// is approached by the start from half of it.
+    fn raise_to(&mut self, ceiling: Ceiling, s: &BudgetSettings) {
+        let (ceiling, source) = ceiling;
+        if source == CeilingSource::Override || !s.slow_start {
+            self.limit = ceiling;
+            self.start_target = None;
+            return;
+        }
+        let opening = (ceiling / 2).max(s.default_ceiling).min(ceiling);
+        self.limit = self.limit.max(opening).min(ceiling);
+        self.start_target = (self.limit < ceiling).then_some(ceiling);
+    }
+
+    /// The ceiling went under the limit: down at once, and the start has nothing left to
+    /// grow to.
+    fn lower_to(&mut self, ceiling: u32) {
+        self.limit = self.limit.min(ceiling);
+        if self.start_target.is_some_and(|t| t > ceiling) {
+            self.start_target = (self.limit < ceiling).then_some(ceiling);
         }
     }
 
@@ -250,7 +320,7 @@ impl Limiter {
             self.window_throttled = false;
             self.window_peak = self.in_flight;
         }
-        self.limit = self.limit.min(ceiling);
+        self.lower_to(ceiling);
     }
 
     /// The fast ramp: closes every round-trip window since the last call; a clean one (a call
@@ -296,6 +366,7 @@ impl Limiter {
     fn throttle(
         &mut self,
         retry_after: Option<Duration>,
+        latency_ms: f64,
         now: Instant,
         s: &BudgetSettings,
         rng: &mut StdRng,
@@ -303,6 +374,45 @@ impl Limiter {
         self.throttles += 1;
         self.window_throttled = true;
         self.trip_throttled = true;
+        if self.start_target.take().is_some() {
+            // The start found the wall: what was in flight (this call included) is one over
+            // what the upstream holds. No halving and no cooldown: the calls still out were
+            // taken, so the scope stands at the wall, not past it.
+            let from = self.limit;
+            let wall = self.limit.min(self.in_flight).max(1);
+            self.last_bad = Some((wall, now));
+            self.limit = wall.saturating_sub(1).max(1);
+            self.halved_to = self.limit;
+            self.last_halving = Some(now);
+            self.start_ended = Some(now);
+            return Some(Halving {
+                from,
+                to: self.limit,
+                cooldown: Duration::ZERO,
+                ended_start: true,
+            });
+        }
+        let trip = Duration::from_secs_f64(
+            self.latency_ewma_ms
+                .unwrap_or(latency_ms)
+                .max(s.latency_floor_ms)
+                / 1000.0,
+        );
+        if self
+            .start_ended
+            .is_some_and(|t| now.saturating_duration_since(t) < trip)
+        {
+            // Another refusal of the round trip that ended the start: the wall is at most what
+            // is in flight now (this call included; the refusals before it are back), so each
+            // refusal of a burst lowers it by one.
+            if let Some((bad, at)) = self.last_bad {
+                let wall = bad.min(self.in_flight).max(1);
+                self.last_bad = Some((wall, at));
+                self.limit = self.limit.min(wall.saturating_sub(1).max(1));
+                self.halved_to = self.limit;
+            }
+            return None;
+        }
         let retry_after = retry_after.unwrap_or(Duration::ZERO);
         let halved_recently = self
             .last_halving
@@ -347,12 +457,22 @@ impl Limiter {
             from,
             to: self.limit,
             cooldown: self.cooldown_until.map_or(Duration::ZERO, |t| t - now),
+            ended_start: false,
         })
     }
 
-    /// A call came back done (a clean round trip needs one).
+    /// A call came back done (a clean round trip needs one). During the start, a limit that
+    /// was all in use grows by one (the call still counts in flight here).
     fn succeeded(&mut self) {
         self.trip_done = self.trip_done.saturating_add(1);
+        if let Some(target) = self.start_target {
+            if self.in_flight >= self.limit {
+                self.limit = (self.limit + 1).min(target);
+            }
+            if self.limit >= target {
+                self.start_target = None;
+            }
+        }
     }
 
     fn record_latency(&mut self, latency_ms: f64, s: &BudgetSettings) {
@@ -416,6 +536,9 @@ fn round_to_50(ms: f64) -> f64 {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LimiterCheckpoint {
     pub limit: u32,
+    /// The ceiling a start was growing the limit towards, when one ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_target: Option<u32>,
     /// The limit a 429 came at, while it is remembered.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_bad: Option<u32>,
@@ -427,6 +550,7 @@ impl LimiterCheckpoint {
     fn of(l: &Limiter) -> Self {
         Self {
             limit: l.limit,
+            start_target: l.start_target,
             last_bad: l.last_bad.map(|(bad, _)| bad),
             // In 50 ms steps: a checkpoint changes when something was learnt, not per call.
             latency_ewma_ms: l.latency_ewma_ms.map(round_to_50),
@@ -437,6 +561,7 @@ impl LimiterCheckpoint {
     /// as far as the ramp can tell), so the new leader does not walk into it again.
     fn restore(&self, l: &mut Limiter, now: Instant) {
         l.limit = self.limit.max(1);
+        l.start_target = self.start_target.filter(|&t| t > l.limit);
         l.latency_ewma_ms = self.latency_ewma_ms.filter(|v| v.is_finite() && *v >= 0.0);
         if let Some(bad) = self.last_bad {
             l.last_bad = Some((bad, now));
@@ -533,7 +658,7 @@ impl Budget {
     }
 
     /// The ceiling and where it came from.
-    pub fn ceiling(&self) -> (u32, CeilingSource) {
+    pub fn ceiling(&self) -> Ceiling {
         let hard = self.settings.hard_ceiling;
         if let Some(o) = self.override_permits {
             return (o.clamp(1, hard), CeilingSource::Override);
@@ -553,22 +678,24 @@ impl Budget {
         (chosen.0.min(hard), chosen.1)
     }
 
-    /// Re-applies the ceiling after it moved: down at once; up at once unless a throttle
-    /// happened recently (then the ramp brings it back, one permit per clean window).
+    /// Re-applies the ceiling after it moved: down at once; up (by the start, or at once to
+    /// an operator's number) unless a throttle happened recently (then the ramp brings it
+    /// back, one permit per clean window).
     fn retarget(&mut self, now: Instant) {
-        let (ceiling, _) = self.ceiling();
-        let calm = |l: &Limiter, s: &BudgetSettings| {
-            l.last_halving
-                .is_none_or(|t| now.saturating_duration_since(t) >= s.rediscover_every)
-        };
-        if ceiling < self.global.limit || calm(&self.global, &self.settings) {
-            self.global.limit = ceiling;
-        }
-        for route in self.routes.values_mut() {
-            if ceiling < route.limit || calm(route, &self.settings) {
-                route.limit = ceiling;
+        let ceiling = self.ceiling();
+        let s = &self.settings;
+        let apply = |l: &mut Limiter| {
+            let calm = l
+                .last_halving
+                .is_none_or(|t| now.saturating_duration_since(t) >= s.rediscover_every);
+            if ceiling.0 <= l.limit {
+                l.lower_to(ceiling.0);
+            } else if calm {
+                l.raise_to(ceiling, s);
             }
-        }
+        };
+        apply(&mut self.global);
+        self.routes.values_mut().for_each(apply);
     }
 
     /// Advances the windows to `now` (call before reading or deciding).
@@ -591,7 +718,7 @@ impl Budget {
     }
 
     fn route_mut(&mut self, route: &str, now: Instant) -> &mut Limiter {
-        let (ceiling, _) = self.ceiling();
+        let ceiling = self.ceiling();
         route_entry(&mut self.routes, route, ceiling, &self.settings, now)
     }
 
@@ -679,7 +806,7 @@ impl Budget {
                 let s = &self.settings;
                 let sample = latency_ms.max(s.latency_floor_ms);
                 self.latency_ewma_ms += s.latency_alpha * (sample - self.latency_ewma_ms);
-                let (ceiling, _) = self.ceiling();
+                let ceiling = self.ceiling();
                 self.global.succeeded();
                 let r = route_entry(&mut self.routes, route, ceiling, &self.settings, now);
                 r.record_latency(latency_ms, &self.settings);
@@ -691,23 +818,26 @@ impl Budget {
             Outcome::Limited { kind, retry_after } => {
                 match kind {
                     LimitKind::Platform | LimitKind::InFlightBudget => {
-                        if let Some(h) =
-                            self.global
-                                .throttle(retry_after, now, &self.settings, &mut self.rng)
-                        {
+                        let latency = self.latency_ewma_ms;
+                        if let Some(h) = self.global.throttle(
+                            retry_after,
+                            latency,
+                            now,
+                            &self.settings,
+                            &mut self.rng,
+                        ) {
                             let what = format!("a 429 for the whole key (via {route})");
-                            self.events
-                                .push(EventKind::Cooldown, "budget", h.describe(&what));
+                            self.events.push(h.kind(), "budget", h.describe(&what));
                         }
                     }
                     LimitKind::Upstream => {
-                        let (ceiling, _) = self.ceiling();
+                        let (ceiling, latency) = (self.ceiling(), self.latency_ewma_ms);
                         if let Some(h) =
                             route_entry(&mut self.routes, route, ceiling, &self.settings, now)
-                                .throttle(retry_after, now, &self.settings, &mut self.rng)
+                                .throttle(retry_after, latency, now, &self.settings, &mut self.rng)
                         {
                             self.events.push(
-                                EventKind::Cooldown,
+                                h.kind(),
                                 route,
                                 h.describe("a 429 from the route's upstream"),
                             );
@@ -749,12 +879,22 @@ impl Budget {
             },
         );
         self.tick(now);
-        let (ceiling, _) = self.ceiling();
-        // An operator's number applies at once, both ways.
-        self.global.limit = ceiling;
-        for r in self.routes.values_mut() {
-            r.limit = ceiling;
-        }
+        let ceiling = self.ceiling();
+        // An operator's number applies at once, both ways; a cleared one leaves the computed
+        // ceiling to approach as any guessed one is (down at once, up by the start).
+        let s = &self.settings;
+        let apply = |l: &mut Limiter| {
+            if ceiling.1 == CeilingSource::Override {
+                l.limit = ceiling.0;
+                l.start_target = None;
+            } else if ceiling.0 <= l.limit {
+                l.lower_to(ceiling.0);
+            } else {
+                l.raise_to(ceiling, s);
+            }
+        };
+        apply(&mut self.global);
+        self.routes.values_mut().for_each(apply);
     }
 
     pub fn override_permits(&self) -> Option<u32> {
@@ -857,6 +997,7 @@ impl Budget {
             ceiling_source: source,
             limit: self.global.limit,
             known_good: self.global.known_good(),
+            start_target: self.global.start_target,
             in_flight: self.global.in_flight,
             override_permits: self.override_permits,
             cooldown_remaining_ms: cooldown_ms(&self.global),
@@ -881,6 +1022,7 @@ impl Budget {
                     route: route.clone(),
                     limit: l.limit,
                     known_good: l.known_good(),
+                    start_target: l.start_target,
                     in_flight: l.in_flight,
                     cooldown_remaining_ms: cooldown_ms(l),
                     throttles: l.throttles,
@@ -891,16 +1033,17 @@ impl Budget {
     }
 }
 
+/// A route's limiter; a new route (an upstream nothing is known of) opens as a start does.
 fn route_entry<'a>(
     routes: &'a mut BTreeMap<String, Limiter>,
     route: &str,
-    ceiling: u32,
+    ceiling: Ceiling,
     settings: &BudgetSettings,
     now: Instant,
 ) -> &'a mut Limiter {
     routes
         .entry(route.to_string())
-        .or_insert_with(|| Limiter::new(ceiling, settings.backoff_initial, now))
+        .or_insert_with(|| Limiter::opening(ceiling, settings, now))
 }
 
 /// The budget as status shows it.
@@ -912,6 +1055,9 @@ pub struct BudgetView {
     pub limit: u32,
     /// See [`RouteView::known_good`].
     pub known_good: Option<u32>,
+    /// See [`RouteView::start_target`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub start_target: Option<u32>,
     pub in_flight: u32,
     pub override_permits: Option<u32>,
     pub cooldown_remaining_ms: u64,
@@ -938,6 +1084,10 @@ pub struct RouteView {
     /// One under the limit the last halving's 429 came at, while it is remembered: capacity
     /// comes back a permit per clean round trip up to it.
     pub known_good: Option<u32>,
+    /// The ceiling the start grows the limit towards (one per call that came back done while
+    /// the limit was all in use), while it runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub start_target: Option<u32>,
     pub in_flight: u32,
     pub cooldown_remaining_ms: u64,
     pub throttles: u64,
@@ -974,11 +1124,43 @@ mod tests {
         }
     }
 
+    /// Runs the start of the global limit and `route`'s to the ceiling: the limit kept full, one
+    /// call back done at a time (each grows it by one); every permit is returned at the end.
+    fn finish_start(b: &mut Budget, route: &str, now: Instant) {
+        let started = |b: &mut Budget| {
+            let v = b.view(now);
+            v.start_target.is_none()
+                && v.routes
+                    .iter()
+                    .all(|r| r.route != route || r.start_target.is_none())
+        };
+        let mut held = 0;
+        for _ in 0..300 {
+            while b.try_acquire(route, now) {
+                held += 1;
+            }
+            if held > 0 && started(b) {
+                break;
+            }
+            b.release(route, Outcome::Success { latency_ms: 1000.0 }, now);
+            held -= 1;
+        }
+        assert!(
+            started(b),
+            "the start ran to the ceiling: {:?}",
+            b.view(now)
+        );
+        for _ in 0..held {
+            b.release(route, Outcome::Other, now);
+        }
+    }
+
     /// A funded account (16 permits) whose calls take about a second: a round trip is about
     /// a second.
     fn funded_at_one_second() -> (Budget, Instant) {
         let (mut b, t) = budget();
         b.set_account(account(None, Some(true)), t);
+        finish_start(&mut b, "r", t);
         for _ in 0..30 {
             round(&mut b, 1, 1000.0, t);
         }
@@ -1080,7 +1262,10 @@ mod tests {
             old.release("r", Outcome::Success { latency_ms: 450.0 }, t);
         }
         take(&mut old, "r", 9, t);
-        let wall = old.limit();
+        // The funded ceiling of 16 was still being approached: the wall is what was in
+        // flight, not the limit.
+        assert_eq!(old.view(t).start_target, Some(16));
+        let wall = 9;
         let limited = Outcome::Limited {
             kind: LimitKind::Platform,
             retry_after: None,
@@ -1125,6 +1310,7 @@ mod tests {
         b.set_override(Some(32), t);
         b.set_override(None, t);
         b.set_account(account(None, Some(true)), t);
+        finish_start(&mut b, "r", t);
         assert_eq!(b.limit(), 16);
         take(&mut b, "r", 10, t);
         let platform = Outcome::Limited {
@@ -1244,6 +1430,7 @@ mod tests {
     fn a_clean_window_adds_a_permit_only_while_half_the_budget_is_used() {
         let (mut b, t) = budget();
         b.set_account(account(None, Some(true)), t);
+        finish_start(&mut b, "r", t);
         take(&mut b, "r", 16, t);
         b.release(
             "r",
@@ -1407,6 +1594,7 @@ mod tests {
     fn an_upstream_429_shrinks_its_route_not_the_others() {
         let (mut b, t) = budget();
         b.set_account(account(None, Some(true)), t);
+        finish_start(&mut b, "embedding:m@deepinfra/bf16", t);
         take(&mut b, "embedding:m@deepinfra/bf16", 8, t);
         b.release(
             "embedding:m@deepinfra/bf16",
@@ -1429,13 +1617,141 @@ mod tests {
             .find(|r| r.route.starts_with("embedding"))
             .unwrap();
         assert_eq!((emb.limit, emb.throttles), (4, 1));
-        // The global ceiling still holds over all routes: 7 + 8 out, one more fits.
-        assert_eq!(b.in_flight(), 15);
-        take(&mut b, "code-assistant:chat", 1, t + S);
+        // A new route is an upstream nothing is known of: it opens at half the ceiling and
+        // grows by one per call back done while it was full.
+        let chat = |b: &Budget| {
+            let v = b.view(t + S);
+            let r = v
+                .routes
+                .iter()
+                .find(|r| r.route.starts_with("code"))
+                .unwrap();
+            (r.limit, r.start_target)
+        };
+        assert_eq!(chat(&b), (8, Some(16)));
+        b.release(
+            "code-assistant:chat",
+            Outcome::Success { latency_ms: 900.0 },
+            t + S,
+        );
+        assert_eq!(chat(&b), (9, Some(16)));
+        take(&mut b, "code-assistant:chat", 2, t + S);
+        // The global ceiling still holds over all routes: 7 + 9 out, none more.
+        assert_eq!(b.in_flight(), 16);
         assert!(matches!(
             b.check("code-assistant:chat", t + S),
-            Some(Hold::Full { .. })
+            Some(Hold::Full { scope, .. }) if scope == GLOBAL_SCOPE
         ));
+    }
+
+    #[test]
+    fn a_guessed_ceiling_is_approached_by_a_start_that_doubles_per_round_trip_at_full_use() {
+        let (mut b, t) = budget();
+        b.set_account(account(None, Some(true)), t);
+        let v = b.view(t);
+        assert_eq!((v.ceiling, v.limit, v.start_target), (16, 8, Some(16)));
+        // Calls one at a time prove nothing about 16 at once: no growth.
+        for _ in 0..20 {
+            take(&mut b, "r", 1, t);
+            b.release("r", Outcome::Success { latency_ms: 1000.0 }, t);
+        }
+        assert_eq!(b.limit(), 8);
+        // A full round trip of 8 calls, each back done while the limit was full (a freed
+        // permit taken again at once, as a waiting queue does): 8 → 16.
+        take(&mut b, "r", 8, t);
+        for _ in 0..8 {
+            b.release("r", Outcome::Success { latency_ms: 1000.0 }, t);
+            while b.try_acquire("r", t) {}
+        }
+        let v = b.view(t);
+        assert_eq!((v.limit, v.start_target), (16, None), "{v:?}");
+        assert_eq!((v.routes[0].limit, v.routes[0].start_target), (16, None));
+        assert_eq!(v.throttles, 0);
+    }
+
+    #[test]
+    fn a_429_in_the_start_ends_it_under_the_wall_with_no_halving_and_no_cooldown() {
+        let (mut b, t) = budget();
+        b.set_account(account(None, Some(true)), t);
+        let upstream_429 = Outcome::Limited {
+            kind: LimitKind::Upstream,
+            retry_after: Some(S),
+        };
+        let route = |b: &Budget, now| b.view(now).routes[0].clone();
+        // The route's upstream holds 10: the start grows it to 12 before the first refusal
+        // comes back (two calls over the wall).
+        take(&mut b, "r", 8, t);
+        for _ in 0..4 {
+            b.release("r", Outcome::Success { latency_ms: 1000.0 }, t);
+            while b.try_acquire("r", t) {}
+        }
+        assert_eq!((route(&b, t).limit, route(&b, t).in_flight), (12, 12));
+        b.release("r", upstream_429, t);
+        let r = route(&b, t);
+        assert_eq!(
+            (
+                r.limit,
+                r.known_good,
+                r.start_target,
+                r.cooldown_remaining_ms
+            ),
+            (11, Some(11), None, 0),
+            "one under the 12 that were out, no cooldown"
+        );
+        // The other call over the wall, refused within the same round trip: one lower.
+        b.release("r", upstream_429, t + Duration::from_millis(20));
+        let r = route(&b, t + Duration::from_millis(20));
+        assert_eq!(
+            (r.limit, r.known_good, r.cooldown_remaining_ms),
+            (10, Some(10), 0)
+        );
+        assert_eq!(r.throttles, 2);
+        // The calls still out go on; a permit freed is taken again at once.
+        assert!(!b.held_beyond_capacity("r", t + Duration::from_millis(20)));
+        let walls: Vec<_> = b
+            .events()
+            .iter()
+            .filter(|e| e.kind == EventKind::Wall)
+            .map(|e| e.detail.clone())
+            .collect();
+        assert_eq!(walls.len(), 1, "{walls:?}");
+        assert!(walls[0].contains("from 12 to 11"), "{walls:?}");
+        // A 429 past the round trip that ended the start is congestion as before: it holds
+        // the route for at least its Retry-After.
+        b.release("r", upstream_429, t + 3 * S);
+        assert!(b.held_beyond_capacity("r", t + 3 * S));
+    }
+
+    #[test]
+    fn an_override_and_a_restored_checkpoint_start_at_their_own_number() {
+        let (mut b, t) = budget();
+        b.set_account(account(None, Some(true)), t);
+        take(&mut b, "r", 8, t);
+        b.release("r", Outcome::Success { latency_ms: 1000.0 }, t);
+        // A takeover in the middle of the start goes on from where it was.
+        let cp = b.checkpoint(None);
+        assert_eq!((cp.global.limit, cp.global.start_target), (9, Some(16)));
+        let (mut new, t1) = budget();
+        new.take_over(Some(&cp), None, t1);
+        let v = new.view(t1);
+        assert_eq!((v.limit, v.start_target), (9, Some(16)));
+        assert_eq!((v.routes[0].limit, v.routes[0].start_target), (9, Some(16)));
+        // An operator's number applies at once, to every route and to a new one.
+        b.set_override(Some(12), t);
+        let v = b.view(t);
+        assert_eq!((v.limit, v.start_target), (12, None));
+        take(&mut b, "new", 4, t);
+        let fresh = b
+            .view(t)
+            .routes
+            .into_iter()
+            .find(|r| r.route == "new")
+            .unwrap();
+        assert_eq!((fresh.limit, fresh.start_target), (12, None));
+        // Cleared, the computed ceiling is a guess again: approached from where the limit is.
+        b.set_override(None, t);
+        let v = b.view(t);
+        assert_eq!((v.limit, v.start_target), (12, Some(16)));
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub enum EventKind {
     Verify,
     /// A throttle (a 429) halved the budget's limit and started a cooldown.
     Cooldown,
+    /// A 429 ended the start: the limit went to one under the wall it found, with no cooldown.
+    Wall,
     /// Cloud work stopped: a hard 402, or the key refused.
     Stopped,
     /// Cloud work resumed after a stop (money again, a new key).

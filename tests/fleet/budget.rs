@@ -1,10 +1,10 @@
-//! The cloud budget's ramp against a concurrency-capped upstream, with real processes: a hub,
+//! The cloud budget's start against a concurrency-capped upstream, with real processes: a hub,
 //! three cloud-only agents and the OpenRouter stand-in allowing 10 calls at once and
-//! reporting no RPM (a funded key: 16 permits at first). 48 clients send chats until 600
-//! are served. What is checked is behaviour, not speed: no request fails, upstream 429s stay
-//! under 2 % of the calls, and after the first burst's halving the route's limit is back at
-//! the upstream's capacity within a bounded number of calls (round trips' worth), not after
-//! quarter-minutes of clean windows.
+//! reporting no RPM (a funded key: a ceiling of 16 nothing has confirmed). 48 clients send
+//! chats until 600 are served. What is checked is behaviour, not speed: no request fails, the
+//! route opens under the ceiling and grows into the upstream's wall, the 429s that find it
+//! (at most 1 % of the calls) neither halve the limit nor cool the route down, and the limit
+//! holds at the upstream's capacity.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,7 +32,7 @@ async fn chat_route(hub: &HubProc) -> Option<Value> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_a_halving_the_budget_regains_the_upstreams_capacity_in_round_trips() {
+async fn the_start_finds_the_upstreams_capacity_without_a_halving_or_a_cooldown() {
     let dir = tempfile::tempdir().unwrap();
     let up = upstream(|c| {
         c.max_concurrency = Some(CAP as usize);
@@ -81,25 +81,13 @@ async fn after_a_halving_the_budget_regains_the_upstreams_capacity_in_round_trip
         })
         .collect();
 
-    // The first burst meets the cap: the route is halved (16 in flight → 8).
-    let halved = eventually("the chat route was halved", || async {
+    // The start grows the route from 8 into the wall at 10; the 429 that finds it ends it.
+    let ended = eventually("the start met the upstream's wall", || async {
         let r = chat_route(&hub).await?;
-        (r["throttles"].as_u64()? >= 1 && r["limit"].as_u64()? < CAP).then_some(r)
+        (r["throttles"].as_u64()? >= 1 && r.get("start_target").is_none()).then_some(r)
     })
     .await;
-    let served_at_halving = up.state.served();
-    // Back at the capacity within a few round trips' worth of calls: the slow ramp (one
-    // permit per clean 15 s window) would take thousands of these calls to add two permits.
-    let back = eventually("the limit is back at the cap", || async {
-        let r = chat_route(&hub).await?;
-        (r["limit"].as_u64()? >= CAP).then_some(r)
-    })
-    .await;
-    let calls_to_recover = up.state.served() - served_at_halving;
-    assert!(
-        calls_to_recover <= 40 * CAP,
-        "{calls_to_recover} calls from {halved} to {back}"
-    );
+    println!("the start ended: {ended}");
 
     let mut codes = Vec::new();
     for c in clients {
@@ -114,14 +102,22 @@ async fn after_a_halving_the_budget_regains_the_upstreams_capacity_in_round_trip
     );
     let (throttled, calls) = (up.state.throttled_429(), up.state.requests());
     assert!(
-        throttled * 50 < calls,
-        "429s under 2 % of calls: {throttled} of {calls}"
+        throttled * 100 <= calls,
+        "429s at most 1 % of calls: {throttled} of {calls}"
     );
-    // It holds at the known-good limit: the cap, one under the limit the last 429 came at.
+    // No halving and no cooldown: the 429s of the start are told as the wall they found.
+    let status = hub.status().await;
+    let kinds: Vec<&str> = status["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["kind"].as_str())
+        .collect();
+    assert!(kinds.contains(&"wall"), "{kinds:?}");
+    assert!(!kinds.contains(&"cooldown"), "{}", status["events"]);
+    // It holds at the known-good limit: the cap, one under the wall.
     let r = chat_route(&hub).await.unwrap();
-    println!(
-        "chats {CHATS}: upstream calls {calls}, 429s {throttled}, calls from the halving back to the cap {calls_to_recover}; route {r}"
-    );
+    println!("chats {CHATS}: upstream calls {calls}, 429s {throttled}; route {r}");
     assert_eq!(r["known_good"], CAP, "{r}");
     assert_eq!(r["limit"], CAP, "{r}");
     drop(agents);

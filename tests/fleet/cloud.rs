@@ -417,11 +417,15 @@ async fn an_upstream_429_shrinks_its_route_and_a_hard_402_stops_cloud_work_until
         .iter()
         .find(|r| r["route"] == route.as_str())
         .unwrap();
-    // Halved once, from the 5 in flight when the first 429 came back: 2.
+    // The route was in its start (8 of 16): the 429s end it at the wall they found, one
+    // under what was in flight at each (5, then 4, then 3), with no halving: 2.
     assert_eq!(r["limit"], 2, "{budget}");
+    assert_eq!(r["known_good"], 2, "{budget}");
+    assert!(r.get("start_target").is_none(), "{budget}");
     assert_eq!(
-        budget["limit"], 16,
-        "the global limit is untouched: {budget}"
+        (&budget["limit"], &budget["start_target"]),
+        (&json!(8), &json!(16)),
+        "the global limit is untouched (still in its start): {budget}"
     );
     assert_eq!(budget["throttles"], 0, "{budget}");
     assert_eq!(up.state.throttled_429(), 3);

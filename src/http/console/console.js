@@ -179,7 +179,7 @@ function renderRoles(status) {
 }
 
 const GATE_EVENTS = ["suspended", "refused", "verify"];
-const BUDGET_EVENTS = ["cooldown", "stopped", "resumed", "override"];
+const BUDGET_EVENTS = ["cooldown", "wall", "stopped", "resumed", "override"];
 
 // Events of `kinds`, newest first, as a table with their times.
 function eventTable(status, kinds, label) {
