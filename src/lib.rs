@@ -8,6 +8,7 @@
 //! * [`inference`]: the local engine: tokenization, batching, the model thread, model code.
 //! * [`roles`]: the five inference roles and the routing policies.
 //! * [`histogram`]: Prometheus histograms (fixed buckets, text exposition).
+//! * [`quantize`]: Cohere's quantized embedding types (int8 with a space's scale, sign bits).
 //! * [`secret`]: the type that holds the OpenRouter key and tokens without leaking them.
 //! * [`protocol`]: the fleet protocol's frames (hub ⇄ agent) and their codec.
 //! * [`config`]: config pushes and their merge, the agent's file, model choices, tokens.
@@ -33,6 +34,7 @@ pub mod metrics;
 pub mod model_source;
 pub mod model_spec;
 pub mod protocol;
+pub mod quantize;
 pub mod roles;
 pub mod secret;
 pub mod service;

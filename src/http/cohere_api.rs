@@ -1,8 +1,9 @@
 //! Cohere's v2 shapes (`cohere.ClientV2`): `POST /v2/embed` and `POST /v2/rerank`. `model`
 //! names a role or the model id one serves; `input_type: search_query` applies the model's
-//! query template; `embedding_types` float and base64 (little-endian f32, as OpenAI's). Our
-//! provenance goes in an extra `x_fantom` object (the SDK keeps unknown fields). Errors are
-//! Cohere's `{"message"}`.
+//! query template; `embedding_types` float, base64 (little-endian f32, as OpenAI's), int8 and
+//! uint8 (with the space's scale), binary and ubinary (sign bits), each asked one answered
+//! (`super::embedding_types`). Our provenance goes in an extra `x_fantom` object (the SDK
+//! keeps unknown fields). Errors are Cohere's `{"message"}`.
 
 use axum::Json;
 use axum::extract::State;
@@ -13,11 +14,12 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::client_api::{self, EmbedCall, client_auth, json_body};
+use super::embedding_types;
 use super::error::{ApiError, ErrorShape, Shaped};
-use super::openai_api::base64_of;
 use super::openapi::CohereErrors;
 use super::request_id;
 use crate::hub::Hub;
+use crate::quantize::EmbeddingType;
 use crate::roles::Op;
 use utoipa::ToSchema;
 
@@ -45,7 +47,9 @@ pub struct EmbedRequest {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub inputs: Option<Value>,
-    /// `float` (default) and/or `base64`.
+    /// `float` (default), `base64`, `int8`, `uint8`, `binary`, `ubinary`: each one asked is
+    /// answered. int8/uint8 use one scale per space and width, fixed when first asked and
+    /// never changed, so codes of one space stay comparable.
     #[serde(default)]
     #[schema(schema_with = embedding_types)]
     pub embedding_types: Option<Vec<String>>,
@@ -72,7 +76,9 @@ fn input_types() -> utoipa::openapi::Object {
 
 fn embedding_types() -> utoipa::openapi::schema::Array {
     utoipa::openapi::schema::ArrayBuilder::new()
-        .items(super::openapi::one_of(&["float", "base64"]))
+        .items(super::openapi::one_of(&[
+            "float", "base64", "int8", "uint8", "binary", "ubinary",
+        ]))
         .build()
 }
 
@@ -140,18 +146,13 @@ async fn run_embed(
         ));
     }
     let types = match req.embedding_types {
-        Some(t) if !t.is_empty() => t,
-        _ => vec!["float".into()],
+        Some(t) if !t.is_empty() => embedding_types::parse(
+            &t,
+            |_| true,
+            "float, base64, int8, uint8, binary or ubinary",
+        )?,
+        _ => vec![EmbeddingType::Float],
     };
-    if let Some(t) = types
-        .iter()
-        .find(|t| !matches!(t.as_str(), "float" | "base64"))
-    {
-        return Err(ApiError::bad_request(format!(
-            "embedding type '{}' is not served; use float or base64",
-            crate::secret::redact(t)
-        )));
-    }
     let texts = client_api::texts_of(
         req.texts
             .ok_or_else(|| ApiError::bad_request("texts is missing"))?,
@@ -171,17 +172,15 @@ async fn run_embed(
         },
     )
     .await?;
+    let scale = embedding_types::scale_for(hub, &done, &types).await?;
     let mut embeddings = Map::new();
-    for t in &types {
+    for &t in &types {
         let rows: Vec<Value> = done
             .vectors
             .iter()
-            .map(|e| match t.as_str() {
-                "base64" => Value::String(base64_of(&e.vector)),
-                _ => json!(e.vector),
-            })
+            .map(|e| embedding_types::encode(t, &e.vector, scale))
             .collect();
-        embeddings.insert(t.clone(), Value::Array(rows));
+        embeddings.insert(t.as_str().to_string(), Value::Array(rows));
     }
     let provenance: Vec<_> = done.vectors.iter().map(|e| &*e.provider).collect();
     let space = done.vectors.first().and_then(|e| e.space.as_deref());
@@ -323,6 +322,14 @@ pub struct CohereEmbeddings {
     float: Option<Vec<Vec<f32>>>,
     /// Base64 of each vector's little-endian f32 bytes.
     base64: Option<Vec<String>>,
+    /// `clamp(round(v × 127 / r), −128, 127)` with the space's scale `r` at this width.
+    int8: Option<Vec<Vec<i8>>>,
+    /// The int8 codes + 128.
+    uint8: Option<Vec<Vec<u8>>>,
+    /// The sign bits (`v > 0`), eight to a byte, most significant first, zero-padded; − 128.
+    binary: Option<Vec<Vec<i8>>>,
+    /// The sign bits as bytes 0..=255.
+    ubinary: Option<Vec<Vec<u8>>>,
 }
 
 #[derive(ToSchema)]

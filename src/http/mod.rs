@@ -15,6 +15,7 @@ pub mod chat_api;
 pub mod client_api;
 pub mod cohere_api;
 pub mod console;
+mod embedding_types;
 pub mod error;
 pub mod event_stream;
 pub mod ollama_api;

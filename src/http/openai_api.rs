@@ -2,6 +2,8 @@
 //! `/v1`), `GET /v1/models` and `GET /v1/models/{id}`. `model` names a role (or the model id a
 //! role serves); the models listed are the roles, each with its model and, for an embedding
 //! role, its space and width. Token-id input is refused (see [`super::client_api::texts_of`]).
+//! Our extension `embedding_types` (int8, uint8, binary, ubinary) answers quantized vectors in
+//! each item's `embeddings_by_type`, beside `embedding`, never in it.
 
 use axum::Json;
 use axum::extract::rejection::JsonRejection;
@@ -14,12 +16,14 @@ use serde_json::Value;
 use utoipa::ToSchema;
 
 use super::client_api::{self, EmbedCall, Usage, client_auth, json_body};
+use super::embedding_types;
 use super::error::ApiError;
 use super::openapi::{ClientErrors, TextInput};
 use crate::hub::Hub;
 use crate::hub::core::SpaceRef;
 use crate::hub::registry::ProviderRef;
 use crate::hub::status::RoleCatalog;
+use crate::quantize::EmbeddingType;
 use crate::roles::Op;
 
 #[derive(Deserialize, ToSchema)]
@@ -47,6 +51,20 @@ pub struct EmbeddingsRequest {
     pub instruction: Option<String>,
     #[serde(default)]
     pub user: Option<String>,
+    /// Ours (send it with the SDK's `extra_body`): quantized types, each answered in the
+    /// items' `embeddings_by_type`: `int8`, `uint8` (the space's scale at this width),
+    /// `binary`, `ubinary` (sign bits). `embedding` stays as `encoding_format` says.
+    #[serde(default)]
+    #[schema(schema_with = quantized_types)]
+    pub embedding_types: Option<Vec<String>>,
+}
+
+fn quantized_types() -> utoipa::openapi::schema::Array {
+    utoipa::openapi::schema::ArrayBuilder::new()
+        .items(super::openapi::one_of(&[
+            "int8", "uint8", "binary", "ubinary",
+        ]))
+        .build()
 }
 
 fn encoding_formats() -> utoipa::openapi::Object {
@@ -74,6 +92,10 @@ pub struct EmbeddingData {
     /// The vector space (role, model, dims) whose gate the provider passed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub space: Option<SpaceRef>,
+    /// Ours: the quantized types the request's `embedding_types` asked for, by name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub embeddings_by_type: Option<serde_json::Map<String, Value>>,
 }
 
 /// The vector: numbers, or base64 of its little-endian f32 bytes.
@@ -123,6 +145,11 @@ pub async fn embeddings(
             )));
         }
     };
+    let quantized = embedding_types::parse(
+        req.embedding_types.as_deref().unwrap_or_default(),
+        EmbeddingType::is_quantized,
+        "int8, uint8, binary or ubinary (the float vector is `embedding`, as encoding_format says)",
+    )?;
     let done = client_api::embed(
         &hub,
         EmbedCall {
@@ -136,6 +163,7 @@ pub async fn embeddings(
         },
     )
     .await?;
+    let scale = embedding_types::scale_for(&hub, &done, &quantized).await?;
     let data = done
         .vectors
         .into_iter()
@@ -143,6 +171,15 @@ pub async fn embeddings(
         .map(|(index, e)| EmbeddingData {
             object: "embedding",
             index,
+            embeddings_by_type: (!quantized.is_empty()).then(|| {
+                quantized
+                    .iter()
+                    .map(|&t| {
+                        let encoded = embedding_types::encode(t, &e.vector, scale);
+                        (t.as_str().to_string(), encoded)
+                    })
+                    .collect()
+            }),
             embedding: if base64 {
                 EmbeddingValue::Base64(base64_of(&e.vector))
             } else {

@@ -48,6 +48,11 @@ pub struct EmbedRequest {
     #[serde(default, deserialize_with = "super::whole_number::optional")]
     #[schema(minimum = 1)]
     pub dimensions: Option<usize>,
+    /// Refused: TEI's `/embed` answers floats only. Quantized types (int8, uint8, binary,
+    /// ubinary) are served by `/v2/embed` and as `/v1/embeddings`' extension.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub embedding_types: Option<Value>,
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -188,6 +193,11 @@ fn provenance_headers(done: &Embedded) -> HeaderMap {
 
 async fn run_embed(hub: &Hub, client: Client, req: EmbedRequest) -> Result<Response, ApiError> {
     let role = role_of(hub, req.model.as_deref(), Op::Embed, Role::Embedding)?;
+    if req.embedding_types.is_some() {
+        return Err(ApiError::bad_request(
+            "embedding_types is not served on TEI's /embed, which answers floats only: ask              POST /v2/embed (Cohere's embedding_types) or POST /v1/embeddings (our              embedding_types extension) for int8, uint8, binary or ubinary",
+        ));
+    }
     if req.normalize == Some(false) {
         return Err(ApiError::bad_request(
             "normalize=false is not served: a space's vectors are as its pinned model makes them \

@@ -24,6 +24,7 @@ pub mod registry;
 pub mod replies;
 pub mod scorer_check;
 pub mod socket;
+pub mod space_scales;
 pub mod state;
 pub mod status;
 pub mod store;
@@ -499,8 +500,10 @@ impl Hub {
         Ok(next)
     }
 
-    /// Persists the vector spaces (a new one was fingerprinted).
-    async fn save_spaces(&self, spaces: std::collections::BTreeMap<String, gate::Space>) {
+    /// Persists the vector spaces (a new one was fingerprinted, or one retired). They are taken
+    /// from the gate once the write lock is held, so a scale stored meanwhile
+    /// ([`Hub::int8_scale`]) is never written over by an older copy.
+    async fn save_spaces(&self) {
         if self.inner.store.fence().check(Instant::now()).is_err() {
             // Fenced: written when etcd answers again (the fence logs why, once).
             self.core().gate.mark_dirty();
@@ -508,7 +511,7 @@ impl Hub {
         }
         let _writing = self.inner.state_writes.lock().await;
         let mut next = self.state();
-        next.spaces = spaces;
+        next.spaces = self.core().gate.spaces().clone();
         match self.persist(next).await {
             Ok(next) => *self.lock_state() = next,
             Err(e) => {
@@ -569,7 +572,7 @@ impl Hub {
                     return;
                 };
                 let hub = Hub { inner };
-                let (spaces, sample) = {
+                let (spaces_changed, sample) = {
                     let mut core = hub.core();
                     let now = Instant::now();
                     core.expire(now);
@@ -583,13 +586,13 @@ impl Hub {
                             sampled = now;
                             sample_of(&mut core, now)
                         });
-                    (core.gate.take_dirty(), sample)
+                    (core.gate.take_dirty().is_some(), sample)
                 };
                 if let Some(sample) = sample {
                     hub.history().push(sample);
                 }
-                if let Some(spaces) = spaces {
-                    hub.save_spaces(spaces).await;
+                if spaces_changed {
+                    hub.save_spaces().await;
                 }
                 hub.checkpoint_usage_if_due().await;
                 hub.checkpoint_handover_if_due().await;

@@ -207,6 +207,83 @@ def main():
         same_vectors([b64_f32(s) for s in co_embed("search_document", ["base64"]).base64], docs)
 
     @check
+    def cohere_embed_every_type():
+        # Every type in one request, each answered; the cohere SDK reads them all.
+        import numpy as np
+        e = co_embed("search_document", ["float", "base64", "int8", "uint8", "binary", "ubinary"])
+        same_vectors(e.float_, docs)
+        same_vectors([b64_f32(s) for s in e.base64], docs)
+        f = np.array(e.float_, dtype=np.float64)
+        i8 = np.array(e.int8, dtype=np.int64)
+        assert i8.shape == f.shape and i8.min() >= -128 and i8.max() <= 127, i8.shape
+        assert (np.array(e.uint8) == i8 + 128).all(), "uint8 is int8 + 128"
+        # Sign bits, most significant first, zero-padded to whole bytes.
+        want = np.packbits(f > 0, axis=1)
+        assert (np.array(e.ubinary) == want).all(), "ubinary is the packed sign bits"
+        assert (np.array(e.binary) == want.astype(np.int64) - 128).all(), "binary is ubinary - 128"
+        c = (i8 * f).sum(1) / np.linalg.norm(i8, axis=1) / np.linalg.norm(f, axis=1)
+        assert c.min() >= 0.99, f"int8 cosine {c.min():.5f}"
+        # One scale per space and width: the same text gives the same codes in another request.
+        again = co.embed(texts=texts[:1], model="embedding", input_type="search_document",
+                         embedding_types=["int8"]).embeddings.int8
+        assert list(again[0]) == list(e.int8[0]), "int8 codes of one space are comparable"
+
+    @check
+    def cohere_quantized_types_keep_the_ranking():
+        # A committed query/document set the scale never saw: dequantized int8 stays within a
+        # cosine of 0.99 of the floats, and the floats' best document is in the top 10 by
+        # Hamming distance on the sign bits for at least 90 % of the queries.
+        import numpy as np
+        here = os.path.dirname(os.path.abspath(__file__))
+        with open(os.path.join(here, "..", "fixtures", "quantization", "eval_set.json")) as fh:
+            qs = json.load(fh)
+        types = ["float", "int8", "ubinary"]
+        d = co.embed(texts=qs["documents"], model="embedding", input_type="search_document",
+                     embedding_types=types).embeddings
+        q = co.embed(texts=[x["text"] for x in qs["queries"]], model="embedding",
+                     input_type="search_query", embedding_types=types).embeddings
+        for name, e in (("documents", d), ("queries", q)):
+            f = np.array(e.float_, dtype=np.float64)
+            i8 = np.array(e.int8, dtype=np.float64)
+            c = (i8 * f).sum(1) / np.linalg.norm(i8, axis=1) / np.linalg.norm(f, axis=1)
+            assert c.min() >= 0.99, f"{name}: int8 cosine {c.min():.5f}"
+        df, qf = np.array(d.float_), np.array(q.float_)
+        best = (qf @ df.T).argmax(1)
+        db = np.unpackbits(np.array(d.ubinary, dtype=np.uint8), axis=1)
+        qb = np.unpackbits(np.array(q.ubinary, dtype=np.uint8), axis=1)
+        hamming = (qb[:, None, :] != db[None, :, :]).sum(2)
+        within = 0
+        for i, b in enumerate(best):
+            # Ties count against it: every other document at most as far is ahead of it.
+            ahead = int((hamming[i] <= hamming[i, b]).sum()) - 1
+            within += ahead < 10
+        share = within / len(best)
+        assert share >= 0.9, f"float top-1 in the Hamming top 10 for {share:.0%} of queries"
+
+    @check
+    def openai_quantized_types_are_an_extension_beside_embedding():
+        r = oa.embeddings.create(model="embedding", input=texts[:2],
+                                 extra_body={"embedding_types": ["int8", "ubinary"]})
+        same_vectors([d.embedding for d in r.data], docs[:2])
+        by_type = [getattr(d, "embeddings_by_type", None) for d in r.data]
+        assert all(isinstance(b, dict) for b in by_type), f"embeddings_by_type: {by_type!r}"[:300]
+        cohere_codes = co_embed("search_document", ["int8"]).int8[:2]
+        assert [b["int8"] for b in by_type] == [list(c) for c in cohere_codes], \
+            "the same codes as Cohere's route"
+        assert all(len(b["ubinary"]) == len(docs[0]) // 8 for b in by_type)
+        e = raises(openai.BadRequestError, lambda: oa.embeddings.create(
+            model="embedding", input="x", extra_body={"embedding_types": ["float"]}))
+        assert "encoding_format" in str(e), str(e)
+
+    @check
+    def tei_embed_refuses_embedding_types():
+        import requests
+        r = requests.post(base + "/embed", json={"inputs": "x", "embedding_types": ["int8"]},
+                          timeout=timeout)
+        assert r.status_code == 400, (r.status_code, r.text)
+        assert "/v2/embed" in r.text, r.text
+
+    @check
     def cohere_rerank_top3():
         r = co.rerank(model="reranker", query=rr["query"], documents=rr["documents"], top_n=3)
         got = [x.index for x in r.results]

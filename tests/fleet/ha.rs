@@ -282,6 +282,7 @@ async fn the_etcd_store_keeps_a_large_state_in_checked_chunks_and_refuses_a_depo
         created_ms: 1,
         probe_set: "p".into(),
         generation: 1,
+        int8_scales: [(4096, fantom_sidecar::quantize::Int8Scale { range: 0.25 })].into(),
     };
     state.spaces.insert(space.id(), space);
     assert!(serde_json::to_vec(&state).unwrap().len() > 1_600_000);

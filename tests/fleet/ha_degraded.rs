@@ -1,7 +1,8 @@
 //! Hubs on etcd when etcd itself is in trouble, when hubs race, and the way in from a single
 //! hub: two of three members stopped (no quorum) fence the leader, so local embeddings go on
 //! and cloud chat, config writes and new spaces stop with the reason, until the members
-//! return; two hubs started at once on an empty store found one space, and a verdict judged
+//! return (an int8 scale stored with the space is served while fenced, a new one is 503, and
+//! the next leader quantizes as the last did); two hubs started at once on an empty store found one space, and a verdict judged
 //! before a failover is handed to the next leader, not probed again; `migrate-state` copies a
 //! single hub's state dir into etcd once.
 
@@ -13,6 +14,20 @@ use crate::cloud::{KEY, push_body, upstream};
 use crate::etcd_cluster::Cluster;
 use crate::ha::{embed_retrying, etcd_hub, leader_and_standby, leads};
 use crate::support::*;
+
+/// Cohere's embed of `text` as `types` through `hub` (at `width`, if given): status and body.
+async fn quantized(
+    hub: &HubProc,
+    text: &str,
+    types: &[&str],
+    width: Option<usize>,
+) -> (u16, Value) {
+    let mut body = json!({"model": "embedding", "texts": [text], "embedding_types": types});
+    if let Some(w) = width {
+        body["output_dimension"] = json!(w);
+    }
+    hub.post("/v2/embed", &body).await
+}
 
 /// A chat through `hub`: its status and body (bounded: a forward may meet a stopped leader).
 async fn chat(hub: &HubProc, text: &str) -> (u16, Value) {
@@ -67,6 +82,11 @@ async fn without_etcds_quorum_the_leader_is_fenced_local_work_goes_on_and_all_re
     let (code, body) = a.push(push_body(json!({"code-assistant": "cloud"}))).await;
     assert_eq!(code, 200, "{body}");
     let space = embed_retrying(&a, "before").await;
+    // The leader fixes the space's int8 scale at its full width and stores it with the space.
+    let (code, before) = quantized(&a, "int8 codes", &["int8"], None).await;
+    assert_eq!(code, 200, "{before}");
+    let codes = before["embeddings"]["int8"][0].clone();
+    assert_eq!(codes.as_array().map(Vec::len), Some(384), "{before}");
     eventually("a chat through the leader", || async {
         (chat(&a, "before").await.0 == 200).then_some(())
     })
@@ -96,6 +116,26 @@ async fn without_etcds_quorum_the_leader_is_fenced_local_work_goes_on_and_all_re
         .await;
     assert_eq!(r.0, 200, "{}", r.1);
     assert_eq!(r.1["data"][0]["space"]["id"], space.as_str());
+    // A scale it stored is served while fenced; one it would have to store first is refused
+    // with the reason (no codes a later leader might make differently); sign bits need none.
+    let (code, body) = quantized(&a, "int8 codes", &["int8"], None).await;
+    assert_eq!(
+        (code, &body["embeddings"]["int8"][0]),
+        (200, &codes),
+        "{body}"
+    );
+    let (code, body) = quantized(&a, "int8 codes", &["int8", "binary"], Some(128)).await;
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body["message"].as_str().is_some_and(|m| m.contains("etcd")),
+        "{body}"
+    );
+    let (code, body) = quantized(&a, "int8 codes", &["ubinary"], Some(128)).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(
+        body["embeddings"]["ubinary"][0].as_array().map(Vec::len),
+        Some(16)
+    );
     // Readiness and status say why; a config write is refused with the reason, not lost.
     let (_, ready) = a.get("/ready").await;
     assert!(
@@ -124,6 +164,13 @@ async fn without_etcds_quorum_the_leader_is_fenced_local_work_goes_on_and_all_re
     })
     .await;
     assert_eq!(embed_retrying(&b, "after").await, space);
+    // Whichever hub leads now read the scale with the space: the same codes.
+    let (code, after) = quantized(&b, "int8 codes", &["int8"], None).await;
+    assert_eq!(
+        (code, &after["embeddings"]["int8"][0]),
+        (200, &codes),
+        "{after}"
+    );
     assert!(
         in_flight_cap <= 4,
         "the stand-in's cap held: {in_flight_cap}"

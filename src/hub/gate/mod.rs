@@ -113,6 +113,10 @@ pub struct Space {
     /// before generations existed: read as its `created_ms`.)
     #[serde(default)]
     pub generation: u64,
+    /// The int8 scale of each output width asked for so far (`crate::quantize`): fixed once,
+    /// stored with the space, never changed while it lives (a new generation starts without).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub int8_scales: BTreeMap<usize, crate::quantize::Int8Scale>,
 }
 
 impl Space {
@@ -803,6 +807,7 @@ impl Gate {
                     created_ms,
                     probe_set: measure::probe_set_id(),
                     generation: created_ms.max(after.saturating_add(1)),
+                    int8_scales: BTreeMap::new(),
                 };
                 tracing::info!(space = %s.id(), encoder = %s.encoder, "a new vector space: its fingerprint is stored");
                 entry.verdict = Verdict::Pass;
@@ -1214,6 +1219,43 @@ impl Gate {
     /// The spaces, if one was added since the last call (to persist them).
     pub fn take_dirty(&mut self) -> Option<BTreeMap<String, Space>> {
         std::mem::take(&mut self.dirty).then(|| self.spaces.clone())
+    }
+
+    /// Every space, as held now.
+    pub fn spaces(&self) -> &BTreeMap<String, Space> {
+        &self.spaces
+    }
+
+    /// The int8 scale of space `id` at `width`, if it is that generation and one was fixed.
+    pub fn int8_scale(
+        &self,
+        id: &str,
+        generation: u64,
+        width: usize,
+    ) -> Option<crate::quantize::Int8Scale> {
+        let space = self.spaces.get(id).filter(|s| s.generation == generation)?;
+        space.int8_scales.get(&width).copied()
+    }
+
+    /// Keeps a scale that was stored (the space must still be that generation).
+    pub fn set_int8_scale(
+        &mut self,
+        id: &str,
+        generation: u64,
+        width: usize,
+        scale: crate::quantize::Int8Scale,
+    ) -> bool {
+        match self
+            .spaces
+            .get_mut(id)
+            .filter(|s| s.generation == generation)
+        {
+            Some(space) => {
+                space.int8_scales.entry(width).or_insert(scale);
+                true
+            }
+            None => false,
+        }
     }
 }
 

@@ -32,6 +32,7 @@ impl Gate {
                     current,
                     created_ms: s.created_ms,
                     generation: s.generation,
+                    int8_scales: s.int8_scales.clone(),
                     coverage: if s.cloud_reference && passing.len() <= 1 && connected <= 1 {
                         "reduced: a sole cloud provider, checked on dims and pin only".into()
                     } else if s.cloud_reference {
@@ -83,4 +84,7 @@ pub struct SpaceView {
     pub coverage: String,
     /// Rows (vectors) returned from this space, per provider.
     pub rows: BTreeMap<String, u64>,
+    /// The int8 scale of each output width asked for so far (fixed once, stored).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub int8_scales: BTreeMap<usize, crate::quantize::Int8Scale>,
 }

@@ -99,7 +99,7 @@ impl Fence {
         }
         Err(Fenced(format!(
             "the hub cannot reach etcd to renew its lead (for {} s): no cloud permits, new \
-             vector spaces, passing verdicts or config writes until it can",
+             vector spaces or int8 scales, passing verdicts or config writes until it can",
             now.saturating_duration_since(until).as_secs() + 1
         )))
     }
