@@ -51,7 +51,7 @@ pub(super) async fn scale_for(
     };
     let Some(space) = first.space.as_deref() else {
         return Err(ApiError::new(
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            axum::http::StatusCode::UNPROCESSABLE_ENTITY,
             "no_space",
             "int8 and uint8 are quantized with their vector space's scale, and these vectors \
              came with none; ask for float, base64, binary or ubinary",
@@ -66,7 +66,7 @@ pub(super) async fn scale_for(
             "space_changed",
             e.to_string(),
         )),
-        Err(e @ ScaleError::NoFingerprint(..)) => Err(ApiError::new(
+        Err(e @ (ScaleError::NoFingerprint(..) | ScaleError::Unusable(..))) => Err(ApiError::new(
             axum::http::StatusCode::INTERNAL_SERVER_ERROR,
             "no_scale",
             e.to_string(),

@@ -195,7 +195,9 @@ async fn run_embed(hub: &Hub, client: Client, req: EmbedRequest) -> Result<Respo
     let role = role_of(hub, req.model.as_deref(), Op::Embed, Role::Embedding)?;
     if req.embedding_types.is_some() {
         return Err(ApiError::bad_request(
-            "embedding_types is not served on TEI's /embed, which answers floats only: ask              POST /v2/embed (Cohere's embedding_types) or POST /v1/embeddings (our              embedding_types extension) for int8, uint8, binary or ubinary",
+            "embedding_types is not served on TEI's /embed, which answers floats only: ask \
+             POST /v2/embed (Cohere's embedding_types) or POST /v1/embeddings (our \
+             embedding_types extension) for int8, uint8, binary or ubinary",
         ));
     }
     if req.normalize == Some(false) {

@@ -27,16 +27,17 @@
 //!   wall again); `last_bad` is forgotten after [`BudgetSettings::bad_memory`] without a
 //!   halving (the upstream's capacity changes), and from there, as when nothing was learnt,
 //!   each clean, well-used 15 s window adds one permit, up to the ceiling.
-//! * **Start**: a ceiling nothing has confirmed (the funded default, Little's Law, the default
-//!   itself after a new key) is not jumped to. A limit that rises to one, and a new route's,
-//!   opens at half of it (never under [`BudgetSettings::default_ceiling`]) and grows by one
-//!   per call that came back done while the limit was all in use: it doubles per round trip
-//!   at full use, as TCP's slow start does, and reaches the ceiling in about a round trip. A
-//!   429 during the start ends it at the wall it found: the limit goes to one under what was
+//! * **Start**: a ceiling nothing has confirmed (the funded 16, Little's Law) is not jumped to.
+//!   A limit that rises to one, and a new route's, opens at half of it (never under
+//!   [`BudgetSettings::default_ceiling`], so the default itself is taken at once) and grows by
+//!   one per call that came back done while the limit was all in use: it doubles per round
+//!   trip at full use, as TCP's slow start does, and reaches the ceiling in about a round trip.
+//!   A 429 during the start ends it at the wall it found: the limit goes to one under what was
 //!   in flight, each further refusal of that round trip lowers it by one, and none of them
 //!   halves or cools down (the calls still out are not refused, so the scope is at the wall,
-//!   not over it). An operator's override and a limit restored from a checkpoint start at
-//!   their own number.
+//!   not over it); only a key-wide 429's own Retry-After is waited out. A 429 after that round
+//!   trip is a throttle, below. An operator's override and a limit restored from a checkpoint
+//!   start at their own number.
 //! * **Scopes**: platform 429s and the in-flight 402 shrink the global limit; an upstream 429
 //!   shrinks only its route (role + model + pinned upstream), under the global ceiling.
 //! * **Hard stop**: a credits or key-limit 402 stops cloud work until a new key is pushed.
@@ -172,8 +173,16 @@ impl Halving {
 
     fn describe(self, what: &str) -> String {
         if self.ended_start {
+            let wait = if self.cooldown.is_zero() {
+                "with no cooldown".to_string()
+            } else {
+                format!(
+                    "waiting out the key's Retry-After ({:.1} s)",
+                    self.cooldown.as_secs_f64()
+                )
+            };
             return format!(
-                "{what} ended the start: the limit went from {} to {}, one under the wall, with no cooldown",
+                "{what} ended the start: the limit went from {} to {}, one under the wall, {wait}",
                 self.from, self.to
             );
         }
@@ -366,6 +375,7 @@ impl Limiter {
     fn throttle(
         &mut self,
         retry_after: Option<Duration>,
+        key_wide: bool,
         latency_ms: f64,
         now: Instant,
         s: &BudgetSettings,
@@ -374,21 +384,31 @@ impl Limiter {
         self.throttles += 1;
         self.window_throttled = true;
         self.trip_throttled = true;
+        // A key-wide 429 (the platform's rate, the in-flight budget) is the shared key's: its
+        // own Retry-After is honoured even where a halving's cooldown is not taken.
+        let key_wait = |l: &mut Self| {
+            if let Some(ra) = retry_after.filter(|_| key_wide) {
+                let floor = now + ra;
+                if l.cooldown_until.is_none_or(|t| t < floor) {
+                    l.cooldown_until = Some(floor);
+                }
+            }
+        };
         if self.start_target.take().is_some() {
             // The start found the wall: what was in flight (this call included) is one over
-            // what the upstream holds. No halving and no cooldown: the calls still out were
-            // taken, so the scope stands at the wall, not past it.
+            // what the upstream holds. No halving and no cooldown of ours: the calls still out
+            // were taken, so the scope stands at the wall, not past it.
             let from = self.limit;
             let wall = self.limit.min(self.in_flight).max(1);
             self.last_bad = Some((wall, now));
             self.limit = wall.saturating_sub(1).max(1);
             self.halved_to = self.limit;
-            self.last_halving = Some(now);
             self.start_ended = Some(now);
+            key_wait(self);
             return Some(Halving {
                 from,
                 to: self.limit,
-                cooldown: Duration::ZERO,
+                cooldown: self.cooling(now).unwrap_or(Duration::ZERO),
                 ended_start: true,
             });
         }
@@ -411,6 +431,7 @@ impl Limiter {
                 self.limit = self.limit.min(wall.saturating_sub(1).max(1));
                 self.halved_to = self.limit;
             }
+            key_wait(self);
             return None;
         }
         let retry_after = retry_after.unwrap_or(Duration::ZERO);
@@ -593,7 +614,7 @@ impl Budget {
         }
     }
 
-    /// Cooldowns, stops, resumptions and overrides, oldest first.
+    /// Cooldowns, walls a start found, stops, resumptions and overrides, oldest first.
     pub fn events(&self) -> &EventRing {
         &self.events
     }
@@ -685,9 +706,12 @@ impl Budget {
         let ceiling = self.ceiling();
         let s = &self.settings;
         let apply = |l: &mut Limiter| {
-            let calm = l
-                .last_halving
-                .is_none_or(|t| now.saturating_duration_since(t) >= s.rediscover_every);
+            // A halving, or a start that ended at a wall, holds the limit where the ramp
+            // brings it for a while: a new ceiling does not restart a walk into that wall.
+            let calm = [l.last_halving, l.start_ended]
+                .into_iter()
+                .flatten()
+                .all(|t| now.saturating_duration_since(t) >= s.rediscover_every);
             if ceiling.0 <= l.limit {
                 l.lower_to(ceiling.0);
             } else if calm {
@@ -815,50 +839,55 @@ impl Budget {
                     self.retarget(now);
                 }
             }
-            Outcome::Limited { kind, retry_after } => {
-                match kind {
-                    LimitKind::Platform | LimitKind::InFlightBudget => {
-                        let latency = self.latency_ewma_ms;
-                        if let Some(h) = self.global.throttle(
+            Outcome::Limited { kind, retry_after } => match kind {
+                LimitKind::Platform | LimitKind::InFlightBudget => {
+                    let latency = self.latency_ewma_ms;
+                    if let Some(h) = self.global.throttle(
+                        retry_after,
+                        true,
+                        latency,
+                        now,
+                        &self.settings,
+                        &mut self.rng,
+                    ) {
+                        let what = format!("a 429 for the whole key (via {route})");
+                        self.events.push(h.kind(), "budget", h.describe(&what));
+                    }
+                }
+                LimitKind::Upstream => {
+                    let (ceiling, latency) = (self.ceiling(), self.latency_ewma_ms);
+                    if let Some(h) =
+                        route_entry(&mut self.routes, route, ceiling, &self.settings, now).throttle(
                             retry_after,
+                            false,
                             latency,
                             now,
                             &self.settings,
                             &mut self.rng,
-                        ) {
-                            let what = format!("a 429 for the whole key (via {route})");
-                            self.events.push(h.kind(), "budget", h.describe(&what));
-                        }
-                    }
-                    LimitKind::Upstream => {
-                        let (ceiling, latency) = (self.ceiling(), self.latency_ewma_ms);
-                        if let Some(h) =
-                            route_entry(&mut self.routes, route, ceiling, &self.settings, now)
-                                .throttle(retry_after, latency, now, &self.settings, &mut self.rng)
-                        {
-                            self.events.push(
-                                h.kind(),
-                                route,
-                                h.describe("a 429 from the route's upstream"),
-                            );
-                        }
-                    }
-                    LimitKind::Credits | LimitKind::KeyLimit => {
-                        let why = match kind {
-                            LimitKind::Credits => "the account is out of credits (hard 402)",
-                            _ => "the key's spending limit is reached (hard 402)",
-                        };
-                        if self.stopped.is_none() {
-                            tracing::error!(
-                                reason = why,
-                                "cloud work stopped until a push with apiKey (the same key after a top-up works) or a rediscovery that finds money"
-                            );
-                            self.events.push(EventKind::Stopped, "budget", why);
-                        }
-                        self.stopped = Some(why.to_string());
+                        )
+                    {
+                        self.events.push(
+                            h.kind(),
+                            route,
+                            h.describe("a 429 from the route's upstream"),
+                        );
                     }
                 }
-            }
+                LimitKind::Credits | LimitKind::KeyLimit => {
+                    let why = match kind {
+                        LimitKind::Credits => "the account is out of credits (hard 402)",
+                        _ => "the key's spending limit is reached (hard 402)",
+                    };
+                    if self.stopped.is_none() {
+                        tracing::error!(
+                            reason = why,
+                            "cloud work stopped until a push with apiKey (the same key after a top-up works) or a rediscovery that finds money"
+                        );
+                        self.events.push(EventKind::Stopped, "budget", why);
+                    }
+                    self.stopped = Some(why.to_string());
+                }
+            },
             Outcome::Success { .. } | Outcome::Other => {}
         }
         self.global.release();
@@ -1716,10 +1745,46 @@ mod tests {
             .collect();
         assert_eq!(walls.len(), 1, "{walls:?}");
         assert!(walls[0].contains("from 12 to 11"), "{walls:?}");
-        // A 429 past the round trip that ended the start is congestion as before: it holds
-        // the route for at least its Retry-After.
-        b.release("r", upstream_429, t + 3 * S);
+        // A 429 past the round trip that ended the start is congestion: a halving from what
+        // is in flight (10) and a cooldown, even with no Retry-After at all.
+        let bare_429 = Outcome::Limited {
+            kind: LimitKind::Upstream,
+            retry_after: None,
+        };
+        b.release("r", bare_429, t + 3 * S);
+        let r = route(&b, t + 3 * S);
+        assert_eq!((r.limit, r.throttles), (5, 3), "{r:?}");
         assert!(b.held_beyond_capacity("r", t + 3 * S));
+    }
+
+    #[test]
+    fn a_key_wide_429_in_the_start_ends_it_and_still_waits_out_its_retry_after() {
+        let (mut b, t) = budget();
+        b.set_account(account(None, Some(true)), t);
+        take(&mut b, "r", 8, t);
+        b.release(
+            "r",
+            Outcome::Limited {
+                kind: LimitKind::Platform,
+                retry_after: Some(3 * S),
+            },
+            t,
+        );
+        let v = b.view(t);
+        assert_eq!((v.limit, v.known_good, v.start_target), (7, Some(7), None));
+        // No halving, but the shared key's own Retry-After holds every cloud call.
+        assert!(b.held_beyond_capacity("r", t + 2 * S));
+        assert!(!b.held_beyond_capacity("r", t + 3 * S));
+        let wall = b
+            .events()
+            .iter()
+            .find(|e| e.kind == EventKind::Wall)
+            .unwrap();
+        assert!(
+            wall.detail.contains("Retry-After (3.0 s)"),
+            "{}",
+            wall.detail
+        );
     }
 
     #[test]

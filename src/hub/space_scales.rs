@@ -26,6 +26,22 @@ pub enum ScaleError {
     /// serves; refused rather than guessed).
     #[error("space {0} has no fingerprint at width {1} to fix an int8 scale from")]
     NoFingerprint(String, usize),
+    /// The stored scale cannot quantize anything (a state edited by hand, or damaged): it is
+    /// never replaced while the space lives, so the space must be founded again.
+    #[error(
+        "the stored int8 scale of space {0} at width {1} is not usable ({2}); retire the space \
+         (POST /admin/gate/verify with retire_space) to found a new generation"
+    )]
+    Unusable(String, usize, f32),
+}
+
+/// A scale as held, refused when it cannot be used.
+fn usable(scale: Int8Scale, space: &SpaceRef, width: usize) -> Result<Int8Scale, ScaleError> {
+    if scale.is_valid() {
+        Ok(scale)
+    } else {
+        Err(ScaleError::Unusable(space.id.clone(), width, scale.range))
+    }
 }
 
 impl Hub {
@@ -36,12 +52,12 @@ impl Hub {
         space: &SpaceRef,
         width: usize,
     ) -> Result<Int8Scale, ScaleError> {
-        if let Some(scale) = self
+        let held = self
             .core()
             .gate
-            .int8_scale(&space.id, space.generation, width)
-        {
-            return Ok(scale);
+            .int8_scale(&space.id, space.generation, width);
+        if let Some(scale) = held {
+            return usable(scale, space, width);
         }
         let hub = self.clone();
         let space = space.clone();
@@ -57,7 +73,7 @@ impl Hub {
         let (scale, spaces) = {
             let core = self.core();
             if let Some(scale) = core.gate.int8_scale(&space.id, space.generation, width) {
-                return Ok(scale);
+                return usable(scale, space, width);
             }
             let held = core
                 .gate
@@ -189,6 +205,23 @@ mod tests {
             next.int8_scale(&newer, 4).await,
             Err(ScaleError::SpaceChanged(_))
         ));
+    }
+
+    #[tokio::test]
+    async fn a_stored_scale_that_cannot_quantize_is_refused_not_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = space(5);
+        s.int8_scales
+            .insert(6, crate::quantize::Int8Scale { range: 0.0 });
+        let mut state = HubState::fresh();
+        state.spaces.insert(s.id(), s.clone());
+        let hub = hub_on(dir.path(), state);
+        let refused = hub.int8_scale(&space_ref(&s), 6).await.unwrap_err();
+        assert!(
+            matches!(refused, ScaleError::Unusable(_, 6, _)),
+            "{refused}"
+        );
+        assert!(refused.to_string().contains("retire_space"), "{refused}");
     }
 
     #[test]

@@ -39,7 +39,7 @@ pub struct StatusView {
     /// Where the state is kept and, with etcd, this hub's lead.
     pub ha: super::store::HaView,
     /// What the gate and the budget did lately (suspensions, refusals, verifies; cooldowns,
-    /// stops, overrides), oldest first; empty after a restart or a takeover.
+    /// walls a start found, stops, overrides), oldest first; empty after a restart or a takeover.
     pub events: Vec<super::events::Event>,
 }
 

@@ -164,7 +164,8 @@ async fn without_etcds_quorum_the_leader_is_fenced_local_work_goes_on_and_all_re
     })
     .await;
     assert_eq!(embed_retrying(&b, "after").await, space);
-    // Whichever hub leads now read the scale with the space: the same codes.
+    // Whichever hub leads now quantizes as the last did: the same codes. (That it serves the
+    // stored number, not one it computes again, is `hub::space_scales`' unit test.)
     let (code, after) = quantized(&b, "int8 codes", &["int8"], None).await;
     assert_eq!(
         (code, &after["embeddings"]["int8"][0]),
