@@ -1153,6 +1153,20 @@ mod tests {
         }
     }
 
+    /// A refusal by a limit.
+    fn limited(kind: LimitKind, retry_after: Option<Duration>) -> Outcome {
+        Outcome::Limited { kind, retry_after }
+    }
+
+    /// The view of the route whose name starts with `prefix`.
+    fn route_of(b: &Budget, prefix: &str, now: Instant) -> RouteView {
+        let v = b.view(now);
+        v.routes
+            .into_iter()
+            .find(|r| r.route.starts_with(prefix))
+            .unwrap()
+    }
+
     /// Runs the start of the global limit and `route`'s to the ceiling: the limit kept full, one
     /// call back done at a time (each grows it by one); every permit is returned at the end.
     fn finish_start(b: &mut Budget, route: &str, now: Instant) {
@@ -1625,36 +1639,20 @@ mod tests {
         b.set_account(account(None, Some(true)), t);
         finish_start(&mut b, "embedding:m@deepinfra/bf16", t);
         take(&mut b, "embedding:m@deepinfra/bf16", 8, t);
-        b.release(
-            "embedding:m@deepinfra/bf16",
-            Outcome::Limited {
-                kind: LimitKind::Upstream,
-                retry_after: Some(5 * S),
-            },
-            t,
-        );
+        let refused = limited(LimitKind::Upstream, Some(5 * S));
+        b.release("embedding:m@deepinfra/bf16", refused, t);
         assert_eq!(b.limit(), 16, "the global limit is untouched");
         assert!(matches!(
             b.check("embedding:m@deepinfra/bf16", t + S),
             Some(Hold::CoolingDown { .. })
         ));
         take(&mut b, "code-assistant:chat", 8, t + S);
-        let v = b.view(t + S);
-        let emb = v
-            .routes
-            .iter()
-            .find(|r| r.route.starts_with("embedding"))
-            .unwrap();
+        let emb = route_of(&b, "embedding", t + S);
         assert_eq!((emb.limit, emb.throttles), (4, 1));
         // A new route is an upstream nothing is known of: it opens at half the ceiling and
         // grows by one per call back done while it was full.
         let chat = |b: &Budget| {
-            let v = b.view(t + S);
-            let r = v
-                .routes
-                .iter()
-                .find(|r| r.route.starts_with("code"))
-                .unwrap();
+            let r = route_of(b, "code", t + S);
             (r.limit, r.start_target)
         };
         assert_eq!(chat(&b), (8, Some(16)));
@@ -1702,10 +1700,7 @@ mod tests {
     fn a_429_in_the_start_ends_it_under_the_wall_with_no_halving_and_no_cooldown() {
         let (mut b, t) = budget();
         b.set_account(account(None, Some(true)), t);
-        let upstream_429 = Outcome::Limited {
-            kind: LimitKind::Upstream,
-            retry_after: Some(S),
-        };
+        let upstream_429 = limited(LimitKind::Upstream, Some(S));
         let route = |b: &Budget, now| b.view(now).routes[0].clone();
         // The route's upstream holds 10: the start grows it to 12 before the first refusal
         // comes back (two calls over the wall).
@@ -1747,10 +1742,7 @@ mod tests {
         assert!(walls[0].contains("from 12 to 11"), "{walls:?}");
         // A 429 past the round trip that ended the start is congestion: a halving from what
         // is in flight (10) and a cooldown, even with no Retry-After at all.
-        let bare_429 = Outcome::Limited {
-            kind: LimitKind::Upstream,
-            retry_after: None,
-        };
+        let bare_429 = limited(LimitKind::Upstream, None);
         b.release("r", bare_429, t + 3 * S);
         let r = route(&b, t + 3 * S);
         assert_eq!((r.limit, r.throttles), (5, 3), "{r:?}");
@@ -1762,14 +1754,7 @@ mod tests {
         let (mut b, t) = budget();
         b.set_account(account(None, Some(true)), t);
         take(&mut b, "r", 8, t);
-        b.release(
-            "r",
-            Outcome::Limited {
-                kind: LimitKind::Platform,
-                retry_after: Some(3 * S),
-            },
-            t,
-        );
+        b.release("r", limited(LimitKind::Platform, Some(3 * S)), t);
         let v = b.view(t);
         assert_eq!((v.limit, v.known_good, v.start_target), (7, Some(7), None));
         // No halving, but the shared key's own Retry-After holds every cloud call.
@@ -1806,12 +1791,7 @@ mod tests {
         let v = b.view(t);
         assert_eq!((v.limit, v.start_target), (12, None));
         take(&mut b, "new", 4, t);
-        let fresh = b
-            .view(t)
-            .routes
-            .into_iter()
-            .find(|r| r.route == "new")
-            .unwrap();
+        let fresh = route_of(&b, "new", t);
         assert_eq!((fresh.limit, fresh.start_target), (12, None));
         // Cleared, the computed ceiling is a guess again: approached from where the limit is.
         b.set_override(None, t);
