@@ -586,7 +586,7 @@ impl Hub {
                             sampled = now;
                             sample_of(&mut core, now)
                         });
-                    (core.gate.take_dirty().is_some(), sample)
+                    (core.gate.take_dirty(), sample)
                 };
                 if let Some(sample) = sample {
                     hub.history().push(sample);
@@ -631,6 +631,23 @@ impl Hub {
         require_project_key: bool,
         gate: gate::GateSettings,
     ) -> Hub {
+        Hub::open_for_tests_from(
+            dir,
+            client_token,
+            require_project_key,
+            gate,
+            HubState::fresh(),
+        )
+    }
+
+    /// [`Hub::open_for_tests`] from a state as loaded (a restart, the next leader).
+    pub(crate) fn open_for_tests_from(
+        dir: &std::path::Path,
+        client_token: Option<&str>,
+        require_project_key: bool,
+        gate: gate::GateSettings,
+        state: HubState,
+    ) -> Hub {
         Hub::open(
             HubOptions {
                 settings: HubSettings::default(),
@@ -641,7 +658,7 @@ impl Hub {
                 require_project_key,
                 gate,
             },
-            HubState::fresh(),
+            state,
         )
         .unwrap()
     }

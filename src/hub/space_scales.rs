@@ -114,10 +114,7 @@ mod tests {
     use super::*;
     use crate::hub::gate::{self, Space, measure};
     use crate::hub::state::HubState;
-    use crate::hub::store::{StateStore, file::FileStore};
-    use crate::hub::{HubOptions, HubSettings};
     use crate::roles::Role;
-    use crate::secret::Secret;
 
     fn space(generation: u64) -> Space {
         // Unit vectors whose largest component at width 4 (renormalised) is 0.5.
@@ -137,19 +134,7 @@ mod tests {
     }
 
     fn hub_on(dir: &std::path::Path, state: HubState) -> Hub {
-        Hub::open(
-            HubOptions {
-                settings: HubSettings::default(),
-                store: StateStore::File(FileStore::open(dir).unwrap()),
-                fleet_token: Secret::new("fleet-token-for-tests"),
-                admin_token: Secret::new("admin-token-for-tests"),
-                client_token: None,
-                require_project_key: false,
-                gate: gate::GateSettings::default(),
-            },
-            state,
-        )
-        .unwrap()
+        Hub::open_for_tests_from(dir, None, false, gate::GateSettings::default(), state)
     }
 
     fn stored(dir: &std::path::Path) -> HubState {

@@ -1216,9 +1216,9 @@ impl Gate {
         self.dirty = true;
     }
 
-    /// The spaces, if one was added since the last call (to persist them).
-    pub fn take_dirty(&mut self) -> Option<BTreeMap<String, Space>> {
-        std::mem::take(&mut self.dirty).then(|| self.spaces.clone())
+    /// Whether the spaces changed since the last call (to persist them: [`Gate::spaces`]).
+    pub fn take_dirty(&mut self) -> bool {
+        std::mem::take(&mut self.dirty)
     }
 
     /// Every space, as held now.
