@@ -218,9 +218,7 @@ fn run(s: Scenario, with_budget: bool, settings: BudgetSettings) -> Tally {
                 if s.work == Some(tally.ok) {
                     tally.done_ms = Some(now);
                 }
-                Outcome::Success {
-                    latency_ms: e.value as f64,
-                }
+                Outcome::done_in_ms(e.value as f64)
             }
             k => {
                 tally.throttled += 1;

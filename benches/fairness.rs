@@ -159,6 +159,7 @@ impl Sim {
                 vectors: None,
                 scores: Some(scores),
                 error: None,
+                defect: None,
             };
             core.probe_result("gpu", session, answer)
                 .expect("probe answer");

@@ -3,8 +3,9 @@
 //! * `int8` / `uint8`: symmetric scalar quantization, `q = clamp(round(v × 127 / r), −128,
 //!   127)` (`uint8` is `q + 128`), with one [`Int8Scale`] `r` per space and output width. `r`
 //!   belongs to the space, not to a request: every int8 row of a space is quantized with the
-//!   same `r`, so rows stay comparable for as long as the space lives (the hub fixes it when
-//!   first asked and stores it with the space; `src/hub/space_scales.rs`). Dequantized,
+//!   same `r`, so rows stay comparable for as long as the space lives (the hub stores the
+//!   space's [`Int8Rule`] when first asked, and derives each width's `r` from it and the
+//!   space's stored fingerprint; `src/hub/space_scales.rs`). Dequantized,
 //!   `v ≈ q × r / 127`; a cosine or a dot product on the codes ranks as the floats do.
 //! * `binary` / `ubinary`: the sign bits (`v > 0` is 1), packed eight to a byte, the most
 //!   significant bit first, a width that is not a multiple of 8 zero-padded; `ubinary` as
@@ -81,17 +82,47 @@ pub struct Int8Scale {
     pub range: f32,
 }
 
-impl Int8Scale {
+/// How a space's int8 scales are derived from its fingerprint, stored with the space once (the
+/// first time a client asks for `int8` or `uint8`): every width's scale is then a function of
+/// what the space stores, so no width asked later needs a write, and a later build with
+/// another rule still derives this space's scales as they were.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Int8Rule {
+    /// Which derivation: 1 is [`Int8Rule::scale`]'s (the largest component as served at the
+    /// width, times `margin`, at most 1 for unit vectors).
+    pub version: u32,
+    pub margin: f32,
+}
+
+impl Int8Rule {
+    /// The rule this build stores for a space that has none.
+    pub const CURRENT: Int8Rule = Int8Rule {
+        version: 1,
+        margin: SCALE_MARGIN,
+    };
+
+    /// Whether this build can derive scales by it.
+    pub fn is_known(self) -> bool {
+        self.version == 1 && self.margin.is_finite() && self.margin > 0.0
+    }
+
     /// The scale of a space at `width`, from its fingerprint as served at that width: each
     /// probe vector cut to `width` and, when the fingerprint's vectors are unit vectors (the
-    /// model normalises), renormalised, as the engine's Matryoshka cut is. `r` is
-    /// [`SCALE_MARGIN`] × the largest component, never above 1 for unit vectors. `None` when
-    /// the fingerprint has nothing at that width.
-    pub fn from_fingerprint(fingerprint: &[Vec<f32>], width: usize) -> Option<Self> {
-        if width == 0 {
+    /// model normalises), renormalised, as the engine's Matryoshka cut is. `r` is `margin` ×
+    /// the largest component, never above 1 for unit vectors. `None` when the fingerprint has
+    /// nothing at that width, or the rule is not one this build knows. The arithmetic is
+    /// plain IEEE sums, products and square roots in a fixed order: every hub derives the
+    /// same bits.
+    pub fn scale(self, fingerprint: &[Vec<f32>], width: usize) -> Option<Int8Scale> {
+        if width == 0 || !self.is_known() {
             return None;
         }
-        let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+        let norm = |v: &[f32]| {
+            v.iter()
+                .map(|x| f64::from(*x) * f64::from(*x))
+                .sum::<f64>()
+                .sqrt()
+        };
         // The model normalises when every vector that is not all zeros is a unit vector.
         let norms: Vec<f64> = fingerprint
             .iter()
@@ -113,13 +144,20 @@ impl Int8Scale {
         if !(largest.is_finite() && largest > 0.0) {
             return None;
         }
-        let mut range = largest * f64::from(SCALE_MARGIN);
+        let mut range = largest * f64::from(self.margin);
         if unit {
             range = range.min(1.0);
         }
-        Some(Self {
+        Some(Int8Scale {
             range: range as f32,
         })
+    }
+}
+
+impl Int8Scale {
+    /// The scale of a fingerprint at `width` by [`Int8Rule::CURRENT`].
+    pub fn from_fingerprint(fingerprint: &[Vec<f32>], width: usize) -> Option<Self> {
+        Int8Rule::CURRENT.scale(fingerprint, width)
     }
 
     /// Whether a stored scale can be used (finite, positive).

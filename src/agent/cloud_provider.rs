@@ -78,6 +78,7 @@ fn failure(e: CloudError) -> ProviderFailure {
         retry_after_ms: e.retry_after_ms(),
         limit: e.limit(),
         refusal: e.refusal(),
+        defect: None,
         message: e.to_string(),
     }
 }

@@ -418,6 +418,7 @@ async fn session(
                         retry_after_ms: f.retry_after_ms,
                         limit: f.limit,
                         refusal: f.refusal,
+                        defect: f.defect,
                         message: f.message,
                     })),
                     None => {} // cancelled: the hub already took the lease back
@@ -545,6 +546,7 @@ fn failed(lease: u64, class: FailureClass, message: &str) -> AgentFrame {
         retry_after_ms: None,
         limit: None,
         refusal: None,
+        defect: None,
         message: message.to_string(),
     })
 }
@@ -596,7 +598,7 @@ fn start_work(
     agent.with_counters(&info.id, |c| c.in_flight += 1);
     let call_timeout = work.call_timeout_ms.map(Duration::from_millis);
     let streaming = matches!(&work.input, WorkInput::Chat(body) if body.get("stream").and_then(serde_json::Value::as_bool) == Some(true));
-    let (lease, frames) = (work.lease, tx.clone());
+    let (lease, frames, id) = (work.lease, tx.clone(), info.id.clone());
     // One span per frame: a child of its first request's trace, linked to every request (and
     // the engine's `tokenize` and `batch`, a cloud or server call, run inside it).
     let span = tracing::info_span!("work", lease, provider = %info.id, role = %work.role, items);
@@ -628,6 +630,9 @@ fn start_work(
                 )),
             },
         };
+        // JSON has no NaN: a model that produced one fails here, saying so, rather than
+        // sending a frame no hub can read.
+        let result = super::provider::finite(&id, result);
         (result, started.elapsed().as_secs_f64() * 1000.0)
     }
     .instrument(span);
@@ -748,6 +753,7 @@ async fn answer_probe(
         vectors: None,
         scores: None,
         error: None,
+        defect: None,
     };
     let Some(p) = provider else {
         result.error = Some(format!("no provider '{}' here", result.provider));
@@ -765,7 +771,8 @@ async fn answer_probe(
             ..Default::default()
         }),
     };
-    match p.run(input).await {
+    let id = p.info().id;
+    match super::provider::finite(&id, p.run(input).await) {
         Ok(WorkResult {
             output: protocol::WorkOutput::Embeddings(v),
             ..
@@ -775,7 +782,10 @@ async fn answer_probe(
             ..
         }) => result.scores = Some(s),
         Ok(_) => result.error = Some("the provider answered a probe with something else".into()),
-        Err(f) => result.error = Some(f.message),
+        Err(f) => {
+            result.error = Some(f.message);
+            result.defect = f.defect;
+        }
     }
     result
 }

@@ -8,7 +8,7 @@ use std::pin::Pin;
 
 use crate::inference::{EmbedOptions, Engine, InferenceError, RerankOptions};
 use crate::protocol::{
-    Backend, FailureClass, LimitKind, ProviderInfo, Refusal, Score, WorkClass, WorkInput,
+    Backend, Defect, FailureClass, LimitKind, ProviderInfo, Refusal, Score, WorkClass, WorkInput,
     WorkOutput,
 };
 use crate::roles::Role;
@@ -34,6 +34,8 @@ pub struct ProviderFailure {
     pub limit: Option<LimitKind>,
     /// A cloud route's standing refusal (the key was rejected, no endpoint for the pin).
     pub refusal: Option<Refusal>,
+    /// The provider's own output was wrong (see [`Defect`]).
+    pub defect: Option<Defect>,
 }
 
 impl ProviderFailure {
@@ -44,7 +46,33 @@ impl ProviderFailure {
             retry_after_ms: None,
             limit: None,
             refusal: None,
+            defect: None,
         }
+    }
+
+    /// Provider `id`'s model produced NaN or an infinity: no frame can carry that, and no
+    /// retry on this provider helps (fatal; the hub takes the provider out of service).
+    pub fn non_finite(id: &str) -> Self {
+        Self {
+            defect: Some(Defect::NonFinite),
+            ..Self::new(
+                FailureClass::Fatal,
+                format!(
+                    "provider '{id}': the model produced non-finite values (NaN or infinity); its weights may be corrupt or its dtype may overflow (try float32)"
+                ),
+            )
+        }
+    }
+}
+
+/// `result`, or the failure of a provider whose output holds a non-finite number.
+pub fn finite(
+    id: &str,
+    result: Result<WorkResult, ProviderFailure>,
+) -> Result<WorkResult, ProviderFailure> {
+    match result {
+        Ok(r) if !r.output.is_finite() => Err(ProviderFailure::non_finite(id)),
+        other => other,
     }
 }
 

@@ -411,6 +411,7 @@ pub async fn hub(cmd: HubCommand) -> anyhow::Result<()> {
         let me = http::standby::StandbySelf {
             admin_token: admin_token(&cfg)?.0,
             store: cmd.etcd.describe(),
+            peer_trust: cmd.etcd.peer_trust()?,
         };
         let recovery = if cmd.hub.set_aside_unreadable_state {
             crate::hub::store::parts::Recovery::set_aside_into(&state_dir)

@@ -15,6 +15,7 @@ use clap::Args;
 use tokio::sync::watch;
 
 use crate::config::tokens;
+use crate::hub::peer_http::PeerTrust;
 use crate::hub::store::StateStore;
 use crate::hub::store::etcd::EtcdStore;
 use crate::hub::store::etcd::client::{EtcdClient, EtcdOptions};
@@ -64,6 +65,10 @@ pub struct EtcdArgs {
     /// How agents, clients and the other hubs reach this hub [default: http(s)://<--listen>].
     #[arg(long, env = "FANTOM_ADVERTISE_URL")]
     advertise_url: Option<String>,
+    /// A CA bundle (PEM) that signed the other hubs' certificates (`--tls-cert` from a private
+    /// CA), trusted beside the system's roots when this hub forwards to or asks its peers.
+    #[arg(long, env = "FANTOM_PEER_CA_FILE")]
+    peer_ca_file: Option<PathBuf>,
 }
 
 /// A hub that leads: what it needs to keep leading.
@@ -121,6 +126,11 @@ impl EtcdArgs {
             );
         }
         Ok(())
+    }
+
+    /// What this hub trusts its peers' certificates by (`--peer-ca-file`), read at start.
+    pub fn peer_trust(&self) -> anyhow::Result<PeerTrust> {
+        PeerTrust::from_file(self.peer_ca_file.as_deref()).map_err(anyhow::Error::msg)
     }
 
     fn client(&self) -> anyhow::Result<EtcdClient> {
@@ -199,6 +209,7 @@ impl EtcdArgs {
             format!("{:016x}", rand::random::<u64>()),
             me.url.clone(),
             ttl,
+            self.peer_trust()?,
         );
         let leadership = election::campaign(&client, &prefix, &me, ttl, |leader, epoch| {
             tracing::info!(leader = %leader.url, process = %leader.process, epoch, "standby: another hub leads");

@@ -1,9 +1,13 @@
 //! What a leader that stepped aside answers ([`crate::hub::aside`]): cut off from etcd while
-//! another hub leads under a newer epoch, it is a standby in all but name. `/health` names the
-//! leader and its epoch as a standby's does, `/ready` and agents' upgrades get 503 `standby`
-//! naming the leader, `/metrics` stays its own, and every other request is forwarded to the
-//! leader and its answer streamed back ([`super::standby::relay`]), so a client configured with
-//! this address keeps working and a key the new leader rotated or removed is refused.
+//! another hub leads under a newer epoch (and said so itself when asked), it is a standby in
+//! all but name. `/health` names the leader and its epoch as a standby's does, `/ready` and
+//! agents' upgrades get 503 `standby` naming the leader, `/metrics` stays its own, and every
+//! other request is forwarded to the leader and its answer streamed back
+//! ([`super::standby::relay`]), so a client configured with this address keeps working and a
+//! key the new leader rotated or removed is refused. A fenced leader that has not stepped aside
+//! (a newer leader named that it cannot confirm, or no hub says who leads) answers itself:
+//! work with a project key gets 503 `store_unreachable` naming why (`client_api::client_auth`),
+//! cloud work the same (the fence), keyless local work is served.
 
 use axum::extract::{Request, State};
 use axum::middleware::Next;
@@ -23,13 +27,12 @@ pub struct AsideRelay {
 }
 
 impl AsideRelay {
+    /// Forwards with the peers' trust the hub was given (`Hub::spawn_aside_watch`, before the
+    /// router is built).
     pub fn new(hub: Hub) -> Self {
-        let http = reqwest::Client::builder()
-            .no_proxy()
-            .connect_timeout(std::time::Duration::from_secs(5))
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .unwrap_or_default();
+        let http = hub
+            .peer_trust()
+            .client(None, std::time::Duration::from_secs(5));
         // The sender lives in the receiver's channel for as long as a clone of it does.
         let (tx, never) = tokio::sync::watch::channel(false);
         std::mem::forget(tx);

@@ -93,18 +93,28 @@ pub(super) fn client_auth(hub: &Hub, headers: &HeaderMap) -> Result<Client, ApiE
         .get(PROJECT_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(str::trim);
-    let caller = hub
-        .identify(auth::bearer(headers), sub, WorkClass::Batch)
-        .map_err(|e| ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string()))?;
-    // Cut off from etcd and from every peer, this hub cannot know whether a leader it cannot
-    // see rotated or removed the key: a project's key waits (keyless local work goes on).
-    if &*caller.project != crate::hub::projects::DEFAULT_PROJECT
-        && let Some(crate::hub::aside::Aside::Isolated { reason }) = hub.aside()
-    {
-        let mut err = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "store_unreachable", reason);
-        err.retry_after_s = Some(5);
-        return Err(err);
+    let identified = hub.identify(auth::bearer(headers), sub, WorkClass::Batch);
+    // A leader cut off from etcd that cannot say no newer leader exists (no hub answered,
+    // another names a newer leader it cannot confirm, or it just stepped aside for one) holds
+    // a key table that may be out of date both ways: a project's key, or a key it does not
+    // know (made by the new leader), waits with the reason (keyless local work goes on).
+    if let Some(aside) = hub.aside() {
+        let keyed = match &identified {
+            Ok(caller) => &*caller.project != crate::hub::projects::DEFAULT_PROJECT,
+            Err(e) => *e == crate::hub::project_admin::Unidentified::UnknownKey,
+        };
+        if keyed {
+            let mut err = ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_unreachable",
+                aside.keyed_refusal(),
+            );
+            err.retry_after_s = Some(5);
+            return Err(err);
+        }
     }
+    let caller = identified
+        .map_err(|e| ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", e.to_string()))?;
     let span = tracing::Span::current();
     span.record("project", &*caller.project);
     if let Some(sub) = &caller.sub_project {

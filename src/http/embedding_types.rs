@@ -58,6 +58,22 @@ pub(super) async fn scale_for(
         ));
     };
     let width = first.vector.len();
+    // One scale per response: vectors of another space, generation or width would be
+    // quantized with a scale that is not theirs.
+    let same = |v: &super::client_api::Embedding| {
+        v.vector.len() == width
+            && v.space
+                .as_deref()
+                .is_some_and(|s| s.id == space.id && s.generation == space.generation)
+    };
+    if !done.vectors.iter().all(same) {
+        return Err(ApiError::new(
+            axum::http::StatusCode::CONFLICT,
+            "mixed_spaces",
+            "these vectors came from more than one vector space or width, and int8 and uint8 \
+             are quantized with one space's scale at one width; send the request again",
+        ));
+    }
     match hub.int8_scale(space, width).await {
         Ok(scale) => Ok(Some(scale)),
         Err(ScaleError::State(e)) => Err(ApiError::state_write(&e)),
@@ -66,7 +82,11 @@ pub(super) async fn scale_for(
             "space_changed",
             e.to_string(),
         )),
-        Err(e @ (ScaleError::NoFingerprint(..) | ScaleError::Unusable(..))) => Err(ApiError::new(
+        Err(
+            e @ (ScaleError::NoFingerprint(..)
+            | ScaleError::Unusable(..)
+            | ScaleError::UnknownRule(..)),
+        ) => Err(ApiError::new(
             axum::http::StatusCode::INTERNAL_SERVER_ERROR,
             "no_scale",
             e.to_string(),

@@ -47,6 +47,8 @@ pub struct StandbySelf {
     pub admin_token: Secret,
     /// The store as `HaView::store` names it (endpoints and prefix; never a credential).
     pub store: String,
+    /// What the leader's certificate is trusted by (`--peer-ca-file`).
+    pub peer_trust: crate::hub::peer_http::PeerTrust,
 }
 
 #[derive(Clone)]
@@ -61,12 +63,7 @@ struct Standby {
 
 /// The standby surface; `won` turns true when this hub leads.
 pub fn router(leader: SeenLeader, won: watch::Receiver<bool>, me: StandbySelf) -> Router {
-    let http = reqwest::Client::builder()
-        .no_proxy()
-        .connect_timeout(Duration::from_secs(5))
-        .redirect(reqwest::redirect::Policy::none())
-        .build()
-        .unwrap_or_default();
+    let http = me.peer_trust.client(None, Duration::from_secs(5));
     let me = Arc::new(me);
     let mut metrics = crate::metrics::registry("hub");
     {
@@ -112,6 +109,7 @@ fn ha_view(leader: &SeenLeader, me: &StandbySelf) -> HaView {
         peers: None,
         aside: None,
         fenced: None,
+        handover_saved_ms: None,
     }
 }
 

@@ -31,13 +31,18 @@ pub(super) fn take_over(core: &mut Core, state: &HubState, now: Instant) {
 }
 
 impl Hub {
+    /// When this hub last wrote its handover (ms since the Unix epoch), if it has.
+    pub(super) fn handover_saved_ms(&self) -> Option<u64> {
+        Some(self.inner.handover_saved_ms.load(Ordering::Relaxed)).filter(|&ms| ms > 0)
+    }
+
     /// Writes the handover when it changed and the last write is a few seconds old.
     pub(super) async fn checkpoint_handover_if_due(&self) {
         if !self.inner.store.is_shared() {
             return;
         }
         let now = now_ms();
-        let last = self.inner.handover_saved_ms.load(Ordering::Relaxed);
+        let last = self.inner.handover_tried_ms.load(Ordering::Relaxed);
         // A suspension is stored at once: a new leader must never restore the pass before it.
         let urgent = self.core().gate.take_urgent();
         if (!urgent && now.saturating_sub(last) < HANDOVER_CHECKPOINT_MS)
@@ -62,13 +67,18 @@ impl Hub {
                 return;
             }
         }
-        self.inner.handover_saved_ms.store(now, Ordering::Relaxed);
+        self.inner.handover_tried_ms.store(now, Ordering::Relaxed);
         let _writing = self.inner.state_writes.lock().await;
         let mut next = self.state();
         next.verdicts = verdicts;
         next.budget = Some(budget);
         match self.persist(next).await {
-            Ok(next) => *self.lock_state() = next,
+            Ok(next) => {
+                *self.lock_state() = next;
+                self.inner
+                    .handover_saved_ms
+                    .store(now_ms(), Ordering::Relaxed);
+            }
             Err(e) => {
                 if urgent {
                     self.core().gate.mark_urgent();

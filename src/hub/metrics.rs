@@ -310,6 +310,11 @@ impl Hub {
         )?;
         encode_projects(&core, f)?;
         drop(core);
+        f.counter(
+            "fantom_hub_state_saves_total",
+            "Writes of the hub's state that the store took (a state file, or etcd).",
+            one(self.state_saves() as f64),
+        )?;
         encode_ha(f, &self.store().ha_view())
     }
 }

@@ -15,7 +15,9 @@ pub mod events;
 pub mod gate;
 mod handover;
 pub mod history;
+pub mod measured;
 pub mod metrics;
+pub mod peer_http;
 pub mod policy;
 pub mod project_admin;
 pub mod projects;
@@ -78,9 +80,14 @@ struct Inner {
     started: Instant,
     /// When the projects' day usage was last checkpointed (ms since the epoch).
     usage_saved_ms: std::sync::atomic::AtomicU64,
-    /// When the handover (verdicts, the budget's window) was last checkpointed.
+    /// When the handover (verdicts, the budget's window) was last tried.
+    handover_tried_ms: std::sync::atomic::AtomicU64,
+    /// When the last handover write succeeded (ms since the Unix epoch; 0: none yet).
     handover_saved_ms: std::sync::atomic::AtomicU64,
-    /// A fenced leader's peers' answer: another leads, or none could be asked.
+    /// Writes of the state the store took ([`Hub::persist`]).
+    state_saves: std::sync::atomic::AtomicU64,
+    /// What a fenced leader heard from the other hubs: another leads (confirmed or not), or
+    /// none says who leads.
     aside: std::sync::Mutex<Option<aside::Aside>>,
     /// The other hubs of an etcd store, as last read (what a fenced leader asks).
     peers: std::sync::Mutex<Option<store::etcd::members::Peers>>,
@@ -270,7 +277,9 @@ impl Hub {
                 require_project_key: opts.require_project_key,
                 started: Instant::now(),
                 usage_saved_ms: std::sync::atomic::AtomicU64::new(now_ms()),
+                handover_tried_ms: std::sync::atomic::AtomicU64::new(0),
                 handover_saved_ms: std::sync::atomic::AtomicU64::new(0),
+                state_saves: std::sync::atomic::AtomicU64::new(0),
                 aside: std::sync::Mutex::new(None),
                 peers: std::sync::Mutex::new(None),
                 history: std::sync::Mutex::new(history::History::default()),
@@ -497,7 +506,17 @@ impl Hub {
     /// Writes `next` to the store; it is the state once written.
     async fn persist(&self, next: HubState) -> Result<HubState, StateError> {
         self.inner.store.save(&next).await?;
+        self.inner
+            .state_saves
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(next)
+    }
+
+    /// Writes of the state the store took since this hub started.
+    pub fn state_saves(&self) -> u64 {
+        self.inner
+            .state_saves
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Persists the vector spaces (a new one was fingerprinted, or one retired). They are taken

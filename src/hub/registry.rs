@@ -8,6 +8,7 @@ use std::time::Instant;
 use serde::Serialize;
 use tokio::sync::mpsc;
 
+use crate::hub::measured::LatencyMs;
 use crate::protocol::{
     Backend, ConfigAck, DeviceInfo, HeldConfig, ProviderInfo, ProviderStats, ScoreActivation,
 };
@@ -125,6 +126,9 @@ pub struct ProviderEntry {
     pub scorer: Option<Arc<ScorerRef>>,
     /// A cloud route that refuses every call until a push (no endpoint for its pin): why.
     pub refused: Option<String>,
+    /// A provider whose output was wrong in itself (NaN or infinity) and that no gate verdict
+    /// covers (a reranker, a chat): why. It serves nothing until its agent announces it anew.
+    pub defective: Option<String>,
     /// A cloud route that is not the hub's now (another model, pin or width; a policy that
     /// keeps the role local; a key of an older generation, or none). It serves nothing, is
     /// probed by no gate and asked nothing of the account.
@@ -192,6 +196,7 @@ impl ProviderEntry {
             claimed_scorer,
             scorer,
             refused: None,
+            defective: None,
             stale: None,
             credits: 0,
             in_flight: 0,
@@ -245,8 +250,9 @@ impl ProviderEntry {
         self.benched_until.is_none_or(|t| t <= now)
     }
 
-    pub fn record_latency(&mut self, latency_ms: f64) {
+    pub fn record_latency(&mut self, latency: LatencyMs) {
         const ALPHA: f64 = 0.2;
+        let latency_ms = latency.ms();
         self.latency_ewma_ms = Some(match self.latency_ewma_ms {
             Some(prev) => prev + ALPHA * (latency_ms - prev),
             None => latency_ms,

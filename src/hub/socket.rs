@@ -22,6 +22,7 @@ use futures_util::stream::SplitSink;
 
 use super::Hub;
 use super::registry::Outgoing;
+use crate::protocol::codec::{self, Unreadable};
 use crate::protocol::{self, AgentFrame, FrameError, HubFrame};
 
 /// Serves one authenticated agent socket until it closes.
@@ -86,6 +87,9 @@ pub async fn serve_agent(socket: Socket, hub: Hub) {
             Err(e) => {
                 tracing::debug!(agent = ?session.as_ref().map(|s| &s.0), error = %e, "bad frame from agent");
                 let _ = tx.send(error(e.to_string()));
+                if let Some((agent, sid)) = &session {
+                    fail_unreadable(&hub, agent, *sid, &e, text.as_str());
+                }
                 continue;
             }
         };
@@ -140,6 +144,47 @@ pub async fn serve_agent(socket: Socket, hub: Hub) {
     }
     drop(tx);
     let _ = writer.await;
+}
+
+/// A refused `done` or `probe_result` still names what it answers: that lease goes back (a
+/// transient failure of its provider) and that probe fails, at once and with the reason.
+fn fail_unreadable(hub: &Hub, agent: &str, session: u64, e: &FrameError, text: &str) {
+    let kind = match e {
+        FrameError::Invalid { kind, .. } | FrameError::TooLarge { kind, .. } => kind,
+        _ => return,
+    };
+    let why = format!("the agent's answer could not be read ({e})");
+    let result = match codec::salvage(kind, text) {
+        Some(Unreadable::Done { lease }) => hub.core().failed(
+            agent,
+            session,
+            protocol::Failed {
+                lease,
+                class: protocol::FailureClass::Transient,
+                retry_after_ms: None,
+                limit: None,
+                refusal: None,
+                defect: None,
+                message: why,
+            },
+        ),
+        Some(Unreadable::ProbeResult { probe, provider }) => hub.core().probe_result(
+            agent,
+            session,
+            protocol::ProbeResult {
+                probe,
+                provider,
+                vectors: None,
+                scores: None,
+                error: Some(why),
+                defect: None,
+            },
+        ),
+        None => Ok(()),
+    };
+    if let Err(message) = result {
+        tracing::debug!(agent, error = %message, "an unreadable answer named nothing live");
+    }
 }
 
 /// The socket's writer: frames from the core, a ping every heartbeat, each write bounded by

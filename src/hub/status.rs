@@ -89,6 +89,10 @@ pub struct ProviderView {
     /// hold the current key.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stale: Option<String>,
+    /// Why it serves nothing: its output was wrong in itself (NaN or infinity), or a cloud
+    /// route's pin matches no endpoint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub out_of_service: Option<String>,
     /// Work-frame latency the agent measured (hub-side EWMA of `done.latency_ms`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub latency_ewma_ms: Option<f64>,
@@ -169,6 +173,7 @@ impl Hub {
         let mut ha = self.store().ha_view();
         ha.aside = self.aside();
         ha.peers = self.peers();
+        ha.handover_saved_ms = self.handover_saved_ms();
         let mut core = self.core();
         let now = Instant::now();
         core.budget.tick(now);
@@ -203,6 +208,7 @@ impl Hub {
                         benched: !p.is_healthy(now),
                         paused: p.paused_until.is_some_and(|t| t > now),
                         stale: p.stale.as_ref().map(|s| s.reason.clone()),
+                        out_of_service: p.defective.clone().or_else(|| p.refused.clone()),
                         latency_ewma_ms: p.latency_ewma_ms,
                         heartbeat: p.heartbeat.clone(),
                     })

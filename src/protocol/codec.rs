@@ -128,6 +128,42 @@ fn frame_type(text: &str) -> Result<String, FrameError> {
         .ok_or(FrameError::MissingType)
 }
 
+/// What can still be read of an agent's frame that was refused: the lease a `done` answers,
+/// the probe a `probe_result` answers. The hub fails that lease or probe at once, saying why,
+/// rather than wait out its expiry for an answer that already came and cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unreadable {
+    Done { lease: u64 },
+    ProbeResult { probe: String, provider: String },
+}
+
+/// The lease or probe an agent's refused frame of `kind` answers, when its text says.
+pub fn salvage(kind: &str, text: &str) -> Option<Unreadable> {
+    #[derive(Deserialize)]
+    struct Lease {
+        lease: u64,
+    }
+    #[derive(Deserialize)]
+    struct Probe {
+        probe: String,
+        provider: String,
+    }
+    match kind {
+        "done" => serde_json::from_str::<Lease>(text)
+            .ok()
+            .map(|l| Unreadable::Done { lease: l.lease }),
+        "probe_result" => {
+            serde_json::from_str::<Probe>(text)
+                .ok()
+                .map(|p| Unreadable::ProbeResult {
+                    probe: p.probe,
+                    provider: p.provider,
+                })
+        }
+        _ => None,
+    }
+}
+
 /// Encodes a hub frame; a config frame's key starts at or after [`KEY_OFFSET_MIN`].
 pub fn encode(frame: &HubFrame) -> String {
     // Frames are plain data (strings, numbers, maps with string keys): serialization cannot fail.
@@ -322,6 +358,7 @@ mod tests {
             retry_after_ms: Some(2000),
             limit: Some(LimitKind::Upstream),
             refusal: None,
+            defect: None,
             message: "429".into(),
         }));
         round_trip_agent(AgentFrame::Failed(Failed {
@@ -330,6 +367,7 @@ mod tests {
             retry_after_ms: None,
             limit: None,
             refusal: Some(Refusal::KeyRejected),
+            defect: None,
             message: "401".into(),
         }));
         round_trip_agent(AgentFrame::ConfigAck(ConfigAck {
@@ -348,6 +386,7 @@ mod tests {
             vectors: Some(vec![vec![1.0]]),
             scores: None,
             error: None,
+            defect: None,
         }));
         round_trip_agent(AgentFrame::ProbeResult(ProbeResult {
             probe: "scorer-1".into(),
@@ -358,6 +397,7 @@ mod tests {
                 probability: Some(0.8),
             }]),
             error: None,
+            defect: None,
         }));
     }
 

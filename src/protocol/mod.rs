@@ -392,7 +392,21 @@ pub struct Failed {
     /// fails the work only that route could serve instead of requeueing it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub refusal: Option<Refusal>,
+    /// What was wrong with the provider's own output, when that is why it failed: the hub
+    /// takes the provider out of service (as a drift would) rather than trying it again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub defect: Option<Defect>,
     pub message: String,
+}
+
+/// A provider's output that is wrong in itself, whatever the input: the provider is broken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Defect {
+    /// The model produced NaN or an infinity (a corrupted weight file, a half-precision
+    /// overflow on a GPU). JSON has no such numbers: the agent reports this instead of a frame
+    /// no hub could read.
+    NonFinite,
 }
 
 /// A cloud route's standing refusal: no retry can help until a new push (a new key, a new pin).
@@ -446,6 +460,9 @@ pub struct ProbeResult {
     pub scores: Option<Vec<Score>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// With `error`: the provider's output was wrong in itself (see [`Defect`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub defect: Option<Defect>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -639,6 +656,15 @@ impl WorkOutput {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Whether every number is finite (a chat's JSON cannot hold any other kind).
+    pub fn is_finite(&self) -> bool {
+        match self {
+            WorkOutput::Embeddings(v) => v.iter().flatten().all(|x| x.is_finite()),
+            WorkOutput::Scores(s) => s.iter().all(Score::is_finite),
+            WorkOutput::Chat(_) => true,
+        }
+    }
 }
 
 /// A reranker's output for one document.
@@ -652,6 +678,11 @@ pub struct Score {
 }
 
 impl Score {
+    /// Whether the logit and its probability (where there is one) are finite.
+    pub fn is_finite(&self) -> bool {
+        self.score.is_finite() && self.probability.is_none_or(f32::is_finite)
+    }
+
     /// A logit and its sigmoid.
     pub fn from_logit(x: f32) -> Score {
         Score {

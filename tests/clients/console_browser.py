@@ -134,6 +134,22 @@ def operator(args, admin, check):
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         foreign, errors = [], []
         watch(page, (origin,), foreign, errors)
+        def without_script():
+            # A page whose script did not run: submitting the sign-in form sends no token
+            # anywhere (the input is no form field), never in a URL.
+            bare = browser.new_context(java_script_enabled=False).new_page()
+            sent = []
+            bare.on("request", lambda r: sent.append((r.url, r.post_data or "")))
+            bare.goto(base + "/console")
+            bare.fill("#token", admin)
+            bare.press("#token", "Enter")
+            bare.wait_for_load_state()
+            leaked = [u for u, body in sent if admin in u or admin in body]
+            assert not leaked, f"the token was sent: {leaked}"
+            assert admin not in bare.url, "the token is in the URL"
+            bare.context.close()
+        check("without its script the sign-in form sends no token", without_script)
+
         page.goto(base + "/console")
 
         def wrong_token():
@@ -209,6 +225,11 @@ def operator(args, admin, check):
         check("a project is created and its key shown once works", create_project)
 
         def rotate():
+            # Rotation asks first: declined, the key stays as it was.
+            page.once("dialog", lambda d: d.dismiss())
+            page.click("button[data-rotate='console-made']")
+            assert http_status(base + "/v1/embeddings", keys["first"]) == 200, "rotated unasked"
+            page.once("dialog", lambda d: d.accept())
             page.click("button[data-rotate='console-made']")
             expect(page.locator("#new-key")).to_be_visible()
             second = page.input_value("#key-value")

@@ -27,6 +27,17 @@ pub(crate) fn etcd_hub_with(dir: &Path, name: &str, cluster: &Cluster, more: &[&
 
 /// A hub on the etcd `endpoints` (comma-separated), with more arguments.
 pub(crate) fn etcd_hub_at(dir: &Path, name: &str, endpoints: &str, more: &[&str]) -> HubProc {
+    etcd_hub_listening(dir, name, endpoints, None, more)
+}
+
+/// [`etcd_hub_at`] listening on `addr` (a hub started again at the address another had).
+pub(crate) fn etcd_hub_listening(
+    dir: &Path,
+    name: &str,
+    endpoints: &str,
+    addr: Option<std::net::SocketAddr>,
+    more: &[&str],
+) -> HubProc {
     let home = dir.join(name);
     let state = home.join("state");
     std::fs::create_dir_all(&state).unwrap();
@@ -48,7 +59,7 @@ pub(crate) fn etcd_hub_at(dir: &Path, name: &str, endpoints: &str, more: &[&str]
         fleet.as_str(),
     ];
     args.extend_from_slice(more);
-    HubProc::start(&home, None, &args, &[], "hub.log")
+    HubProc::start(&home, addr, &args, &[], "hub.log")
 }
 
 /// `hub`'s status when it leads (a standby answers status for itself: `ha.role` says which).
@@ -283,6 +294,7 @@ async fn the_etcd_store_keeps_a_large_state_in_checked_chunks_and_refuses_a_depo
         probe_set: "p".into(),
         generation: 1,
         int8_scales: [(4096, fantom_sidecar::quantize::Int8Scale { range: 0.25 })].into(),
+        int8_rule: Some(fantom_sidecar::quantize::Int8Rule::CURRENT),
     };
     state.spaces.insert(space.id(), space);
     assert!(serde_json::to_vec(&state).unwrap().len() > 1_600_000);

@@ -1,8 +1,8 @@
 //! Hubs on etcd when etcd itself is in trouble, when hubs race, and the way in from a single
 //! hub: two of three members stopped (no quorum) fence the leader, so local embeddings go on
 //! and cloud chat, config writes and new spaces stop with the reason, until the members
-//! return (an int8 scale stored with the space is served while fenced, a new one is 503, and
-//! the next leader quantizes as the last did); two hubs started at once on an empty store found one space, and a verdict judged
+//! return (the int8 rule stored with the space serves every width while fenced, and the next
+//! leader quantizes as the last did); two hubs started at once on an empty store found one space, and a verdict judged
 //! before a failover is handed to the next leader, not probed again; `migrate-state` copies a
 //! single hub's state dir into etcd once.
 
@@ -116,20 +116,18 @@ async fn without_etcds_quorum_the_leader_is_fenced_local_work_goes_on_and_all_re
         .await;
     assert_eq!(r.0, 200, "{}", r.1);
     assert_eq!(r.1["data"][0]["space"]["id"], space.as_str());
-    // A scale it stored is served while fenced; one it would have to store first is refused
-    // with the reason (no codes a later leader might make differently); sign bits need none.
+    // The space's stored rule serves int8 while fenced, at the width it was first asked and at
+    // a width never asked before (derived, nothing to write); sign bits need no scale.
     let (code, body) = quantized(&a, "int8 codes", &["int8"], None).await;
     assert_eq!(
         (code, &body["embeddings"]["int8"][0]),
         (200, &codes),
         "{body}"
     );
-    let (code, body) = quantized(&a, "int8 codes", &["int8", "binary"], Some(128)).await;
-    assert_eq!(code, 503, "{body}");
-    assert!(
-        body["message"].as_str().is_some_and(|m| m.contains("etcd")),
-        "{body}"
-    );
+    let (code, narrow) = quantized(&a, "int8 codes", &["int8", "binary"], Some(128)).await;
+    assert_eq!(code, 200, "{narrow}");
+    let narrow = narrow["embeddings"]["int8"][0].clone();
+    assert_eq!(narrow.as_array().map(Vec::len), Some(128), "{narrow}");
     let (code, body) = quantized(&a, "int8 codes", &["ubinary"], Some(128)).await;
     assert_eq!(code, 200, "{body}");
     assert_eq!(
@@ -170,6 +168,12 @@ async fn without_etcds_quorum_the_leader_is_fenced_local_work_goes_on_and_all_re
     assert_eq!(
         (code, &after["embeddings"]["int8"][0]),
         (200, &codes),
+        "{after}"
+    );
+    let (code, after) = quantized(&b, "int8 codes", &["int8"], Some(128)).await;
+    assert_eq!(
+        (code, &after["embeddings"]["int8"][0]),
+        (200, &narrow),
         "{after}"
     );
     assert!(

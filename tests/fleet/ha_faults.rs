@@ -2,11 +2,14 @@
 //! `/admin/status` for itself (a standby too, and while no hub leads), and an auth change in
 //! etcd (a user added while the hubs run) fences no leader and stops no standby from taking
 //! over. A chat retried with its `Idempotency-Key` across a frozen leader reaches the
-//! upstream once: the agent finishes it, keeps the answer and hands it to the new leader.
+//! upstream once: the agent finishes it, keeps the answer and hands it to the new leader. A
+//! leader cut off from etcd steps aside for the new leader (one that won after the cut too,
+//! named by a hub it listed), holds keyed work while no hub can say who leads, and never
+//! serves a key the new leader revoked.
 
 use std::time::Duration;
 
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use crate::etcd_cluster::Cluster;
 use crate::ha::{etcd_hub_with, leader_and_standby, leads, standby_of};
@@ -617,6 +620,124 @@ async fn a_leader_cut_off_from_etcd_and_every_peer_holds_keyed_work_and_serves_k
 
     // etcd answers again: the lease expired during the cut, so the hub is deposed and exits
     // (under systemd it comes back as a standby, or leads again after a campaign).
+    cutter.heal();
+    assert_eq!(a.proc.wait_exit().code(), Some(75));
+}
+
+/// `GET /v1/models` through `hub` with `key`: the status, and whether it was forwarded.
+async fn models_with(hub: &HubProc, key: &str) -> (u16, bool) {
+    let r = hub
+        .http
+        .get(hub.url("/v1/models"))
+        .bearer_auth(key)
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .unwrap();
+    (
+        r.status().as_u16(),
+        r.headers().contains_key("x-fantom-forwarded-by"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_leader_follows_a_leader_it_never_listed_and_never_honours_a_key_it_revoked() {
+    let fleet = cut_fleet(&[]).await;
+    let CutFleet {
+        cutter,
+        mut a,
+        mut b,
+        key: old_key,
+        ..
+    } = fleet;
+    let (dir, cluster) = (fleet._dir.path(), &fleet._cluster);
+    // a lists b, and only b: the hubs it asks once it is cut off.
+    let b_url = format!("http://{}", b.proc.addr);
+    eventually("a lists b", || async {
+        (a.status().await["ha"]["peers"] == json!([b_url.as_str()])).then_some(())
+    })
+    .await;
+
+    // b goes, then etcd answers nothing to a: a asks b's address and nobody answers.
+    let b_addr = b.proc.addr;
+    b.proc.kill();
+    cutter.cut_after(0);
+    eventually("a finds no hub to ask", || async {
+        (a.status().await["ha"]["aside"]["state"] == "isolated").then_some(())
+    })
+    .await;
+    // A replacement hub starts after the cut (a never read it in the list) and wins once a's
+    // lease expires.
+    let c = etcd_hub_with(dir, "c", cluster, &[]);
+    leads(&c).await;
+    let c_url = format!("http://{}", c.proc.addr);
+    let c_epoch = c.status().await["ha"]["epoch"].clone();
+    assert!(c_epoch.is_i64(), "{c_epoch}");
+    let ha = a.status().await["ha"].clone();
+    assert_eq!(
+        ha["peers"],
+        json!([b_url.as_str()]),
+        "c is in no list a read: {ha}"
+    );
+    // The new leader revokes alpha's key (a rotation: the old key is refused from now on).
+    let (code, rotated) = c
+        .post_admin("/admin/projects/alpha/rotate", &json!({}))
+        .await;
+    assert_eq!(code, 200, "{rotated}");
+    let new_key = rotated["key"].as_str().unwrap().to_string();
+
+    // From the revocation to the end, the revoked key is sent to the cut-off hub over and over.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let prober = {
+        let (stop, http) = (stop.clone(), a.http.clone());
+        let (url, key) = (a.url("/v1/embeddings"), old_key.clone());
+        tokio::spawn(async move {
+            let mut codes = Vec::new();
+            // The client's own pace (not a synchronisation: any period works).
+            let mut tick = tokio::time::interval(Duration::from_millis(50));
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                tick.tick().await;
+                let r = http
+                    .post(&url)
+                    .bearer_auth(&key)
+                    .json(&json!({"model": "embedding", "input": ["a revoked key"]}))
+                    .timeout(Duration::from_secs(30))
+                    .send()
+                    .await;
+                codes.push(r.map_or(0, |r| r.status().as_u16()));
+            }
+            codes
+        })
+    };
+
+    // A hub starts again at b's address (the one a listed): a standby that names c, which a
+    // has never listed.
+    let b2 = crate::ha::etcd_hub_listening(dir, "b2", &cluster.endpoints(), Some(b_addr), &[]);
+    assert_eq!(standby_of(&b2).await, c_url);
+    // a hears of c from it, asks c itself, and steps aside for it.
+    let health = eventually("a steps aside for c", || async {
+        let (_, health) = a.get("/health").await;
+        (health["status"] == "standby" && health["leader"] == c_url.as_str()).then_some(health)
+    })
+    .await;
+    assert_eq!(health["epoch"], c_epoch, "{health}");
+    // Through a, c decides: the revoked key is refused, the new one taken.
+    assert_eq!(embed_with(&a, &old_key).await, (401, true));
+    assert_eq!(models_with(&a, &new_key).await, (200, true));
+
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let codes = prober.await.unwrap();
+    assert!(!codes.is_empty());
+    assert!(
+        !codes.contains(&200),
+        "the revoked key was served by the cut-off hub: {codes:?}"
+    );
+    assert!(
+        codes.iter().all(|c| *c == 503 || *c == 401),
+        "refused while a could not say who leads, then by c: {codes:?}"
+    );
+
+    // The cut heals: a finds its lease gone and exits, as a deposed leader does.
     cutter.heal();
     assert_eq!(a.proc.wait_exit().code(), Some(75));
 }

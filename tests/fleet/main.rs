@@ -24,6 +24,7 @@ mod gate;
 mod ha;
 mod ha_degraded;
 mod ha_faults;
+mod hostile;
 mod integrity;
 mod kill;
 mod leases;

@@ -485,7 +485,7 @@ document.addEventListener("DOMContentLoaded", () => {
     const rotate = target.getAttribute("data-rotate");
     const remove = target.getAttribute("data-remove");
     try {
-      if (rotate) {
+      if (rotate && confirm("Rotate the key of " + rotate + "? The old key stops working at once.")) {
         const made = await api("/admin/projects/" + encodeURIComponent(rotate) + "/rotate", { method: "POST" });
         $("projects-result").textContent = "The key of " + rotate + " was rotated: the old key is refused from now on.";
         showKey(rotate, made.key);

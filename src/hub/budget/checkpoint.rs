@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::Budget;
 use super::limiter::Limiter;
+use crate::hub::measured::{self, LatencyMs};
 use crate::protocol::AccountLimits;
 
 /// What the budget learned, as a shared store keeps it (checkpointed every few seconds, never
@@ -59,11 +60,18 @@ impl LimiterCheckpoint {
 
     /// Laid over a fresh limiter: a remembered wall counts from now (a halving just happened,
     /// as far as the ramp can tell), so the new leader does not walk into it again.
-    fn restore(&self, l: &mut Limiter, now: Instant) {
-        l.limit = self.limit.max(1);
-        l.start_target = self.start_target.filter(|&t| t > l.limit);
-        l.latency_ewma_ms = self.latency_ewma_ms.filter(|v| v.is_finite() && *v >= 0.0);
-        if let Some(bad) = self.last_bad {
+    fn restore(&self, l: &mut Limiter, hard_ceiling: u32, now: Instant) {
+        // Numbers another hub stored: each within what this hub could have learnt itself.
+        l.limit = self.limit.clamp(1, hard_ceiling);
+        l.start_target = self
+            .start_target
+            .map(|t| t.min(hard_ceiling))
+            .filter(|&t| t > l.limit);
+        l.latency_ewma_ms = self
+            .latency_ewma_ms
+            .and_then(LatencyMs::restored)
+            .map(LatencyMs::ms);
+        if let Some(bad) = self.last_bad.map(|b| b.clamp(1, hard_ceiling)) {
             l.last_bad = Some((bad, now));
             l.halved_to = l.limit;
             l.last_halving = Some(now);
@@ -105,17 +113,19 @@ impl Budget {
         let Some(cp) = checkpoint.filter(|c| c.key_generation.as_deref() == key_generation) else {
             return;
         };
-        self.account = cp.account.clone();
+        self.account = measured::account(cp.account.clone());
         self.last_discovery = Some(now);
-        if cp.latency_ewma_ms.is_finite() && cp.latency_ewma_ms > 0.0 {
-            self.latency_ewma_ms = cp.latency_ewma_ms;
+        if let Some(latency) = LatencyMs::restored(cp.latency_ewma_ms).filter(|l| l.ms() > 0.0) {
+            self.latency_ewma_ms = latency.ms();
         }
         self.stopped = cp.stopped.clone();
         self.key_rejected = cp.key_rejected.clone();
-        cp.global.restore(&mut self.global, now);
+        let hard = self.settings.hard_ceiling;
+        cp.global.restore(&mut self.global, hard, now);
         for (route, l) in &cp.routes {
-            let mut limiter = Limiter::new(l.limit, self.settings.backoff_initial, now);
-            l.restore(&mut limiter, now);
+            let mut limiter =
+                Limiter::new(l.limit.clamp(1, hard), self.settings.backoff_initial, now);
+            l.restore(&mut limiter, hard, now);
             self.routes.insert(route.clone(), limiter);
         }
         self.tick(now);

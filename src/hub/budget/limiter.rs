@@ -10,6 +10,7 @@ use rand::rngs::StdRng;
 
 use super::{BudgetSettings, Ceiling, CeilingSource};
 use crate::hub::events::EventKind;
+use crate::hub::measured::{LatencyMs, duration_of_ms};
 
 /// What a throttle that halved a limit did.
 #[derive(Clone, Copy, Debug)]
@@ -201,10 +202,9 @@ impl Limiter {
         latency_ms: f64,
         s: &BudgetSettings,
     ) {
-        let trip = Duration::from_secs_f64(
-            (latency_ms.max(s.latency_floor_ms) * s.round_trips_per_step.max(0.1)) / 1000.0,
-        )
-        .min(s.clean_window);
+        let trip =
+            duration_of_ms(latency_ms.max(s.latency_floor_ms) * s.round_trips_per_step.max(0.1))
+                .min(s.clean_window);
         // Windows no event fell in repeat the last one; past a few, the rest add nothing new.
         const MOST_WINDOWS: u32 = 64;
         let mut closed = 0;
@@ -277,11 +277,10 @@ impl Limiter {
                 ended_start: true,
             });
         }
-        let trip = Duration::from_secs_f64(
+        let trip = duration_of_ms(
             self.latency_ewma_ms
                 .unwrap_or(latency_ms)
-                .max(s.latency_floor_ms)
-                / 1000.0,
+                .max(s.latency_floor_ms),
         );
         if self
             .start_ended
@@ -361,8 +360,8 @@ impl Limiter {
         }
     }
 
-    pub(super) fn record_latency(&mut self, latency_ms: f64, s: &BudgetSettings) {
-        let sample = latency_ms.max(s.latency_floor_ms);
+    pub(super) fn record_latency(&mut self, latency: LatencyMs, s: &BudgetSettings) {
+        let sample = latency.ms().max(s.latency_floor_ms);
         self.latency_ewma_ms = Some(match self.latency_ewma_ms {
             Some(prev) => prev + s.latency_alpha * (sample - prev),
             None => sample,

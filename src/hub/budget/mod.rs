@@ -53,6 +53,7 @@ use rand::rngs::StdRng;
 use serde::Serialize;
 
 use super::events::{EventKind, EventRing};
+use super::measured::LatencyMs;
 use crate::protocol::{AccountLimits, LimitKind};
 
 mod checkpoint;
@@ -138,7 +139,7 @@ pub enum CeilingSource {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Outcome {
     /// Done; the upstream call took this long.
-    Success { latency_ms: f64 },
+    Success { latency: LatencyMs },
     /// Refused by a limit.
     Limited {
         kind: LimitKind,
@@ -146,6 +147,14 @@ pub enum Outcome {
     },
     /// Anything else (a failure, an expired or lost lease): no signal, no latency sample.
     Other,
+}
+
+impl Outcome {
+    /// Done in `ms` milliseconds, bounded as a stored figure is ([`LatencyMs::restored`]); a
+    /// figure that is no latency at all is [`Outcome::Other`].
+    pub fn done_in_ms(ms: f64) -> Outcome {
+        LatencyMs::restored(ms).map_or(Outcome::Other, |latency| Outcome::Success { latency })
+    }
 }
 
 /// The scope of a [`Hold`] that is the whole budget's, not one route's.
@@ -370,14 +379,14 @@ impl Budget {
     pub fn release(&mut self, route: &str, outcome: Outcome, now: Instant) {
         self.tick(now);
         match outcome {
-            Outcome::Success { latency_ms } if latency_ms.is_finite() && latency_ms >= 0.0 => {
+            Outcome::Success { latency } => {
                 let s = &self.settings;
-                let sample = latency_ms.max(s.latency_floor_ms);
+                let sample = latency.ms().max(s.latency_floor_ms);
                 self.latency_ewma_ms += s.latency_alpha * (sample - self.latency_ewma_ms);
                 let ceiling = self.ceiling();
                 self.global.succeeded();
                 let r = route_entry(&mut self.routes, route, ceiling, &self.settings, now);
-                r.record_latency(latency_ms, &self.settings);
+                r.record_latency(latency, &self.settings);
                 r.succeeded();
                 if self.override_permits.is_none() && self.trusted_rpm().is_some() {
                     self.retarget(now);
@@ -432,7 +441,7 @@ impl Budget {
                     self.stopped = Some(why.to_string());
                 }
             },
-            Outcome::Success { .. } | Outcome::Other => {}
+            Outcome::Other => {}
         }
         self.global.release();
         if let Some(r) = self.routes.get_mut(route) {
@@ -476,6 +485,7 @@ impl Budget {
 
     /// What an agent learned about the account.
     pub fn set_account(&mut self, limits: AccountLimits, now: Instant) {
+        let limits = super::measured::account(limits);
         self.discover_sent = None;
         self.last_discovery = Some(now);
         if limits.error.is_some() {

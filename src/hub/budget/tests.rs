@@ -60,7 +60,7 @@ fn finish_start(b: &mut Budget, route: &str, now: Instant) {
         if held > 0 && started(b) {
             break;
         }
-        b.release(route, Outcome::Success { latency_ms: 1000.0 }, now);
+        b.release(route, Outcome::done_in_ms(1000.0), now);
         held -= 1;
     }
     assert!(
@@ -121,7 +121,7 @@ fn littles_law_follows_the_success_latency_and_ignores_failures() {
     for i in 0..60 {
         let now = t + Duration::from_millis(i);
         take(&mut b, "r", 1, now);
-        b.release("r", Outcome::Success { latency_ms: 450.0 }, now);
+        b.release("r", Outcome::done_in_ms(450.0), now);
     }
     assert_eq!(b.ceiling(), (5, CeilingSource::Rpm), "ceil(10/s × 0.45 s)");
     assert_eq!(b.limit(), 5, "a lower ceiling applies at once");
@@ -134,13 +134,13 @@ fn littles_law_follows_the_success_latency_and_ignores_failures() {
     // Latency drifts up: the ceiling grows with it (the RPM window still bounds the rate).
     for _ in 0..60 {
         take(&mut b, "r", 1, t);
-        b.release("r", Outcome::Success { latency_ms: 3000.0 }, t);
+        b.release("r", Outcome::done_in_ms(3000.0), t);
     }
     assert_eq!(b.ceiling().0, 30);
     // The floor: 1 ms calls count as 50 ms.
     for _ in 0..200 {
         take(&mut b, "r", 1, t);
-        b.release("r", Outcome::Success { latency_ms: 1.0 }, t);
+        b.release("r", Outcome::done_in_ms(1.0), t);
     }
     assert_eq!(b.ceiling().0, 1, "ceil(10/s × 0.05 s)");
 }
@@ -177,7 +177,7 @@ fn a_new_leader_starts_from_the_checkpoint_and_counts_the_rpm_window_full() {
     old.set_account(account(Some(600.0), Some(true)), t);
     for _ in 0..60 {
         take(&mut old, "r", 1, t);
-        old.release("r", Outcome::Success { latency_ms: 450.0 }, t);
+        old.release("r", Outcome::done_in_ms(450.0), t);
     }
     take(&mut old, "r", 9, t);
     // The funded ceiling of 16 was still being approached: the wall is what was in
@@ -330,7 +330,7 @@ fn the_backoff_resets_only_after_a_window_that_ran_clean() {
     assert_eq!(b.view(now).backoff_ms, 32_000);
     // A window in which calls ran and none was refused does.
     take(&mut b, "r", 1, now);
-    b.release("r", Outcome::Success { latency_ms: 100.0 }, now);
+    b.release("r", Outcome::done_in_ms(100.0), now);
     now += 30 * S;
     b.tick(now);
     assert_eq!(b.view(now).backoff_ms, 2_000);
@@ -371,7 +371,7 @@ fn a_clean_window_adds_a_permit_only_while_half_the_budget_is_used() {
         let held = b.limit() / 2 + 1;
         take(&mut b, "r", held, now);
         for _ in 0..held {
-            b.release("r", Outcome::Success { latency_ms: 100.0 }, now);
+            b.release("r", Outcome::done_in_ms(100.0), now);
         }
         now += 15 * S;
         b.tick(now);
@@ -387,7 +387,7 @@ fn a_clean_window_adds_a_permit_only_while_half_the_budget_is_used() {
 fn round(b: &mut Budget, n: u32, latency_ms: f64, now: Instant) {
     take(b, "r", n, now);
     for _ in 0..n {
-        b.release("r", Outcome::Success { latency_ms }, now);
+        b.release("r", Outcome::done_in_ms(latency_ms), now);
     }
 }
 
@@ -458,7 +458,7 @@ fn a_429_while_ramping_steps_back_under_it_without_halving_again() {
     let n = route(&b).limit;
     take(&mut b, "r", n, now);
     for _ in 0..n {
-        b.release("r", Outcome::Success { latency_ms: 1000.0 }, now);
+        b.release("r", Outcome::done_in_ms(1000.0), now);
     }
     now += Duration::from_millis(1100);
     b.tick(now);
@@ -494,14 +494,14 @@ fn the_refusals_of_one_burst_say_where_the_wall_is() {
     assert_eq!(r.known_good, Some(10), "16 less the six refused");
     // One clean round trip past the Retry-After: straight back to 10, not past it.
     for _ in 0..10 {
-        b.release("r", Outcome::Success { latency_ms: 1000.0 }, t);
+        b.release("r", Outcome::done_in_ms(1000.0), t);
     }
     let mut now = t + 2 * S;
     b.tick(now);
     let n = b.view(now).routes[0].limit;
     take(&mut b, "r", n, now);
     for _ in 0..n {
-        b.release("r", Outcome::Success { latency_ms: 1000.0 }, now);
+        b.release("r", Outcome::done_in_ms(1000.0), now);
     }
     now += Duration::from_millis(1100);
     b.tick(now);
@@ -531,11 +531,7 @@ fn an_upstream_429_shrinks_its_route_not_the_others() {
         (r.limit, r.start_target)
     };
     assert_eq!(chat(&b), (8, Some(16)));
-    b.release(
-        "code-assistant:chat",
-        Outcome::Success { latency_ms: 900.0 },
-        t + S,
-    );
+    b.release("code-assistant:chat", Outcome::done_in_ms(900.0), t + S);
     assert_eq!(chat(&b), (9, Some(16)));
     take(&mut b, "code-assistant:chat", 2, t + S);
     // The global ceiling still holds over all routes: 7 + 9 out, none more.
@@ -555,14 +551,14 @@ fn a_guessed_ceiling_is_approached_by_a_start_that_doubles_per_round_trip_at_ful
     // Calls one at a time prove nothing about 16 at once: no growth.
     for _ in 0..20 {
         take(&mut b, "r", 1, t);
-        b.release("r", Outcome::Success { latency_ms: 1000.0 }, t);
+        b.release("r", Outcome::done_in_ms(1000.0), t);
     }
     assert_eq!(b.limit(), 8);
     // A full round trip of 8 calls, each back done while the limit was full (a freed
     // permit taken again at once, as a waiting queue does): 8 → 16.
     take(&mut b, "r", 8, t);
     for _ in 0..8 {
-        b.release("r", Outcome::Success { latency_ms: 1000.0 }, t);
+        b.release("r", Outcome::done_in_ms(1000.0), t);
         while b.try_acquire("r", t) {}
     }
     let v = b.view(t);
@@ -581,7 +577,7 @@ fn a_429_in_the_start_ends_it_under_the_wall_with_no_halving_and_no_cooldown() {
     // comes back (two calls over the wall).
     take(&mut b, "r", 8, t);
     for _ in 0..4 {
-        b.release("r", Outcome::Success { latency_ms: 1000.0 }, t);
+        b.release("r", Outcome::done_in_ms(1000.0), t);
         while b.try_acquire("r", t) {}
     }
     assert_eq!((route(&b, t).limit, route(&b, t).in_flight), (12, 12));
@@ -652,7 +648,7 @@ fn an_override_and_a_restored_checkpoint_start_at_their_own_number() {
     let (mut b, t) = budget();
     b.set_account(account(None, Some(true)), t);
     take(&mut b, "r", 8, t);
-    b.release("r", Outcome::Success { latency_ms: 1000.0 }, t);
+    b.release("r", Outcome::done_in_ms(1000.0), t);
     // A takeover in the middle of the start goes on from where it was.
     let cp = b.checkpoint(None);
     assert_eq!((cp.global.limit, cp.global.start_target), (9, Some(16)));

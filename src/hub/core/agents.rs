@@ -299,7 +299,7 @@ impl Core {
         entry.devices = hb.devices;
         for stats in hb.providers {
             if let Some(p) = entry.providers.get_mut(&stats.provider) {
-                p.heartbeat = Some(stats);
+                p.heartbeat = Some(crate::hub::measured::provider_stats(stats));
             }
         }
         let now = Instant::now();
@@ -533,13 +533,26 @@ impl Core {
             self.dispatch_all();
             return Ok(());
         }
+        let from = format!("{agent}/{}", result.provider);
+        let now = Instant::now();
+        if let (Some(_), Some(error)) = (result.defect, &result.error) {
+            // Output wrong in itself: a sentinel's suspends the verdict, any other probe fails
+            // at once (a suspension is allowed even while fenced).
+            if !self.gate.on_defect(&result.probe, &from, error, now) {
+                return Err(format!(
+                    "probe '{}' was not asked of '{}'",
+                    result.probe, result.provider
+                ));
+            }
+            self.gate_tick(now);
+            self.dispatch_all();
+            return Ok(());
+        }
         let answer = match (result.vectors, result.error) {
             (Some(v), None) => Ok(v),
             (_, Some(e)) => Err(e),
             (None, None) => Err("probe_result has neither vectors nor error".into()),
         };
-        let from = format!("{agent}/{}", result.provider);
-        let now = Instant::now();
         // Fenced, an answer may only keep or suspend a verdict (a sentinel's); one that could
         // found a space or pass a provider counts as a probe that failed, asked again later.
         let answer = match self.fence.check(now) {
@@ -569,6 +582,7 @@ fn build_providers(
             return Err("a provider needs a non-empty id".into());
         }
         let id = info.id.clone();
+        let info = crate::hub::measured::provider_info(info)?;
         if out
             .insert(id.clone(), ProviderEntry::new(agent, info))
             .is_some()

@@ -85,6 +85,9 @@ pub enum UnservableCode {
     SpaceChanged,
     /// The only providers hold an older config (a route or a key the hub replaced).
     ConfigStale,
+    /// The only providers produced output wrong in itself (NaN or infinity): out of service
+    /// until their agent announces them anew.
+    Defective,
 }
 
 impl UnservableCode {
@@ -100,6 +103,7 @@ impl UnservableCode {
             UnservableCode::NoEndpoint => "no_endpoint",
             UnservableCode::SpaceChanged => "space_changed",
             UnservableCode::ConfigStale => "config_stale",
+            UnservableCode::Defective => "provider_defective",
         }
     }
 
@@ -111,11 +115,12 @@ impl UnservableCode {
             UnservableCode::CloudRefused => 2,
             UnservableCode::StoreUnreachable => 3,
             UnservableCode::NoEndpoint => 4,
-            UnservableCode::GateRefused => 5,
-            UnservableCode::Benched => 6,
-            UnservableCode::ConfigStale => 7,
-            UnservableCode::Probing => 8,
-            UnservableCode::NoProvider => 9,
+            UnservableCode::Defective => 5,
+            UnservableCode::GateRefused => 6,
+            UnservableCode::Benched => 7,
+            UnservableCode::ConfigStale => 8,
+            UnservableCode::Probing => 9,
+            UnservableCode::NoProvider => 10,
         }
     }
 }
@@ -355,6 +360,9 @@ impl Core {
         }
         if let Some(why) = &p.refused {
             return Some(Unfit::new(UnservableCode::NoEndpoint, why.clone()));
+        }
+        if let Some(why) = &p.defective {
+            return Some(Unfit::new(UnservableCode::Defective, why.clone()));
         }
         if p.claimed_scorer.is_some() && p.scorer.is_none() {
             if let Some((error, wait)) = self.scorer_check.failed(&p.reference.provider, now) {

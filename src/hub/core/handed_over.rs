@@ -65,6 +65,12 @@ pub(super) struct Reported {
 impl Core {
     /// A `kept` frame of `agent`'s live session.
     pub fn kept(&mut self, agent: &str, session: u64, kept: KeptAnswer) -> Result<(), String> {
+        // Numbers off the wire: a chat is one item; its cost is one call's.
+        let kept = KeptAnswer {
+            tokens: crate::hub::measured::tokens(kept.tokens, 1),
+            cost_usd: crate::hub::measured::cost_usd(kept.cost_usd),
+            ..kept
+        };
         let provenance = match self.agents.get(agent) {
             Some(a) if a.session == session => a
                 .providers

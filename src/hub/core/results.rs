@@ -13,6 +13,7 @@ use super::{
     Binding, Canary, Completed, Core, Counters, ItemOutput, Lease, RequestFailure, Served, Slot,
 };
 use crate::hub::budget;
+use crate::hub::measured::{self, LatencyMs};
 use crate::hub::queue::{Item, RequestId, Shape, estimate_tokens};
 use crate::hub::registry::ProviderEntry;
 use crate::metrics::histogram;
@@ -65,8 +66,17 @@ impl Core {
         if let Some(tag) = &keyed {
             self.tell_delivered(agent, tag.clone());
         }
-        // A number off the wire: only a finite, non-negative latency is a measurement.
-        let latency_ms = Some(done.latency_ms).filter(|l| l.is_finite() && *l >= 0.0);
+        // Numbers off the wire, bounded where they enter: a latency by the call timeout the
+        // lease ran under, tokens per item, a cost per call.
+        let latency = LatencyMs::measured(
+            done.latency_ms,
+            self.settings.timings(lease.role).call_timeout,
+        );
+        let done = Done {
+            tokens: measured::tokens(done.tokens, lease.items.len()),
+            cost_usd: measured::cost_usd(done.cost_usd),
+            ..done
+        };
         let checked = take_canary(&lease, done.output).and_then(|(output, canary)| {
             check_outputs(&lease, output).map(|outputs| (outputs, canary))
         });
@@ -83,8 +93,8 @@ impl Core {
         };
         self.release_permit(
             &lease,
-            match latency_ms {
-                Some(latency_ms) => budget::Outcome::Success { latency_ms },
+            match latency {
+                Some(latency) => budget::Outcome::Success { latency },
                 None => budget::Outcome::Other,
             },
         );
@@ -135,8 +145,8 @@ impl Core {
             p.lease_ended(lease.class);
             p.consecutive_failures = 0;
             p.served_items = p.served_items.saturating_add(lease.items.len() as u64);
-            if let Some(ms) = latency_ms {
-                p.record_latency(ms);
+            if let Some(latency) = latency {
+                p.record_latency(latency);
             }
         }
         let tokens = match &canary {
@@ -441,6 +451,13 @@ impl Core {
             self.dispatch_all();
             return Ok(());
         }
+        if failed.defect.is_some() {
+            // Output wrong in itself: the provider is broken, whatever the input. It is taken
+            // out (a gated embedder suspended as a drift is), and the items are failed or
+            // tried alone elsewhere as any fatal failure's are.
+            failed.class = FailureClass::Fatal;
+            self.take_out_defective(&lease, &failed.message);
+        }
         let benched = self.count_failure(&lease, failed.class);
         let local = lease.reference.origin.backend == Backend::Local;
         match failed.class {
@@ -476,6 +493,21 @@ impl Core {
         }
         self.settle(role, benched);
         Ok(())
+    }
+
+    /// Takes the provider of `lease` out of service: its output was wrong in itself. A gated
+    /// embedder's verdict is suspended (it outlives the agent's reconnects, as a drift's
+    /// does); any other provider serves nothing until its agent announces it anew.
+    fn take_out_defective(&mut self, lease: &Lease, why: &str) {
+        tracing::error!(provider = %lease.reference.provider, reason = %why, "a provider's output was wrong in itself: it is taken out of service");
+        if let Some((key, _)) = &lease.gate
+            && self.gate.suspend(key, why.to_string(), "output")
+        {
+            return;
+        }
+        if let Some(p) = self.provider_mut(lease) {
+            p.defective = Some(why.to_string());
+        }
     }
 
     /// Dispatches `role` after a failure; everything, with a reconcile first, when a provider

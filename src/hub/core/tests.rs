@@ -156,7 +156,12 @@ fn a_rerank_request_is_scored_by_the_scorer_of_its_first_lease_only() {
     let scorer = done.scorer.expect("the response names its scorer");
     assert_eq!(scorer.id, "local ma@r1 sigmoid");
     assert!(done.items.iter().all(|s| s.provider.agent == "a"));
-    assert_eq!(done.tokens, u64::MAX, "token counts saturate, never wrap");
+    // Each frame's count is bounded per item where it enters (two items each): never wraps.
+    assert_eq!(
+        done.tokens,
+        4 * crate::hub::measured::MAX_TOKENS_PER_ITEM,
+        "token counts are bounded, never wrap"
+    );
 }
 
 /// Every frame of type `kind` waiting on `rx`, as JSON; the others are dropped.
@@ -201,6 +206,7 @@ fn probe_failed(probe: &str) -> crate::protocol::ProbeResult {
         vectors: None,
         scores: None,
         error: Some("upstream 502".into()),
+        defect: None,
     }
 }
 
@@ -238,6 +244,7 @@ fn answer_probes(
             vectors: scores.is_none().then(|| vec![unit; n]),
             scores,
             error: None,
+            defect: None,
         };
         core.probe_result(agent, session, result).unwrap();
     }
@@ -769,6 +776,7 @@ fn a_stale_agent_serves_nothing_is_sent_the_config_and_its_old_key_stops_nothing
             retry_after_ms: None,
             limit: None,
             refusal: Some(crate::protocol::Refusal::KeyRejected),
+            defect: None,
             message: "401 from the old key".into(),
         },
     )
@@ -855,6 +863,7 @@ fn a_limit_or_refusal_on_a_local_lease_counts_its_attempt_and_fails_at_the_cap()
                 retry_after_ms: Some(1),
                 limit: (attempt % 2 == 0).then_some(crate::protocol::LimitKind::Platform),
                 refusal: (attempt % 2 == 1).then_some(crate::protocol::Refusal::KeyRejected),
+                defect: None,
                 message: "a faulty local agent says limit".into(),
             },
         )
@@ -1033,6 +1042,7 @@ fn a_reranker_that_fails_its_scorer_check_is_refused_at_once_with_the_reason() {
         vectors: None,
         scores: None,
         error: Some("the server is out of memory".into()),
+        defect: None,
     };
     core.probe_result("a", sa, failed).unwrap();
     match core.submit(Role::Reranker, rerank_shape(), vec!["d".into()]) {
@@ -1082,6 +1092,7 @@ fn a_request_whose_scorer_leaves_waits_for_a_reranker_being_checked_rather_than_
             crate::hub::scorer_check::PROBE_DOCUMENTS.len()
         ]),
         error: None,
+        defect: None,
     };
     core.probe_result("b", sb, checked).unwrap();
     // The request, whole, in b's frames (one per credit it took).

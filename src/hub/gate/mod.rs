@@ -113,10 +113,15 @@ pub struct Space {
     /// before generations existed: read as its `created_ms`.)
     #[serde(default)]
     pub generation: u64,
-    /// The int8 scale of each output width asked for so far (`crate::quantize`): fixed once,
-    /// stored with the space, never changed while it lives (a new generation starts without).
+    /// Int8 scales stored one per width (by builds before [`Space::int8_rule`]): each is
+    /// served as stored, never changed while the space lives.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub int8_scales: BTreeMap<usize, crate::quantize::Int8Scale>,
+    /// The rule every other width's int8 scale is derived by from [`Space::fingerprint`]
+    /// (`crate::quantize::Int8Rule`): stored once, when a client first asks for `int8` or
+    /// `uint8`, never changed while the space lives (a new generation starts without).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub int8_rule: Option<crate::quantize::Int8Rule>,
 }
 
 impl Space {
@@ -808,6 +813,7 @@ impl Gate {
                     probe_set: measure::probe_set_id(),
                     generation: created_ms.max(after.saturating_add(1)),
                     int8_scales: BTreeMap::new(),
+                    int8_rule: None,
                 };
                 tracing::info!(space = %s.id(), encoder = %s.encoder, "a new vector space: its fingerprint is stored");
                 entry.verdict = Verdict::Pass;
@@ -941,6 +947,44 @@ impl Gate {
         };
         suspend(&mut self.events, entry, reason.clone(), "canary");
         Some(reason)
+    }
+
+    /// Suspends the passing verdict `key` for `reason` (`by`: what caught it), as a drift is;
+    /// whether there was one to suspend.
+    pub fn suspend(&mut self, key: &str, reason: String, by: &'static str) -> bool {
+        match self.verdicts.get_mut(key) {
+            Some(entry) if entry.verdict == Verdict::Pass => {
+                suspend(&mut self.events, entry, reason, by);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// A probe answered with output wrong in itself (NaN or infinity): the provider is broken,
+    /// not unreachable. A sentinel's re-probe suspends the verdict it checks; any other probe
+    /// fails at once with `reason`. Whether `probe` was asked of `from`.
+    pub fn on_defect(&mut self, probe: &str, from: &str, reason: &str, now: Instant) -> bool {
+        let Some(p) = self
+            .pending
+            .get(probe)
+            .filter(|p| p.candidate.provider == from)
+        else {
+            return false;
+        };
+        if p.purpose == Purpose::Sentinel {
+            let key = p.key.clone();
+            self.pending.remove(probe);
+            if let Some(entry) = self.verdicts.get_mut(&key) {
+                entry.probe = None;
+                if entry.verdict == Verdict::Pass {
+                    let reason = crate::cloud::error::truncate_chars(reason, 500);
+                    suspend(&mut self.events, entry, reason, "sentinel");
+                }
+            }
+            return true;
+        }
+        self.on_answer(probe, from, Err(reason.to_string()), now)
     }
 
     /// Where a candidate stands for `space` (any space, current or not).
@@ -1128,6 +1172,7 @@ impl Gate {
                 continue;
             }
             let prefix = format!("{agent}/");
+            self.forget_reported(&agent);
             let mut kept = BTreeSet::new();
             self.verdicts.retain(|_, e| {
                 if !e.provider.starts_with(&prefix) {
@@ -1226,7 +1271,8 @@ impl Gate {
         &self.spaces
     }
 
-    /// The int8 scale of space `id` at `width`, if it is that generation and one was fixed.
+    /// The int8 scale of space `id` at `width`, if it is that generation and holds one: a
+    /// scale stored for that width, or the one its stored rule derives.
     pub fn int8_scale(
         &self,
         id: &str,
@@ -1234,16 +1280,20 @@ impl Gate {
         width: usize,
     ) -> Option<crate::quantize::Int8Scale> {
         let space = self.spaces.get(id).filter(|s| s.generation == generation)?;
-        space.int8_scales.get(&width).copied()
+        space.int8_scales.get(&width).copied().or_else(|| {
+            space
+                .int8_rule
+                .and_then(|rule| rule.scale(&space.fingerprint, width))
+        })
     }
 
-    /// Keeps a scale that was stored (the space must still be that generation).
-    pub fn set_int8_scale(
+    /// Keeps a rule that was stored (the space must still be that generation; a rule it holds
+    /// already stays).
+    pub fn set_int8_rule(
         &mut self,
         id: &str,
         generation: u64,
-        width: usize,
-        scale: crate::quantize::Int8Scale,
+        rule: crate::quantize::Int8Rule,
     ) -> bool {
         match self
             .spaces
@@ -1251,7 +1301,7 @@ impl Gate {
             .filter(|s| s.generation == generation)
         {
             Some(space) => {
-                space.int8_scales.entry(width).or_insert(scale);
+                space.int8_rule.get_or_insert(rule);
                 true
             }
             None => false,

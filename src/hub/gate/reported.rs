@@ -6,8 +6,11 @@
 //! suspension (a pass the store handed over) is suspended; a key it has not judged yet is
 //! suspended at its first judgement. Only an operator's verify lifts it
 //! ([`Gate::reverify`]); a verdict judged after the suspension (a verify that passed) stands.
+//! What waits for a first judgement is bounded per agent (its newest
+//! [`MAX_REPORTED_SUSPENSIONS`]) and forgotten with the agent.
 
 use super::{Gate, Suspension, Verdict, suspend};
+use crate::protocol::MAX_REPORTED_SUSPENSIONS;
 
 impl Gate {
     /// Suspensions made since the last call, as the agents are told them (the agent's id, the
@@ -79,9 +82,42 @@ impl Gate {
             }
             None => {
                 self.reported.insert(s.key.clone(), s.clone());
+                self.bound_reported(agent);
                 false
             }
         }
+    }
+
+    /// Keeps at most [`MAX_REPORTED_SUSPENSIONS`] of `agent`'s reported suspensions (the
+    /// newest): an agent that says hello again and again with other keys holds no more.
+    fn bound_reported(&mut self, agent: &str) {
+        let prefix = format!("{agent}/");
+        let mut mine: Vec<(u64, String)> = self
+            .reported
+            .range(prefix.clone()..)
+            .take_while(|(k, _)| k.starts_with(&prefix))
+            .map(|(k, s)| (s.at_ms, k.clone()))
+            .collect();
+        if mine.len() <= MAX_REPORTED_SUSPENSIONS {
+            return;
+        }
+        mine.sort();
+        let excess = mine.len() - MAX_REPORTED_SUSPENSIONS;
+        for (_, key) in mine.into_iter().take(excess) {
+            self.reported.remove(&key);
+        }
+    }
+
+    /// Forgets what `agent` reported (it departed long enough ago to be forgotten; it reports
+    /// its suspensions again in its next `hello`).
+    pub(super) fn forget_reported(&mut self, agent: &str) {
+        let prefix = format!("{agent}/");
+        self.reported.retain(|k, _| !k.starts_with(&prefix));
+    }
+
+    /// How many reported suspensions wait for a first judgement (all agents).
+    pub fn reported_waiting(&self) -> usize {
+        self.reported.len()
     }
 
     /// Whether the verdicts are to be stored now (a suspension since the last store); reset.

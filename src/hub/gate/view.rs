@@ -33,6 +33,7 @@ impl Gate {
                     created_ms: s.created_ms,
                     generation: s.generation,
                     int8_scales: s.int8_scales.clone(),
+                    int8_rule: s.int8_rule,
                     coverage: if s.cloud_reference && passing.len() <= 1 && connected <= 1 {
                         "reduced: a sole cloud provider, checked on dims and pin only".into()
                     } else if s.cloud_reference {
@@ -84,7 +85,10 @@ pub struct SpaceView {
     pub coverage: String,
     /// Rows (vectors) returned from this space, per provider.
     pub rows: BTreeMap<String, u64>,
-    /// The int8 scale of each output width asked for so far (fixed once, stored).
+    /// Int8 scales stored per width (by older builds), each served as stored.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub int8_scales: BTreeMap<usize, crate::quantize::Int8Scale>,
+    /// The rule every other width's int8 scale is derived by, once stored.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub int8_rule: Option<crate::quantize::Int8Rule>,
 }

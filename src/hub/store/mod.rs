@@ -40,14 +40,20 @@ pub struct HaView {
     /// asks who leads when it is cut off from etcd).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peers: Option<Vec<String>>,
-    /// A fenced leader's peers' answer: another hub leads (this one forwards to it), or no
-    /// peer could be asked (`crate::hub::aside`).
+    /// What a fenced leader heard from the other hubs: another hub leads under a newer epoch
+    /// (`leader`: this one forwards to it), one is named under a newer epoch that it cannot
+    /// confirm (`unconfirmed`: keyed and cloud work refused), or no hub says who leads
+    /// (`isolated`: the same) (`crate::hub::aside`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub aside: Option<crate::hub::aside::Aside>,
     /// With etcd, while the leader cannot renew its lead: why it grants and writes nothing
     /// (local work that passes goes on).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fenced: Option<String>,
+    /// With etcd: when this leader last wrote its handover (the gate's verdicts, the budget's
+    /// window) for the next, in ms since the Unix epoch; absent until it has.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub handover_saved_ms: Option<u64>,
 }
 
 /// The hub's state store.
@@ -108,6 +114,7 @@ impl StateStore {
                 peers: None,
                 aside: None,
                 fenced: None,
+                handover_saved_ms: None,
             },
             StateStore::Etcd(e) => HaView {
                 role: "leader",
@@ -124,6 +131,7 @@ impl StateStore {
                     .check(std::time::Instant::now())
                     .err()
                     .map(|f| f.0),
+                handover_saved_ms: None,
             },
         }
     }

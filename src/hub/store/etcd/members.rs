@@ -2,28 +2,39 @@
 //! registers its advertised URL under a lease of its own (`<prefix>/hubs/<id>`), renews it,
 //! and reads the list again every TTL. A leader cut off from etcd cannot read it any more, so
 //! it keeps the last list it read: those are the peers it asks who leads
-//! ([`crate::hub::aside`]).
+//! ([`crate::hub::aside`]); a leader they name that the list lacks (a hub that registered
+//! after the cut) is asked too, never passed over.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::client::{EtcdClient, Op};
+use crate::hub::peer_http::PeerTrust;
 
-/// The other hubs' advertised URLs, as last read (shared with whoever asks them).
+/// The other hubs' advertised URLs, as last read (shared with whoever asks them), and what
+/// this hub trusts their certificates by.
 #[derive(Clone, Debug, Default)]
-pub struct Peers(Arc<Mutex<Vec<String>>>);
+pub struct Peers {
+    urls: Arc<Mutex<Vec<String>>>,
+    trust: PeerTrust,
+}
 
 impl Peers {
     pub fn urls(&self) -> Vec<String> {
-        self.0
+        self.urls
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
     }
 
+    /// The certificates this hub trusts for its peers (`--peer-ca-file`).
+    pub fn trust(&self) -> &PeerTrust {
+        &self.trust
+    }
+
     fn set(&self, urls: Vec<String>) {
         *self
-            .0
+            .urls
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = urls;
     }
@@ -41,8 +52,12 @@ pub fn register(
     id: String,
     url: String,
     ttl: Duration,
+    trust: PeerTrust,
 ) -> Peers {
-    let peers = Peers::default();
+    let peers = Peers {
+        urls: Arc::default(),
+        trust,
+    };
     let list = peers.clone();
     let members = members_prefix(prefix);
     let key = format!("{members}{id}");
