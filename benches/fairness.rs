@@ -17,6 +17,11 @@
 //!   weight-10 batch flood. Goal: the heavy one gets ≥ 0.85 of the tokens (ideal 10/11).
 //! * **Throughput** of the fair queue (4 projects, classes, the credit kept for interactive
 //!   work) against one flow with no credit kept, with a 1 ms round trip. Goal ≥ 0.97.
+//! * **A small request beside many floods**: N = 2, 8, 32, 128 weight-1 projects send 2 000
+//!   texts between them (2 requests each, all at once) while one more project sends one-text
+//!   requests (batch, not marked) every 40 ms until the floods are answered. Goal for N ≥ 8:
+//!   its wait's p50 ≤ 2 × solo + one frame, its worst ≤ 2 × solo + two frames (whatever N),
+//!   and the floods answered within 5 % of their time alone. Each run ends with the floods.
 //!
 //! Run: `cargo bench --bench fairness`. The table goes in docs/benchmarks.md.
 
@@ -55,6 +60,9 @@ struct Client {
     /// Requests kept outstanding (a flood), or one request every `every_s` (queries).
     outstanding: usize,
     every_s: Option<f64>,
+    /// Requests it sends in all (`None`: no end). A run with such clients ends when each of
+    /// them sent all of its requests and was answered.
+    requests: Option<u64>,
 }
 
 struct Frame {
@@ -79,6 +87,8 @@ struct Sim {
     delivered: BTreeMap<String, u64>,
     waiting: Vec<Waiting>,
     latencies: BTreeMap<String, Vec<f64>>,
+    /// When the clients with an end were all answered (the end of the run).
+    done_at: Option<f64>,
 }
 
 struct Waiting {
@@ -177,6 +187,7 @@ impl Sim {
             delivered: BTreeMap::new(),
             waiting: Vec::new(),
             latencies: BTreeMap::new(),
+            done_at: None,
         }
     }
 
@@ -326,9 +337,10 @@ impl Sim {
         self.waiting = still;
     }
 
-    /// Runs `clients` for `seconds` of virtual time; tokens delivered per project after
-    /// `warmup_s`.
+    /// Runs `clients` for `seconds` of virtual time, or until the clients with an end were
+    /// answered; tokens delivered per project after `warmup_s`.
     fn run(&mut self, clients: &[Client], seconds: f64, warmup_s: f64) -> BTreeMap<String, u64> {
+        let ends = clients.iter().any(|c| c.requests.is_some());
         let mut sent = vec![0u64; clients.len()];
         let mut next_query: Vec<f64> = clients.iter().map(|_| 0.0).collect();
         let mut at_warmup = BTreeMap::new();
@@ -347,10 +359,14 @@ impl Sim {
                             .filter(|w| w.project == c.project)
                             .count();
                         for _ in open..c.outstanding {
+                            if c.requests.is_some_and(|n| sent[k] >= n) {
+                                break;
+                            }
                             self.submit(c, sent[k]);
                             sent[k] += 1;
                         }
                     }
+                    Some(_) if c.requests.is_some_and(|n| sent[k] >= n) => {}
                     Some(every) if self.clock + 1e-12 >= next_query[k] => {
                         self.submit(c, sent[k]);
                         sent[k] += 1;
@@ -370,6 +386,15 @@ impl Sim {
             self.advance(t.max(self.clock));
             self.collect_frames();
             self.start_engine();
+            let answered = |k: usize, c: &Client| {
+                c.requests.is_none_or(|n| {
+                    sent[k] >= n && !self.waiting.iter().any(|w| w.project == c.project)
+                })
+            };
+            if ends && clients.iter().enumerate().all(|(k, c)| answered(k, c)) {
+                self.done_at = Some(self.clock);
+                break;
+            }
         }
         self.delivered
             .iter()
@@ -388,6 +413,7 @@ fn flood(project: &'static str, weight: u32, words: usize) -> Client {
         words,
         outstanding: 3,
         every_s: None,
+        requests: None,
     }
 }
 
@@ -405,6 +431,7 @@ fn queries(project: &'static str, marked: bool) -> Client {
         words: 8,
         outstanding: 0,
         every_s: Some(0.25),
+        requests: None,
     }
 }
 
@@ -546,6 +573,63 @@ fn main() {
     );
     if (after as f64) < 0.97 * before as f64 {
         missed.push("throughput");
+    }
+
+    // A small request beside many floods: N projects send 2 000 texts between them, 2 requests
+    // each, all at once; one more project sends one-text requests (batch, not marked). Its
+    // wait must not grow with N (one frame at the median, two at worst), and the floods'
+    // frames stay full: they finish within 5 % of their time alone.
+    for n in [2usize, 8, 32, 128] {
+        let per_request = 2000usize.div_ceil(2 * n);
+        let floods: Vec<Client> = (0..n)
+            .map(|p| Client {
+                project: Box::leak(format!("f{p}").into_boxed_str()),
+                flow: None,
+                weight: 1,
+                class: WorkClass::Batch,
+                texts: per_request,
+                words: 30,
+                outstanding: 2,
+                every_s: None,
+                requests: Some(2),
+            })
+            .collect();
+        let mut alone = Sim::new(true, RTT);
+        alone.run(&floods, 30.0, 0.0);
+        let alone_s = alone.done_at.expect("the floods were answered");
+        let mut small = queries("q", false);
+        small.every_s = Some(0.04);
+        let mut clients = floods.clone();
+        clients.push(small);
+        let mut sim = Sim::new(true, RTT);
+        sim.run(&clients, 30.0, 0.0);
+        let with_s = sim.done_at.expect("the floods were answered");
+        let l = &sim.latencies["q"];
+        let (p50, worst) = (percentile(l, 0.5), percentile(l, 1.0));
+        let solo_p99 = percentile(&solo, 0.99);
+        let (p50_goal, worst_goal) = (2.0 * solo_p99 + frame_s, 2.0 * solo_p99 + 2.0 * frame_s);
+        let slower = with_s / alone_s - 1.0;
+        let goal = if n >= 8 {
+            format!(
+                "p50 <= {:.1} ms, worst <= {:.1} ms, floods <= +5 %",
+                p50_goal * 1e3,
+                worst_goal * 1e3
+            )
+        } else {
+            "(reported)".to_string()
+        };
+        println!(
+            "| one-text project (not marked, every 40 ms) beside {n} flooding projects ({} texts in 2 requests each), p50 / worst ({} requests); floods' time against alone ({:.3} s) | {:.1} / {:.1} ms; {:+.1} % | {goal} |",
+            per_request * 2,
+            l.len(),
+            alone_s,
+            p50 * 1e3,
+            worst * 1e3,
+            slower * 100.0
+        );
+        if n >= 8 && (p50 > p50_goal || worst > worst_goal || slower > 0.05) {
+            missed.push("a small request beside many floods");
+        }
     }
     assert!(missed.is_empty(), "goals missed: {missed:?}");
 }

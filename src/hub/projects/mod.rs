@@ -117,7 +117,7 @@ impl Default for ProjectSettings {
     }
 }
 
-/// The most a weight may be (shares stay meaningful and deficits far from overflow).
+/// The most a weight may be (shares stay meaningful).
 pub const MAX_WEIGHT: u32 = 1000;
 
 impl ProjectSettings {

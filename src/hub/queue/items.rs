@@ -1,6 +1,6 @@
 //! One flow's items (a sub-project's, or a project's own), shared between its requests by
-//! deficit round robin counting tokens, as projects share a class: a one-text request never
-//! waits behind the whole of a 2 000-text request of the same flow, only behind a round.
+//! deficit round robin counting tokens: a one-text request never waits behind the whole of a
+//! 2 000-text request of the same flow, only behind a round.
 //!
 //! A frame still fills across requests: its first item is the first that fits, in round
 //! order, and the requests of that item's shape follow in round order, each taking items
@@ -9,12 +9,16 @@
 //! one stopped. Inside a request, items leave in their order; items that come back (an
 //! expired lease, a lost agent, a transient failure) go to the front of their request, and
 //! their request to the front of the round.
+//!
+//! The flow tells the fair queue above it ([`super::wfq`]) what its next frame would weigh:
+//! the puller's limits over its waiting texts' average, or its head item alone when that goes
+//! alone.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use super::drr::Backlog;
-use super::{Item, Offer, RequestId, SCAN_LIMIT, Shape, estimate_tokens};
+use super::wfq::Backlog;
+use super::{BatchLimits, Item, Offer, RequestId, SCAN_LIMIT, Shape, estimate_tokens};
 use crate::protocol::WorkClass;
 
 /// Tokens a request earns per round: about two typical texts, so requests interleave finely
@@ -36,6 +40,8 @@ pub(super) struct ItemQueue {
     len: usize,
     /// Of those, the items their clients sent as interactive.
     interactive: usize,
+    /// The estimated tokens of every item's text.
+    tokens: usize,
 }
 
 fn is_interactive(item: &Item) -> bool {
@@ -50,6 +56,7 @@ impl ItemQueue {
             self.ring.push_back(id);
         }
         self.interactive += usize::from(is_interactive(&item));
+        self.tokens += estimate_tokens(&item.text);
         flow.items.push_back(item);
         self.len += 1;
     }
@@ -62,14 +69,19 @@ impl ItemQueue {
             self.ring.push_front(id);
         }
         self.interactive += usize::from(is_interactive(&item));
+        self.tokens += estimate_tokens(&item.text);
         flow.items.push_front(item);
         self.len += 1;
     }
 
     /// Drops the requests `alive` says are gone, with their items.
     fn drop_dead(&mut self, alive: &dyn Fn(RequestId) -> bool) {
-        let (requests, len, interactive) =
-            (&mut self.requests, &mut self.len, &mut self.interactive);
+        let (requests, len, interactive, tokens) = (
+            &mut self.requests,
+            &mut self.len,
+            &mut self.interactive,
+            &mut self.tokens,
+        );
         self.ring.retain(|id| {
             if alive(*id) {
                 return true;
@@ -77,6 +89,12 @@ impl ItemQueue {
             if let Some(flow) = requests.remove(id) {
                 *len -= flow.items.len();
                 *interactive -= flow.items.iter().filter(|i| is_interactive(i)).count();
+                *tokens = tokens.saturating_sub(
+                    flow.items
+                        .iter()
+                        .map(|i| estimate_tokens(&i.text))
+                        .sum::<usize>(),
+                );
             }
             false
         });
@@ -88,6 +106,7 @@ impl ItemQueue {
         let item = flow.items.pop_front()?;
         self.len -= 1;
         self.interactive -= usize::from(is_interactive(&item));
+        self.tokens = self.tokens.saturating_sub(estimate_tokens(&item.text));
         Some(item)
     }
 
@@ -123,6 +142,33 @@ impl Backlog for ItemQueue {
             WorkClass::Interactive => self.interactive,
             WorkClass::Batch => self.len - self.interactive,
         }
+    }
+
+    /// The head item alone when it goes alone (a solo item, a chat); else as many texts of the
+    /// flow's average as the puller's limits take, at most all it holds. The rerank query counts
+    /// once (a chat's body is left out: reading it costs more than the order it would change).
+    fn next_tokens(&self, limits: BatchLimits) -> usize {
+        let Some(head) = self
+            .ring
+            .front()
+            .and_then(|id| self.requests.get(id))
+            .and_then(|f| f.items.front())
+        else {
+            return 0;
+        };
+        let shared = match &*head.shape {
+            Shape::Rerank { query, .. } => estimate_tokens(query),
+            _ => 0,
+        };
+        if head.solo || matches!(*head.shape, Shape::Chat { .. }) {
+            return shared + estimate_tokens(&head.text);
+        }
+        let mean = self.tokens.div_ceil(self.len.max(1));
+        let frame = self
+            .tokens
+            .min(limits.max_tokens)
+            .min(limits.max_items.saturating_mul(mean));
+        shared.saturating_add(frame)
     }
 
     /// The first request in round order whose head item fits the offer leads the frame (looking
@@ -204,6 +250,7 @@ impl Backlog for ItemQueue {
                     };
                     self.len -= 1;
                     self.interactive -= usize::from(is_interactive(&item));
+                    self.tokens = self.tokens.saturating_sub(cost);
                     flow.deficit = flow.deficit.saturating_sub(cost as i64);
                     tokens += cost;
                     batch.push(item);
@@ -261,17 +308,22 @@ impl Backlog for ItemQueue {
     fn sweep(&mut self, gone: &mut dyn FnMut(&Item) -> bool) -> usize {
         let mut dropped = 0;
         let mut interactive = 0;
+        let mut tokens = 0;
         for flow in self.requests.values_mut() {
             let before = flow.items.len();
             flow.items.retain(|i| {
                 let drop = gone(i);
-                interactive += usize::from(drop && is_interactive(i));
+                if drop {
+                    interactive += usize::from(is_interactive(i));
+                    tokens += estimate_tokens(&i.text);
+                }
                 !drop
             });
             dropped += before - flow.items.len();
         }
         self.len -= dropped;
         self.interactive -= interactive;
+        self.tokens = self.tokens.saturating_sub(tokens);
         self.forget_empty();
         dropped
     }

@@ -1,30 +1,33 @@
 //! One role's shared queue: the items of accepted client requests, waiting for a provider's
 //! pull, shared fairly between projects.
 //!
-//! Each project is a flow served by deficit round robin weighted by its weight and counting
-//! tokens ([`drr`]), whatever the class of its work. Interactive work ([`WorkClass`]) is for
-//! latency, not for share: a project's interactive items go first while its deficit lasts
-//! (charged to it like any other), and go as `interactive` to the agent; what it sends as
-//! interactive beyond its share waits its turn with its batch work and goes as `batch`. So a
-//! lone query comes first, and a flood marked interactive buys no more than its weight. Inside
-//! a project, its sub-projects (named with `X-FantomMCP-Project`) share its turn the same way;
-//! inside a sub-project, its requests share by the same deficit round robin, by tokens, and a
-//! frame fills across them in round order ([`items`]). Items leave sized to the puller; items
-//! that come back (an expired lease, a lost agent, a transient failure) go back to the
-//! **front** of their own request, in their order.
+//! Each project is a flow served by weighted fair queuing in virtual time, counting tokens
+//! ([`wfq`]), whatever the class of its work: a frame goes to the project whose next frame
+//! finishes first on the virtual clock, so every backlogged project gets its weighted share of
+//! the tokens, and a small request of a project that was idle goes with the next frame however
+//! many projects flood. Interactive work ([`WorkClass`]) is for latency, not for share: a
+//! project's interactive items go first while it is within its share (charged to it like any
+//! other), and go as `interactive` to the agent; what it sends as interactive beyond its share
+//! waits its turn with its batch work and goes as `batch`. So a lone query comes first, and a
+//! flood marked interactive buys no more than its weight. Inside a project, its sub-projects
+//! (named with `X-FantomMCP-Project`) share its turn the same way; inside a sub-project, its
+//! requests share by deficit round robin, by tokens, and a frame fills across them in round
+//! order ([`items`]). Items leave sized to the puller; items that come back (an expired lease,
+//! a lost agent, a transient failure) go back to the **front** of their own request, in their
+//! order.
 //!
 //! An item is one text to embed or one document to score. Items of a request share its
 //! [`Shape`] (options, the rerank query) and its [`Caller`]; one work frame carries items of
 //! one shape and one flow only (so a cloud call's cost and permit belong to one project).
 
-mod drr;
 mod items;
+mod wfq;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use self::drr::{Backlog, Drr};
 use self::items::ItemQueue;
+use self::wfq::{Backlog, Wfq};
 pub use crate::hub::projects::Caller;
 use crate::protocol::{EmbedInput, RerankInput, WorkClass, WorkInput};
 /// A client request's id (hub-local).
@@ -148,16 +151,18 @@ pub struct Offer<'a> {
     pub only: Option<WorkClass>,
 }
 
-/// Tokens a flow of weight 1 earns per round: about one small frame, so flows interleave
-/// finely while a round stays cheap.
-pub const QUANTUM_TOKENS: u32 = 512;
+/// How far ahead of the virtual clock (the start of the project furthest behind), in tokens
+/// per unit of weight, a project may be and still have its interactive work go first: about
+/// one small frame, so a project's query goes at once while a flood marked interactive buys
+/// no more than its weight.
+pub const INTERACTIVE_LEAD_TOKENS: u32 = 512;
 
 /// A project's flow: its sub-projects (`None`: the project's own requests).
-type ProjectFlow = Drr<Option<Arc<str>>, ItemQueue>;
+type ProjectFlow = Wfq<Option<Arc<str>>, ItemQueue>;
 
 /// A role's queue: the projects' flows, with a capacity in items.
 pub struct RoleQueue {
-    projects: Drr<Arc<str>, ProjectFlow>,
+    projects: Wfq<Arc<str>, ProjectFlow>,
     capacity: usize,
 }
 
@@ -180,7 +185,7 @@ impl std::fmt::Debug for RoleQueue {
 impl RoleQueue {
     pub fn new(capacity: usize) -> Self {
         Self {
-            projects: Drr::default(),
+            projects: Wfq::default(),
             capacity,
         }
     }
@@ -261,13 +266,14 @@ impl RoleQueue {
             .collect()
     }
 
-    /// A frame for one puller, from one project: first the interactive items of the first
-    /// project in round order whose deficit lasts (charged to it, sent as `interactive`);
-    /// else the projects in weighted deficit round robin (see [`drr`]), any class, sent as
-    /// `batch` — unless `interactive_only` (a local provider keeping its last credit for
-    /// interactive work), when nothing else goes. Inside a project, its sub-projects and then
-    /// its requests share the same way, and a frame fills across requests of one shape in
-    /// round order ([`items`]), within the limits (the first item always goes, however long).
+    /// A frame for one puller, from one project: first the interactive items of a project
+    /// within its share, the one whose next frame finishes first on the virtual clock (charged
+    /// to it, sent as `interactive`); else the projects in weighted fair queuing (see [`wfq`]),
+    /// any class, sent as `batch` — unless `interactive_only` (a local provider keeping its
+    /// last credit for interactive work), when nothing else goes. Inside a project, its
+    /// sub-projects share the same way and its requests by deficit round robin, and a frame
+    /// fills across requests of one shape in round order ([`items`]), within the limits (the
+    /// first item always goes, however long).
     /// A solo item and a chat go alone; items that failed locally go only with each other.
     /// Items of gone requests are dropped on the way.
     pub fn take_frame(
@@ -284,7 +290,7 @@ impl RoleQueue {
             only: Some(WorkClass::Interactive),
         };
         let within_share = |flow: &ProjectFlow| flow.waiting_of(WorkClass::Interactive) > 0;
-        if let Some((items, _)) = self.projects.take_within_deficit(&mut offer, &within_share) {
+        if let Some((items, _)) = self.projects.take_within_share(&mut offer, &within_share) {
             return Some(Frame {
                 items,
                 class: WorkClass::Interactive,
@@ -547,8 +553,9 @@ mod tests {
             let b = q.take_batch(FRAME, |_| true, |i| &*i.caller.project == "b");
             assert!(!b.is_empty() && b.iter().all(|i| &*i.caller.project == "b"));
         }
-        // a kept its turn (not charged, not forgotten): open pullers share evenly again,
-        // and a is not owed the frames it could not take.
+        // a kept its turn (never charged; passed over, it moved up with the project served in
+        // its place): open pullers share evenly again, and a is not owed the frames it could
+        // not take.
         let got = served(&mut q, 130);
         let a = got["a"] as f64 / (got["a"] + got["b"]) as f64;
         assert!((0.45..0.60).contains(&a), "{got:?}");
@@ -598,7 +605,7 @@ mod tests {
             "{tokens:?}"
         );
         // A provider keeping its last credit for interactive work takes A's within its
-        // deficit, or nothing.
+        // share, or nothing.
         let kept = q.take_frame(FRAME, |_| true, |_| true, true);
         assert!(
             kept.as_ref().is_none_or(
@@ -744,5 +751,125 @@ mod tests {
         }
         let ratio = tokens["long"] as f64 / tokens["short"] as f64;
         assert!((0.95..1.05).contains(&ratio), "fair in tokens: {tokens:?}");
+    }
+
+    /// `items` with texts of `tokens` estimated tokens each.
+    fn sized(mut items: Vec<Item>, tokens: usize) -> Vec<Item> {
+        for item in &mut items {
+            item.text = "y".repeat(3 * (tokens - 2));
+        }
+        items
+    }
+
+    #[test]
+    fn a_small_request_of_an_idle_project_goes_with_the_next_frame_however_many_projects_flood() {
+        let s = embed_shape(None);
+        for floods in [2usize, 8, 32, 128] {
+            // Each flooding project sends two requests of 100 full frames between them.
+            let mut q = RoleQueue::new(1 << 20);
+            let mut request = 0;
+            for p in 0..floods {
+                let flood = caller(&format!("flood-{p}"), None, WorkClass::Batch, 1);
+                for _ in 0..2 {
+                    request += 1;
+                    q.push_back(sized(of(&flood, request, &s, 400), 40));
+                }
+            }
+            let small = caller("small", None, WorkClass::Batch, 1);
+            let mut worst = 0;
+            for round in 0..40 {
+                // The floods go on between the small project's requests, for a varying number
+                // of frames (a round of the floods and more).
+                for _ in 0..round % (floods + 3) {
+                    let b = q.take_batch(FRAME, |_| true, |_| true);
+                    assert_eq!(b.len(), FRAME.max_items, "the floods' frames stay full");
+                }
+                request += 1;
+                q.push_back(sized(of(&small, request, &s, 1), 10));
+                let mut frames = 0;
+                loop {
+                    frames += 1;
+                    let b = q.take_batch(FRAME, |_| true, |_| true);
+                    if b.iter().any(|i| i.request == request) {
+                        break;
+                    }
+                    assert_eq!(b.len(), FRAME.max_items, "the floods' frames stay full");
+                    assert!(
+                        frames <= 4 * floods,
+                        "{floods} floods: the small request starved"
+                    );
+                }
+                worst = worst.max(frames);
+            }
+            assert!(
+                worst <= 2,
+                "{floods} floods: the small request went with frame {worst}, not the next"
+            );
+        }
+    }
+
+    #[test]
+    fn weights_hold_over_many_frames_beside_small_requests() {
+        let s = embed_shape(None);
+        let mut q = RoleQueue::new(1 << 20);
+        q.push_back(sized(
+            of(&caller("heavy", None, WorkClass::Batch, 10), 1, &s, 100_000),
+            40,
+        ));
+        q.push_back(sized(
+            of(&caller("light", None, WorkClass::Batch, 1), 2, &s, 100_000),
+            40,
+        ));
+        let small = caller("small", None, WorkClass::Batch, 1);
+        let mut tokens: BTreeMap<String, usize> = BTreeMap::new();
+        for frame in 0..2_200u64 {
+            if frame % 50 == 0 {
+                q.push_back(sized(of(&small, 3 + frame, &s, 1), 10));
+            }
+            let b = q.take_batch(FRAME, |_| true, |_| true);
+            let cost: usize = b.iter().map(|i| estimate_tokens(&i.text)).sum();
+            *tokens.entry(b[0].caller.project.to_string()).or_default() += cost;
+        }
+        let ratio = tokens["heavy"] as f64 / tokens["light"] as f64;
+        assert!((9.5..10.5).contains(&ratio), "{ratio:.2}: {tokens:?}");
+        assert_eq!(tokens["small"], 44 * 10, "every small request went");
+    }
+
+    #[test]
+    fn an_idle_project_banks_nothing_and_one_that_comes_straight_back_owes_what_it_took() {
+        let s = embed_shape(None);
+        let (a, b) = (
+            caller("a", None, WorkClass::Batch, 1),
+            caller("b", None, WorkClass::Batch, 1),
+        );
+        let mut q = RoleQueue::new(1 << 20);
+        q.push_back(sized(of(&a, 1, &s, 40), 40)); // five frames, then a is idle
+        q.push_back(sized(of(&b, 2, &s, 100_000), 40));
+        let got = served(&mut q, 400);
+        assert_eq!(got["a"], 40);
+        // a comes back with a flood of its own: the two share from now on; a does not catch up
+        // on the frames b took alone.
+        q.push_back(sized(of(&a, 3, &s, 100_000), 40));
+        let got = served(&mut q, 40);
+        let frames = got["a"] / FRAME.max_items;
+        assert!((19..=21).contains(&frames), "{got:?}");
+
+        // a sends one text at a time, again as soon as it went: it is served at once each time,
+        // and yet b keeps its half of the tokens.
+        let mut q = RoleQueue::new(1 << 20);
+        q.push_back(sized(of(&b, 1, &s, 100_000), 40));
+        let mut tokens: BTreeMap<String, usize> = BTreeMap::new();
+        for r in 0..2_000u64 {
+            if !q.waiting_by_project().contains_key("a") {
+                q.push_back(sized(of(&a, 2 + r, &s, 1), 5));
+            }
+            let batch = q.take_batch(FRAME, |_| true, |_| true);
+            let cost: usize = batch.iter().map(|i| estimate_tokens(&i.text)).sum();
+            *tokens
+                .entry(batch[0].caller.project.to_string())
+                .or_default() += cost;
+        }
+        let b_share = tokens["b"] as f64 / (tokens["a"] + tokens["b"]) as f64;
+        assert!(b_share >= 0.45, "{tokens:?}");
     }
 }

@@ -1,0 +1,320 @@
+//! Weighted fair queuing in virtual time over flows that hold work, counting tokens: start tags
+//! on a virtual clock and the earliest virtual finish first, as weighted fair queuing and
+//! Kubernetes' API Priority and Fairness do.
+//!
+//! The virtual clock counts tokens served per unit of weight. Each backlogged flow has a start
+//! tag: where on that clock its next frame starts, advanced by `tokens / weight` for every frame
+//! it is given. A puller is offered the flows in the order of the virtual finish of the frame
+//! each would give it next (its start tag plus that frame's estimated tokens over its weight),
+//! so over time every backlogged flow gets its weighted share of the tokens dispatched, whatever
+//! its frames' sizes, and a flow with little to send finishes early on the clock and goes
+//! first. Frames are sized by the puller, not cut to a share (cutting a frame would cost the
+//! engine its batch); a large frame only moves its flow's start tag further on.
+//!
+//! The clock is the least start tag of the backlogged flows. A flow that becomes backlogged
+//! starts at the clock, or at its own finish tag when it emptied a moment ago and that tag is
+//! still ahead of the clock: a flow that went idle banks nothing, one that empties and comes
+//! straight back still owes what it took. So a request of a project that was idle goes with
+//! the next frame, however many projects flood: each of them is at or past the clock and its
+//! next frame finishes later than a small one starting there. A flow whose waiting work the
+//! offered provider cannot take (bound to another space or scorer, cloud work under `backup`,
+//! past its project's cloud share) is passed over and keeps its tag; when another flow is
+//! served in its place its tag moves up to the served flow's start (it keeps its turn, and is
+//! owed nothing for the frames it could not take). An offer that takes nothing changes no tag.
+//! Work-conserving: a flow alone gets everything. Finish tags are remembered for at most
+//! [`REMEMBERED`] flows, and forgotten when no flow is backlogged (nobody is owed anything
+//! then).
+//!
+//! [`Wfq::take_within_share`] serves, out of turn, a flow no more than
+//! [`INTERACTIVE_LEAD_TOKENS`](super::INTERACTIVE_LEAD_TOKENS) per unit of weight ahead of the
+//! clock that holds what the caller asks for (the queue's interactive work): charged to that
+//! flow like any frame, so it moves nothing ahead of its share.
+//!
+//! The scheduler is generic over what a flow holds, so the same code shares a role among
+//! projects and a project among its sub-projects.
+
+use std::collections::BTreeMap;
+
+use super::{BatchLimits, Item, Offer};
+use crate::protocol::WorkClass;
+
+/// A point on the virtual clock: tokens per unit of weight, in `1 / SCALE` of a token.
+type VirtualTime = u128;
+
+const SCALE: VirtualTime = 1 << 16;
+
+/// Finish tags of flows that emptied, remembered at most (beyond it a returning flow starts at
+/// the clock: at most one frame early).
+const REMEMBERED: usize = 4096;
+
+/// Where `tokens` served to a flow of `weight` move its start tag.
+fn span(tokens: usize, weight: u32) -> VirtualTime {
+    (tokens as VirtualTime).saturating_mul(SCALE) / VirtualTime::from(weight.max(1))
+}
+
+/// What a flow holds: items waiting, and a way to hand out a batch of them.
+pub(super) trait Backlog: Default {
+    /// Items waiting in this flow.
+    fn len(&self) -> usize;
+    /// Items waiting in this flow that their clients sent as `class`.
+    fn waiting_of(&self, class: WorkClass) -> usize;
+    /// The tokens of the frame this flow would give a puller of `limits` next: an estimate
+    /// that orders the flows (what a frame is charged is what it holds).
+    fn next_tokens(&self, limits: BatchLimits) -> usize;
+    /// A batch for the offer, and its tokens, or `None` when nothing here fits it.
+    fn take(&mut self, offer: &mut Offer<'_>) -> Option<(Vec<Item>, usize)>;
+    /// Drops items `gone` says are dead; how many left.
+    fn sweep(&mut self, gone: &mut dyn FnMut(&Item) -> bool) -> usize;
+}
+
+struct Flow<F> {
+    weight: u32,
+    /// Its start tag: where on the virtual clock its next frame starts.
+    start: VirtualTime,
+    /// When it became backlogged (of two equal tags, the earlier goes first).
+    joined: u64,
+    inner: F,
+}
+
+impl<F: Backlog> Flow<F> {
+    /// The virtual finish of the frame it would give a puller of `limits` next.
+    fn finish(&self, limits: BatchLimits) -> VirtualTime {
+        self.start
+            .saturating_add(span(self.inner.next_tokens(limits), self.weight))
+    }
+}
+
+/// Flows keyed by `K`, served in weighted fair queuing by virtual time.
+pub(super) struct Wfq<K, F> {
+    /// The backlogged flows (each holds work).
+    flows: BTreeMap<K, Flow<F>>,
+    /// The virtual clock: the least start tag of the backlogged flows (kept while none is).
+    clock: VirtualTime,
+    /// Finish tags of flows that emptied while ahead of the clock.
+    finished: BTreeMap<K, VirtualTime>,
+    /// Flows that became backlogged so far.
+    joins: u64,
+}
+
+impl<K, F> Default for Wfq<K, F> {
+    fn default() -> Self {
+        Self {
+            flows: BTreeMap::new(),
+            clock: 0,
+            finished: BTreeMap::new(),
+            joins: 0,
+        }
+    }
+}
+
+impl<K: Ord + Clone, F: Backlog> Wfq<K, F> {
+    /// Items waiting in every flow.
+    pub fn len(&self) -> usize {
+        self.flows.values().map(|f| f.inner.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.flows.is_empty()
+    }
+
+    /// The flows holding work, with their waiting items.
+    pub fn backlog(&self) -> impl Iterator<Item = (&K, &F)> {
+        self.flows.iter().map(|(k, f)| (k, &f.inner))
+    }
+
+    /// Adds work to flow `key` (backlogged from now on, starting at the clock or at its own
+    /// finish tag, the later, when it held none); `weight` is its weight from now on.
+    pub fn push(&mut self, key: &K, weight: u32, add: impl FnOnce(&mut F)) {
+        let weight = weight.max(1);
+        if let Some(flow) = self.flows.get_mut(key) {
+            flow.weight = weight;
+            add(&mut flow.inner);
+            return;
+        }
+        let mut inner = F::default();
+        add(&mut inner);
+        if inner.len() == 0 {
+            return;
+        }
+        let start = self
+            .finished
+            .remove(key)
+            .map_or(self.clock, |finish| finish.max(self.clock));
+        self.joins += 1;
+        self.flows.insert(
+            key.clone(),
+            Flow {
+                weight,
+                start,
+                joined: self.joins,
+                inner,
+            },
+        );
+    }
+
+    /// The keys of the flows `wanted` picks, in the order a puller of `limits` is offered them:
+    /// earliest virtual finish of their next frame, then earliest start, then the first to
+    /// join.
+    fn order(&self, limits: BatchLimits, wanted: impl Fn(&Flow<F>) -> bool) -> Vec<K> {
+        let mut order: Vec<((VirtualTime, VirtualTime, u64), &K)> = self
+            .flows
+            .iter()
+            .filter(|&(_, f)| wanted(f))
+            .map(|(k, f)| ((f.finish(limits), f.start, f.joined), k))
+            .collect();
+        order.sort_unstable_by_key(|(rank, _)| *rank);
+        order.into_iter().map(|(_, k)| k.clone()).collect()
+    }
+
+    /// The next batch for `offer`: from the first flow in virtual-finish order that has
+    /// something that fits it. The flows passed over on the way move up to the served flow's
+    /// start; an offer nothing fits changes no tag.
+    pub fn take(&mut self, offer: &mut Offer<'_>) -> Option<(Vec<Item>, usize)> {
+        let mut passed: Vec<K> = Vec::new();
+        for key in self.order(offer.limits, |_| true) {
+            let Some(flow) = self.flows.get_mut(&key) else {
+                continue;
+            };
+            if let Some((items, tokens)) = flow.inner.take(offer) {
+                let start = flow.start;
+                for k in &passed {
+                    if let Some(f) = self.flows.get_mut(k) {
+                        f.start = f.start.max(start);
+                    }
+                }
+                self.charge(&key, tokens);
+                return Some((items, tokens));
+            }
+            if flow.inner.len() == 0 {
+                // Only dead items were left: the flow is gone.
+                self.leave(&key);
+            } else {
+                passed.push(key);
+            }
+        }
+        self.settle();
+        None
+    }
+
+    /// Out of turn: the first flow in virtual-finish order that is within its share (its start
+    /// at most [`INTERACTIVE_LEAD_TOKENS`](super::INTERACTIVE_LEAD_TOKENS) per unit of weight
+    /// past the clock) and that `wanted` says holds what the offer asks for, served and
+    /// charged; no other tag moves.
+    pub fn take_within_share(
+        &mut self,
+        offer: &mut Offer<'_>,
+        wanted: &dyn Fn(&F) -> bool,
+    ) -> Option<(Vec<Item>, usize)> {
+        let lead = VirtualTime::from(super::INTERACTIVE_LEAD_TOKENS).saturating_mul(SCALE);
+        let within = self.clock.saturating_add(lead);
+        for key in self.order(offer.limits, |f| f.start <= within && wanted(&f.inner)) {
+            let Some(flow) = self.flows.get_mut(&key) else {
+                continue;
+            };
+            if let Some((items, tokens)) = flow.inner.take(offer) {
+                self.charge(&key, tokens);
+                return Some((items, tokens));
+            }
+            if flow.inner.len() == 0 {
+                self.leave(&key);
+            }
+        }
+        self.settle();
+        None
+    }
+
+    /// Drops dead items from every flow; flows left empty leave. How many left.
+    pub fn sweep(&mut self, gone: &mut dyn FnMut(&Item) -> bool) -> usize {
+        let mut dropped = 0;
+        let mut emptied = Vec::new();
+        for (key, flow) in &mut self.flows {
+            dropped += flow.inner.sweep(gone);
+            if flow.inner.len() == 0 {
+                emptied.push(key.clone());
+            }
+        }
+        for key in emptied {
+            self.leave(&key);
+        }
+        self.settle();
+        dropped
+    }
+
+    /// Charges a frame's tokens to flow `key`; it leaves when it emptied.
+    fn charge(&mut self, key: &K, tokens: usize) {
+        if let Some(flow) = self.flows.get_mut(key) {
+            flow.start = flow.start.saturating_add(span(tokens, flow.weight));
+            if flow.inner.len() == 0 {
+                self.leave(key);
+            }
+        }
+        self.settle();
+    }
+
+    /// Flow `key` is no longer backlogged; its finish tag is remembered while it is ahead of
+    /// the clock.
+    fn leave(&mut self, key: &K) {
+        let Some(flow) = self.flows.remove(key) else {
+            return;
+        };
+        if flow.start <= self.clock {
+            return;
+        }
+        if self.finished.len() >= REMEMBERED {
+            let clock = self.clock;
+            self.finished.retain(|_, finish| *finish > clock);
+        }
+        if self.finished.len() < REMEMBERED {
+            self.finished.insert(key.clone(), flow.start);
+        }
+    }
+
+    /// The clock moves up to the least start tag of the backlogged flows; with none left, no
+    /// flow is owed or owes anything.
+    fn settle(&mut self) {
+        match self.flows.values().map(|f| f.start).min() {
+            Some(least) => self.clock = self.clock.max(least),
+            None => self.finished.clear(),
+        }
+    }
+}
+
+/// A flow of flows: a project shares its turn among its sub-projects the same way.
+impl<K: Ord + Clone, F: Backlog> Backlog for Wfq<K, F> {
+    fn len(&self) -> usize {
+        Wfq::len(self)
+    }
+
+    fn waiting_of(&self, class: WorkClass) -> usize {
+        self.flows.values().map(|f| f.inner.waiting_of(class)).sum()
+    }
+
+    /// The next frame of the flow it would serve first.
+    fn next_tokens(&self, limits: BatchLimits) -> usize {
+        self.flows
+            .values()
+            .min_by_key(|f| (f.finish(limits), f.start, f.joined))
+            .map_or(0, |f| f.inner.next_tokens(limits))
+    }
+
+    fn take(&mut self, offer: &mut Offer<'_>) -> Option<(Vec<Item>, usize)> {
+        Wfq::take(self, offer)
+    }
+
+    fn sweep(&mut self, gone: &mut dyn FnMut(&Item) -> bool) -> usize {
+        Wfq::sweep(self, gone)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_span_is_tokens_over_weight_on_the_clock() {
+        assert_eq!(span(10, 1), 10 * SCALE);
+        assert_eq!(span(10, 10), SCALE);
+        assert!(span(2, crate::hub::projects::MAX_WEIGHT) > 0);
+        assert_eq!(span(usize::MAX, 1), (usize::MAX as VirtualTime) * SCALE);
+    }
+}
