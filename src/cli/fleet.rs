@@ -92,6 +92,14 @@ pub struct HubArgs {
     /// Characters one input may have (more: 413) [default: 1000000].
     #[arg(long)]
     max_input_chars: Option<usize>,
+    /// `Idempotency-Key`s each project's table holds: a new key forgets the project's oldest
+    /// answered one, never another project's [default: 16384].
+    #[arg(long)]
+    idempotency_keys_per_project: Option<usize>,
+    /// MiB of answers (their memory) each project's `Idempotency-Key` table holds for
+    /// retries: the project's oldest go first [default: 16].
+    #[arg(long)]
+    idempotency_answers_mib_per_project: Option<u64>,
     /// The gate's minimum cosine between a provider's probe vectors and the space's
     /// fingerprint (values under 0.99 are raised to 0.99) [default: 0.99].
     #[arg(long)]
@@ -143,6 +151,8 @@ impl HubArgs {
             max_held_mb: self.max_held_mb,
             max_inputs: self.max_inputs,
             max_input_chars: self.max_input_chars,
+            idempotency_keys_per_project: self.idempotency_keys_per_project,
+            idempotency_answers_mib_per_project: self.idempotency_answers_mib_per_project,
             roles: Default::default(),
             gate_min_cosine: self.gate_min_cosine,
             gate_sentinel_s: self.gate_sentinel_s,
@@ -353,6 +363,7 @@ async fn open_hub(
         heartbeat_interval: args.heartbeat(),
         queue_capacity: args.queue_capacity.max(1),
         limits: args.limits,
+        replies: args.replies,
         ready_roles: args.ready_roles.iter().copied().collect(),
         handover_window: if agents_elsewhere {
             args.heartbeat() + std::time::Duration::from_secs(5)
@@ -549,8 +560,9 @@ fn supervise_hub(
     (status_task, reload_task)
 }
 
-/// SIGHUP for the hub: read `--config` again; the roles' timings, the request limits and the
-/// gate's settings apply at once, the rest is named as needing a restart.
+/// SIGHUP for the hub: read `--config` again; the roles' timings, the request limits, the
+/// `Idempotency-Key` bounds and the gate's settings apply at once, the rest is named as
+/// needing a restart.
 async fn reload_hub_on_hangup(
     hangups: reload::Hangups,
     args: HubArgs,
@@ -580,6 +592,11 @@ async fn reload_hub_on_hangup(
                 core.settings.limits = new.limits;
                 applied.push("request limits");
             }
+            if new.replies != running.replies {
+                core.settings.replies = new.replies;
+                core.replies.set_limits(new.replies);
+                applied.push("Idempotency-Key bounds");
+            }
             let (gate, wanted) = (&mut core.gate.settings, GateSettings::from_config(&new));
             if new.gate_min_cosine != running.gate_min_cosine {
                 gate.min_cosine = wanted.min_cosine;
@@ -606,6 +623,7 @@ async fn reload_hub_on_hangup(
             timings: new.timings,
             roles: new.roles,
             limits: new.limits,
+            replies: new.replies,
             gate_min_cosine: new.gate_min_cosine,
             gate_sentinel_s: new.gate_sentinel_s,
             gate_reference: new.gate_reference,

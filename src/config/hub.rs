@@ -36,6 +36,10 @@ pub struct HubLayer {
     pub max_held_mb: Option<u64>,
     pub max_inputs: Option<usize>,
     pub max_input_chars: Option<usize>,
+    /// `Idempotency-Key`s each project's table holds (`hub::replies`).
+    pub idempotency_keys_per_project: Option<usize>,
+    /// MiB of answers (their memory) each project's `Idempotency-Key` table holds.
+    pub idempotency_answers_mib_per_project: Option<u64>,
     pub gate_min_cosine: Option<f64>,
     pub gate_sentinel_s: Option<u64>,
     pub gate_reference: Option<String>,
@@ -75,6 +79,28 @@ impl Default for RequestLimits {
     }
 }
 
+/// What the hub keeps of each project's `Idempotency-Key`s (`hub::replies`): every project
+/// has a table of its own within these bounds, so one project's keys never push out
+/// another's; the whole is at most the projects times one table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplyLimits {
+    /// Keys one project's table holds: a new key forgets the project's oldest answered one
+    /// (when all are still under way, the new key is refused with a retry hint).
+    pub keys_per_project: usize,
+    /// Bytes of answers one project's table holds, counted by their memory: the project's
+    /// oldest answers go first (their keys stay, and a retry is told the answer is gone).
+    pub answer_bytes_per_project: usize,
+}
+
+impl Default for ReplyLimits {
+    fn default() -> Self {
+        Self {
+            keys_per_project: 16_384,
+            answer_bytes_per_project: 16 << 20,
+        }
+    }
+}
+
 /// The hub's settings, resolved.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HubConfig {
@@ -90,6 +116,7 @@ pub struct HubConfig {
     pub heartbeat_ms: Option<u64>,
     pub queue_capacity: usize,
     pub limits: RequestLimits,
+    pub replies: ReplyLimits,
     pub gate_min_cosine: f64,
     pub gate_sentinel_s: u64,
     pub gate_reference: Option<String>,
@@ -164,6 +191,24 @@ impl HubLayer {
                         .or(under.max_input_chars)
                         .unwrap_or(d.max_input_chars)
                         .max(1),
+                }
+            },
+            replies: {
+                let d = ReplyLimits::default();
+                ReplyLimits {
+                    keys_per_project: self
+                        .idempotency_keys_per_project
+                        .or(under.idempotency_keys_per_project)
+                        .unwrap_or(d.keys_per_project)
+                        .max(1),
+                    answer_bytes_per_project: self
+                        .idempotency_answers_mib_per_project
+                        .or(under.idempotency_answers_mib_per_project)
+                        .map_or(d.answer_bytes_per_project, |mb| {
+                            usize::try_from(mb)
+                                .unwrap_or(usize::MAX)
+                                .saturating_mul(1 << 20)
+                        }),
                 }
             },
             gate_min_cosine: self
@@ -285,6 +330,16 @@ mod tests {
         assert!(
             toml::from_str::<HubLayer>("lease = 3").is_err(),
             "unknown keys are refused"
+        );
+        assert_eq!(cfg.replies, ReplyLimits::default());
+        let bounded: HubLayer = toml::from_str(
+            "idempotency_keys_per_project = 100\nidempotency_answers_mib_per_project = 2",
+        )
+        .unwrap();
+        let replies = HubLayer::default().over(&bounded).unwrap().replies;
+        assert_eq!(
+            (replies.keys_per_project, replies.answer_bytes_per_project),
+            (100, 2 << 20)
         );
         let half_tls = HubLayer {
             tls_cert: Some("c.pem".into()),

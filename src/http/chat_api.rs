@@ -11,8 +11,11 @@
 //! `Idempotency-Key` (optional, per project): a retry with the same key and body gets the
 //! first answer again (`Idempotent-Replayed: true`) without a second upstream call, across a
 //! takeover too ([`crate::hub::replies`]); the same key with another body is 422, a retry
-//! while the first runs is 409. A keyed chat that is not streamed finishes even when its
-//! client leaves, so the retry finds its answer; a streamed one ends with its client.
+//! while the first runs is 409, and a project whose every remembered key is still under way
+//! gets 429 for a new one. A keyed chat that is not streamed finishes even when its client
+//! leaves, so the retry finds its answer; a streamed one ends with its client (while its
+//! lease is live the call is stopped; once the lease was lost, the agent's call runs on and
+//! the key waits for its outcome).
 
 use std::convert::Infallible;
 
@@ -68,7 +71,8 @@ pub struct ChatEvent {
     params(("Idempotency-Key" = Option<String>, Header,
         description = "1 to 255 visible ASCII characters (a UUID): a retry with the same key and \
 body gets the first answer again (`Idempotent-Replayed: true`) without a second upstream call; \
-the same key with another body is 422, a retry while the first runs is 409")),
+the same key with another body is 422, a retry while the first runs is 409, a new key of a \
+project whose every remembered key is still under way is 429")),
     responses(
         (status = 200, description = "A chat completion, or its chunks as server-sent events",
             content((Object = "application/json"), (ChatEvent = "text/event-stream"))),
@@ -338,6 +342,16 @@ fn key_refused(refusal: KeyRefusal) -> ApiError {
                 "idempotency_key_in_use",
                 "a request with this Idempotency-Key is still running; send it again shortly to \
                  get its answer",
+            );
+            e.retry_after_s = Some(1);
+            e
+        }
+        KeyRefusal::Full => {
+            let mut e = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "idempotency_keys_full",
+                "this project holds as many Idempotency-Keys as the hub keeps for it, each for a \
+                 chat still under way; send it again shortly (or without a key)",
             );
             e.retry_after_s = Some(1);
             e

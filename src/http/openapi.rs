@@ -294,7 +294,9 @@ const CLIENT_STATUSES: &[(u16, &str, bool)] = &[
     ),
     (
         429,
-        "The queue is full, or a project limit, share or daily allowance is reached",
+        "The queue is full, or a project limit, share or daily allowance is reached, or every \
+         Idempotency-Key the hub keeps for the project is a chat still under way \
+         (`idempotency_keys_full`)",
         true,
     ),
     (500, "An internal error", false),

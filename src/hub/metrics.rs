@@ -125,7 +125,7 @@ impl Hub {
         )?;
         f.gauge(
             "fantom_hub_chat_answers_held_bytes",
-            "Bytes of keyed chats' answers held for retries.",
+            "Bytes of memory keyed chats' answers held for retries take.",
             one(core.replies.held().1 as f64),
         )?;
         f.counter(

@@ -1,6 +1,8 @@
-//! The agents' frames as the core sees them: `hello` (a session, superseding an older one),
-//! the end of a socket, `providers`, `pull`, `heartbeat`, `config_ack`, `limits`, and the
-//! gate's probes out and their answers.
+//! The agents' frames as the core sees them: `hello` (a session, superseding an older one,
+//! with the keyed calls it still runs), the end of a socket (what its agent may still finish
+//! is waited for while it comes back: `handed_over`), `providers`, `pull`, `heartbeat` (a
+//! keyed chat parked when its lease expired, and listed, is live again), `config_ack`,
+//! `limits`, and the gate's probes out and their answers.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -154,7 +156,11 @@ impl Core {
             .max()
             .unwrap_or_default();
         let until = now + longest_call + self.settings.heartbeat_interval;
-        self.replies.running_at(&hello.agent_id, &tags, until);
+        // A call it reported before and does not list now ended: its `kept` outcome follows
+        // this hello at once.
+        let unlisted_until = now + self.settings.heartbeat_interval;
+        self.replies
+            .running_at(&hello.agent_id, &tags, until, unlisted_until);
         self.refresh_routes();
         self.answering(&hello.agent_id, calls);
         self.sync_agent(&hello.agent_id);
@@ -194,9 +200,9 @@ impl Core {
             tracing::info!(agent, session, "agent disconnected");
             self.note_vanished(gone.providers.values());
             self.gate.agent_left(agent, Instant::now());
-            // Keyed calls it reported running are not waited for any more.
-            self.replies.agent_left(agent);
-            self.release_reported(|_, r| r.agent == agent);
+            // What it may still finish (keyed calls it runs, their permits) is waited for
+            // while it comes back and says so.
+            self.agent_away(agent, Instant::now());
         }
         self.requeue_session_leases(agent, session);
         // A reference may have left: the gate's round decides the roles' spaces first.
@@ -219,12 +225,14 @@ impl Core {
             .filter(|(_, l)| l.agent == agent && l.session == session)
             .map(|(id, _)| *id)
             .collect();
+        let now = Instant::now();
         for id in lost {
             if let Some(lease) = self.leases.remove(&id) {
                 self.counters.leases_lost += 1;
                 // A keyed chat its agent finishes and hands over: waited for (holding its
                 // permit), not sent again.
-                let Some(lease) = self.park_lost(lease) else {
+                let Some(lease) = self.park_lost(id, lease, now, "its agent's connection was lost")
+                else {
                     continue;
                 };
                 self.release_permit(&lease, budget::Outcome::Other);
@@ -303,14 +311,20 @@ impl Core {
             }
         }
         let now = Instant::now();
+        let mut not_live = Vec::new();
         for id in hb.leases {
-            if let Some(lease) = self.leases.get_mut(&id)
-                && lease.agent == agent
-                && lease.session == session
-            {
-                lease.deadline = now + self.settings.timings(lease.role).lease;
-                self.counters.leases_renewed += 1;
+            match self.leases.get_mut(&id) {
+                Some(lease) if lease.agent == agent && lease.session == session => {
+                    lease.deadline = now + self.settings.timings(lease.role).lease;
+                    self.counters.leases_renewed += 1;
+                }
+                Some(_) => {}
+                None => not_live.push(id),
             }
+        }
+        // A keyed chat parked when its lease expired unrenewed, and still running: live again.
+        for id in not_live {
+            self.resume_parked(agent, session, id, now);
         }
         self.agent_holds(agent, hb.config);
         Ok(())

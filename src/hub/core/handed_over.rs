@@ -1,26 +1,39 @@
 //! Keyed chats' answers that agents hand over (`kept`), the hub's word that it holds one
-//! (`delivered`), and keyed chats parked while their agent is away.
+//! (`delivered`), keyed chats parked while their agent's call may still run, and the calls an
+//! agent reports running for an earlier session.
 //!
 //! An agent keeps a keyed chat's outcome until a hub says it holds it: the `done` reached
 //! this hub, or the agent handed it over here. An answer new to this hub is held for retries
 //! ([`crate::hub::replies`]) and its cost counts in the project's day here: the hub that
-//! leased it never said it held it, so it never counted it. One this hub already holds
-//! counts nothing more.
+//! leased it never said it held it, so it never counted it. One this hub already holds, or
+//! counted before its key was pushed out of the table, counts nothing more.
 //!
-//! When the socket of an agent that keeps answers drops while it runs a keyed chat, the
-//! chat is parked, not sent to another provider (that would pay the upstream twice): the
-//! agent's handover answers it. It goes round again only when the agent says the call
-//! failed, or does not come back and report it running within [`PARK_FOR_SILENCE_S`]
-//! heartbeats and the dial bound; a call it reports running is waited for up to the role's
-//! call timeout. A parked cloud chat keeps its budget permit, and a cloud call an agent
-//! reports running for an earlier hub takes one: a call under way always counts in flight,
-//! so the budget is not over its window across a takeover.
+//! A keyed chat's lease on an agent that keeps answers is never sent to another provider
+//! while the agent's call may still run (that would pay the upstream twice): when its socket
+//! drops, or the lease expires unrenewed (a silent agent), the lease is parked, keeping its
+//! budget permit, and the key waits for the agent ([`crate::hub::replies::Replies::call_at`]).
+//! The agent's outcome answers it: a `kept` frame from its next session, or the `done` or
+//! `failed` of the same session when the agent was only slow (a chunk or a heartbeat of that
+//! session takes the lease back live). A streamed chat whose chunks had begun fails at once
+//! (the client has part of an answer), but its lease stays parked and its key waits, so a
+//! retry gets the whole answer when the agent hands it over. A parked chat goes round again
+//! only when the agent says the call failed, or does not come back and report it running
+//! within its return bound ([`PARK_FOR_SILENCE_S`] heartbeats and the dial bound); a call it
+//! reports running is waited for up to the role's call timeout.
+//!
+//! An agent that blinks (its socket drops, a new session of it says hello) does not make the
+//! hub forget what it may still finish: the calls it reported running, the keys they hold and
+//! their permits are waited for until its return bound, then as long as its next `hello`
+//! lists them; a call it reported before and no longer lists has ended, and its `kept`
+//! outcome, sent right after the `hello`, is waited for a heartbeat. A cloud call an agent
+//! reports running for an earlier hub holds a permit: a call under way always counts in
+//! flight, so the budget is not over its window across a takeover.
 
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{Core, ItemOutput, Lease, Served, Slot};
+use super::{Core, ItemOutput, Lease, RequestFailure, Served, Slot};
 use crate::hub::budget;
 use crate::hub::projects::DEFAULT_PROJECT;
 use crate::hub::queue::RequestId;
@@ -40,22 +53,34 @@ pub(super) fn with_provenance(mut completion: Value, served_by: &ProviderRef) ->
     completion
 }
 
-/// Heartbeats a parked chat waits for its agent to come back (its silence bound), besides
-/// [`DIAL_BOUND`].
+/// Heartbeats an agent that left is waited for to come back (its silence bound), besides
+/// [`DIAL_BOUND`]: its parked chats, the calls it reported running and the keys waiting for
+/// them.
 pub const PARK_FOR_SILENCE_S: u32 = 3;
 /// How long an agent's dial of every hub may take.
 const DIAL_BOUND: Duration = Duration::from_secs(5);
 
-/// A keyed chat whose agent's socket dropped while it ran: its lease, kept whole (its one
-/// item, who ran it, its budget permit).
+/// A keyed chat whose lease was lost while its agent's call may still run: the lease, kept
+/// whole (its id, its one item, who ran it, its budget permit).
 pub(super) struct Parked {
+    id: u64,
     lease: Lease,
     tag: IdempotencyTag,
     until: Instant,
 }
 
-/// A cloud call an agent reported running for an earlier hub: it holds a permit of `route`
-/// until its answer comes, the agent leaves, or `until` (the role's call timeout) passes.
+/// The tag of a lease whose call its agent finishes and hands over when the lease is lost: a
+/// keyed chat (one item) on an agent that keeps answers.
+fn kept_call(lease: &Lease) -> Option<IdempotencyTag> {
+    match lease.items.as_slice() {
+        [item] if lease.keeps_answer => item.shape.idempotency().cloned(),
+        _ => None,
+    }
+}
+
+/// A cloud call an agent reported running for an earlier session: it holds a permit of
+/// `route` until its answer comes, the agent's next `hello` no longer lists it, or `until`
+/// passes (the role's call timeout; the agent's return bound once it left).
 pub(super) struct Reported {
     pub(super) agent: String,
     route: String,
@@ -138,31 +163,131 @@ impl Core {
 }
 
 impl Core {
-    /// Parks a lost lease's keyed chat when its agent hands answers over (it keeps its
-    /// permit); otherwise gives the lease back (to be requeued).
-    pub(super) fn park_lost(&mut self, lease: Lease) -> Option<Lease> {
-        let tag = match lease.items.as_slice() {
-            [item] if lease.keeps_answer => item.shape.idempotency().cloned(),
-            _ => None,
-        };
-        let unstreamed = |i: &crate::hub::queue::Item| {
-            self.requests
-                .get(&i.request)
-                .is_some_and(|p| p.streamed.is_none())
-        };
-        let Some(tag) = tag.filter(|_| lease.items.iter().all(unstreamed)) else {
+    /// How long an agent that left (or went silent) is waited for to come back and report
+    /// what it still runs: its silence bound and the dial bound.
+    pub(super) fn return_bound(&self) -> Duration {
+        self.settings.heartbeat_interval * PARK_FOR_SILENCE_S + DIAL_BOUND
+    }
+
+    /// A lease `id` lost at `now` (`why`) while its call may still run: a keyed chat whose
+    /// agent keeps answers is parked (it keeps its permit) and its key waits for the agent,
+    /// within the agent's return bound; a streamed one whose chunks had begun fails now, the
+    /// rest wait for the handover. Another lease is given back (to be requeued).
+    pub(super) fn park_lost(
+        &mut self,
+        id: u64,
+        lease: Lease,
+        now: Instant,
+        why: &str,
+    ) -> Option<Lease> {
+        let Some(tag) = kept_call(&lease) else {
             return Some(lease);
         };
-        let until =
-            Instant::now() + self.settings.heartbeat_interval * PARK_FOR_SILENCE_S + DIAL_BOUND;
-        tracing::info!(agent = %lease.agent, key = %tag.key, "a keyed chat's agent left while it ran: waiting for its handover, not sending it again");
-        self.parked.push(Parked { lease, tag, until });
+        let until = now + self.return_bound();
+        self.replies.call_at(&tag, &lease.agent, until);
+        let cut: Vec<(RequestId, u64)> = lease
+            .items
+            .iter()
+            .filter_map(|i| {
+                let streamed = self.requests.get(&i.request)?.streamed?;
+                Some((i.request, streamed.next_seq))
+            })
+            .collect();
+        tracing::info!(agent = %lease.agent, key = %tag.key, reason = why, "a keyed chat's lease was lost while its agent's call may still run: waiting for its handover, not sending it again");
+        self.parked.push(Parked {
+            id,
+            lease,
+            tag,
+            until,
+        });
+        for (request, chunks) in cut {
+            // Part of its answer is with the client: the request ends here; the call's
+            // outcome is still taken when it comes, for a retry of the key.
+            self.fail_request(
+                request,
+                RequestFailure::StreamCut {
+                    chunks,
+                    why: format!(
+                        "{why}; a retry with the same Idempotency-Key gets the whole answer once \
+                         its agent hands it over"
+                    ),
+                },
+            );
+        }
         None
+    }
+
+    /// The parked lease `id` of `agent`'s `session`, taken out: its result came on that
+    /// session after all (it was parked when it expired unrenewed).
+    pub(super) fn unpark(&mut self, agent: &str, session: u64, id: u64) -> Option<Lease> {
+        let i = self
+            .parked
+            .iter()
+            .position(|p| p.id == id && p.lease.agent == agent && p.lease.session == session)?;
+        Some(self.parked.swap_remove(i).lease)
+    }
+
+    /// A chunk or a heartbeat of `agent`'s live `session` names its parked lease `id` (parked
+    /// when it expired unrenewed): the call runs. While its request waits, the lease is live
+    /// again; once its request ended, it stays parked for the outcome and is waited for a
+    /// lease more. Whether it is live again.
+    pub(super) fn resume_parked(
+        &mut self,
+        agent: &str,
+        session: u64,
+        id: u64,
+        now: Instant,
+    ) -> bool {
+        // Only the agent's live session renews what it takes back (a frame of a superseded
+        // one may still be read).
+        if self.agents.get(agent).is_none_or(|a| a.session != session) {
+            return false;
+        }
+        let Some(i) = self
+            .parked
+            .iter()
+            .position(|p| p.id == id && p.lease.agent == agent && p.lease.session == session)
+        else {
+            return false;
+        };
+        let lease_for = self.settings.timings(self.parked[i].lease.role).lease;
+        let waiting = self.parked[i]
+            .lease
+            .items
+            .iter()
+            .all(|item| self.requests.contains_key(&item.request));
+        if !waiting {
+            let p = &mut self.parked[i];
+            p.until = p.until.max(now + lease_for);
+            self.replies.call_at(&p.tag, agent, p.until);
+            return false;
+        }
+        let Parked { mut lease, tag, .. } = self.parked.swap_remove(i);
+        lease.deadline = now + lease_for;
+        // Lost again, it is parked again.
+        self.replies.call_ended(&tag, agent);
+        self.leases.insert(id, lease);
+        true
+    }
+
+    /// `agent`'s session ended at `now`: what it may still finish (its parked chats, the
+    /// calls it reported running and their permits, the keys waiting for them) is waited for
+    /// until its return bound; its next `hello` says which calls still run.
+    pub(super) fn agent_away(&mut self, agent: &str, now: Instant) {
+        let back_by = now + self.return_bound();
+        self.replies.agent_left(agent, back_by);
+        for p in self.parked.iter_mut().filter(|p| p.lease.agent == agent) {
+            p.until = back_by;
+        }
+        for r in self.reported.values_mut().filter(|r| r.agent == agent) {
+            r.until = back_by;
+        }
     }
 
     /// `agent` said hello with the keyed calls it still runs for an earlier session: their
     /// parked chats wait up to the role's call timeout more, and each other cloud call takes
-    /// a permit until it ends.
+    /// a permit until it ends (a call it reported before and does not list now gives its
+    /// permit back).
     pub(super) fn answering(&mut self, agent: &str, calls: &[AnsweringCall]) {
         let now = Instant::now();
         // A new hello says it all again.
@@ -242,6 +367,9 @@ impl Core {
         };
         let Parked { mut lease, .. } = self.parked.swap_remove(i);
         self.release_permit(&lease, budget::Outcome::Other);
+        if let Some(p) = self.provider_mut(&lease) {
+            p.lease_ended(lease.class);
+        }
         let role = lease.role;
         let Some(completion) = completion else {
             match failure {
@@ -285,24 +413,24 @@ impl Core {
         }
     }
 
-    /// Parked chats whose agent did not come back in time go round again; those whose
-    /// request ended are let go. Reported calls past their call timeout end.
+    /// Parked chats whose agent did not come back in time (or whose call timeout passed) go
+    /// round again, or are let go when their request ended meanwhile; the key waits for the
+    /// agent no more. Reported calls past their bound end.
     pub(super) fn expire_parked(&mut self, now: Instant) {
         self.release_reported(|_, r| r.until <= now);
         if self.parked.is_empty() {
             return;
         }
-        let (due, waiting): (Vec<Parked>, Vec<Parked>) =
-            std::mem::take(&mut self.parked).into_iter().partition(|p| {
-                p.until <= now
-                    || p.lease
-                        .items
-                        .iter()
-                        .all(|i| !self.requests.contains_key(&i.request))
-            });
+        let (due, waiting): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut self.parked)
+            .into_iter()
+            .partition(|p| p.until <= now);
         self.parked = waiting;
         for p in due {
             self.release_permit(&p.lease, budget::Outcome::Other);
+            if let Some(provider) = self.provider_mut(&p.lease) {
+                provider.lease_ended(p.lease.class);
+            }
+            self.replies.call_ended(&p.tag, &p.lease.agent);
             if p.lease
                 .items
                 .iter()

@@ -11,14 +11,18 @@
 //! * [`dispatch`]: forming work frames for providers with credits;
 //! * `probe_permits`: the budget permits the gate's probes to cloud embedders hold or claim;
 //! * `project_rules`: the projects' limits, shares and allowances at admission and dispatch;
-//! * [`results`]: `done`, `chunk`, `failed`, expiry, requeueing and completion.
+//! * [`results`]: `done`, `chunk`, `failed`, expiry, requeueing and completion;
+//! * `handed_over`: keyed chats parked while their agent's call may still run, the answers
+//!   agents hand over, the calls they report running.
 //!
 //! Invariants: an accepted item is always in exactly one place (its queue, or one live
-//! lease) until its request completes or fails; a result counts only for an item that has
-//! none yet (the first completion wins) and only from a provider of the request's binding; a
-//! lease that comes back (expiry, disconnect, transient failure) returns its items to the
-//! front of their queue, except a streamed chat's after its first chunk, which fails; a
-//! request nothing can serve any more fails at once with the reason.
+//! lease, or parked for its agent's handover) until its request completes or fails; a result
+//! counts only for an item that has none yet (the first completion wins) and only from a
+//! provider of the request's binding; a lease that comes back (expiry, disconnect, transient
+//! failure) returns its items to the front of their queue, except a streamed chat's after its
+//! first chunk, which fails, and a keyed chat's whose agent may still run its call (expiry,
+//! disconnect), which is parked for that agent's outcome (`handed_over`); a request nothing
+//! can serve any more fails at once with the reason.
 
 mod agents;
 pub mod binding;
@@ -44,7 +48,7 @@ use super::projects::{AdmitRefusal, Caller, Projects};
 use super::queue::{Item, RequestId, RoleQueue, Shape};
 pub use super::registry::ScorerRef;
 use super::registry::{AgentEntry, ProviderEntry, ProviderRef, SocketCount};
-use crate::config::hub::RequestLimits;
+use crate::config::hub::{ReplyLimits, RequestLimits};
 use crate::config::push::CloudSettings;
 use crate::config::timings::RoleTimings;
 use crate::metrics::histogram::Histogram;
@@ -87,6 +91,8 @@ pub struct HubSettings {
     /// leader that froze or was cut off arrive within about a heartbeat of the win, their
     /// dial bounded by 5 s. Zero for `serve`, whose agent is the same process.
     pub handover_window: Duration,
+    /// What each project's `Idempotency-Key` table holds (`hub::replies`).
+    pub replies: ReplyLimits,
 }
 
 impl Default for HubSettings {
@@ -107,6 +113,7 @@ impl Default for HubSettings {
             ready_roles: BTreeSet::new(),
             interactive_reserve: true,
             handover_window: Duration::from_secs(5 + 5),
+            replies: ReplyLimits::default(),
         }
     }
 }
@@ -506,7 +513,7 @@ impl Core {
             .into_iter()
             .map(|r| (r, RoleQueue::new(settings.queue_capacity)))
             .collect();
-        let handover = settings.handover_window;
+        let (handover, reply_limits) = (settings.handover_window, settings.replies);
         Self {
             settings,
             cloud,
@@ -518,7 +525,7 @@ impl Core {
             projects: Projects::default(),
             fence: Default::default(),
             epoch: None,
-            replies: crate::hub::replies::Replies::new(handover),
+            replies: crate::hub::replies::Replies::new(handover, reply_limits),
             parked: Vec::new(),
             reported: HashMap::new(),
             queues,

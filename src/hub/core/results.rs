@@ -3,6 +3,10 @@
 //! `failed` (requeued, failed, or a standing refusal that takes a provider out), expiry,
 //! requeueing, and the completion of a request.
 //!
+//! A keyed chat's lease that expires unrenewed on an agent that keeps answers is parked, not
+//! requeued (`handed_over`): a `done`, `failed` or `chunk` of that same session still takes it
+//! back, as for a live lease.
+//!
 //! A result counts only for an item that has none yet, and only when its lease was granted
 //! under the request's binding: the same space (and a verdict that still passes when the
 //! request completes), or the same scorer.
@@ -35,18 +39,22 @@ pub(super) fn failure_name(class: FailureClass) -> &'static str {
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(300);
 
 impl Core {
-    /// Takes the lease `id` if it is live and belongs to this session; `None`: a late result.
+    /// Takes the lease `id` if it is live and belongs to this session, or parked from this
+    /// session (a keyed chat whose lease expired while its call ran); `None`: a late result.
     fn take_lease(&mut self, agent: &str, session: u64, id: u64) -> Option<Lease> {
         match self.leases.get(&id) {
             Some(l) if l.agent == agent && l.session == session => self.leases.remove(&id),
             _ => {
-                self.counters.late_results += 1;
-                None
+                let parked = self.unpark(agent, session, id);
+                if parked.is_none() {
+                    self.counters.late_results += 1;
+                }
+                parked
             }
         }
     }
 
-    fn provider_mut(&mut self, lease: &Lease) -> Option<&mut ProviderEntry> {
+    pub(super) fn provider_mut(&mut self, lease: &Lease) -> Option<&mut ProviderEntry> {
         self.agents
             .get_mut(&lease.agent)
             .filter(|a| a.session == lease.session)
@@ -339,6 +347,10 @@ impl Core {
     /// A chunk of a streamed chat: the first one binds the request to its lease; each goes
     /// to the client in order (a repeat is dropped, a gap fails the request).
     pub fn chunk(&mut self, agent: &str, session: u64, chunk: Chunk) -> Result<(), String> {
+        if !self.leases.contains_key(&chunk.lease) {
+            // A keyed chat parked when its lease expired unrenewed: its call runs after all.
+            self.resume_parked(agent, session, chunk.lease, Instant::now());
+        }
         let Some(lease) = self.leases.get(&chunk.lease) else {
             self.counters.late_results += 1;
             return Ok(());
@@ -388,12 +400,14 @@ impl Core {
             return Ok(());
         };
         // A keyed chat's failure reached this hub: the agent keeps it no longer (a stale one
-        // must not reach the next hub as the outcome of a later call).
+        // must not reach the next hub as the outcome of a later call), and its key waits for
+        // no call of it there.
         if let Some(tag) = lease
             .items
             .first()
             .and_then(|i| i.shape.idempotency().cloned())
         {
+            self.replies.call_ended(&tag, agent);
             self.tell_delivered(agent, tag);
         }
         let role = lease.role;
@@ -671,16 +685,43 @@ impl Core {
         }
     }
 
-    /// Leases past their deadline go back to the front; their agents are told to stop.
+    /// Leases past their deadline go back to the front; their agents are told to stop. A
+    /// keyed chat whose agent keeps answers is parked instead, its agent not told: a silent
+    /// agent's call may still run, and its outcome answers it (`handed_over`).
     pub fn expire(&mut self, now: Instant) {
         self.expire_parked(now);
-        let expired: Vec<u64> = self
-            .leases
-            .iter()
-            .filter(|(_, l)| l.deadline <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        for (id, lease) in self.take_back(expired, "the lease expired") {
+        let (mut keyed, mut expired) = (Vec::new(), Vec::new());
+        for (id, l) in self.leases.iter().filter(|(_, l)| l.deadline <= now) {
+            if l.keeps_answer {
+                keyed.push(*id);
+            } else {
+                expired.push(*id);
+            }
+        }
+        for id in keyed {
+            let Some(lease) = self.leases.remove(&id) else {
+                continue;
+            };
+            let (agent, provider) = (lease.agent.clone(), lease.provider.clone());
+            match self.park_lost(id, lease, now, "its lease expired unrenewed") {
+                None => {
+                    self.counters.leases_expired += 1;
+                    tracing::warn!(lease = id, agent = %agent, provider = %provider, "a keyed chat's lease expired unrenewed; it waits for its agent's outcome");
+                }
+                // Not a call its agent finishes on its own: taken back as any other.
+                Some(lease) => {
+                    self.leases.insert(id, lease);
+                    expired.push(id);
+                }
+            }
+        }
+        self.expire_taken_back(expired);
+    }
+
+    /// Takes back the expired leases `ids`: their agents are told to stop, their items go
+    /// back to the front.
+    fn expire_taken_back(&mut self, ids: Vec<u64>) {
+        for (id, lease) in self.take_back(ids, "the lease expired") {
             self.counters.leases_expired += 1;
             tracing::warn!(lease = id, agent = %lease.agent, provider = %lease.provider, "lease expired; its items go back to the front");
             self.release_permit(&lease, budget::Outcome::Other);

@@ -1451,6 +1451,305 @@ fn a_cloud_call_an_agent_still_runs_for_an_earlier_hub_holds_a_permit_and_its_co
     assert_eq!(core.replies.handed_over, 1);
 }
 
+/// A hub past its handover window (a key it has no record of runs at once).
+fn keyed_core(replies: ReplyLimits) -> Core {
+    let settings = HubSettings {
+        handover_window: Duration::ZERO,
+        replies,
+        ..HubSettings::default()
+    };
+    Core::new(settings, CloudSettings::default())
+}
+
+/// Whether no work frame waits on `rx` (the others are dropped).
+fn no_work(rx: &mut mpsc::UnboundedReceiver<Outgoing>) -> bool {
+    frames_of(rx, "work").is_empty()
+}
+
+fn claim(core: &mut Core, tag: &crate::protocol::IdempotencyTag) -> crate::hub::replies::Claim {
+    let id = crate::hub::replies::ReplyId::of(tag);
+    core.replies.claim(&id, &tag.digest, Instant::now())
+}
+
+fn kept_chat(tag: &crate::protocol::IdempotencyTag, id: &str) -> crate::protocol::KeptAnswer {
+    crate::protocol::KeptAnswer {
+        tag: tag.clone(),
+        provider: "c".into(),
+        backend: Backend::Local,
+        output: Some(WorkOutput::Chat(serde_json::json!({"id": id}))),
+        tokens: 5,
+        cost_usd: None,
+        error: None,
+        class: None,
+    }
+}
+
+#[test]
+fn a_streamed_keyed_chat_whose_lease_expires_unrenewed_waits_for_its_agent_not_another_provider() {
+    use crate::hub::replies::Claim;
+    let mut core = keyed_core(ReplyLimits::default());
+    let (sa, mut a) = connect_keeping(&mut core, "a", 1, Vec::new());
+    let (sb, mut b) = connect_keeping(&mut core, "b", 0, Vec::new());
+    let (shape, tag) = keyed_chat("k");
+    assert!(matches!(claim(&mut core, &tag), Claim::Run));
+    let (request, mut reply) = core
+        .submit(Role::CodeAssistant, shape, vec![String::new()])
+        .unwrap();
+    let (chunks_tx, mut chunks) = mpsc::unbounded_channel();
+    core.stream_to(request, chunks_tx);
+    let work = next_work(&mut a);
+    let lease = work["lease"].as_u64().unwrap();
+
+    // a goes silent before the first chunk: its lease expires unrenewed. Its call may still
+    // run: the chat is not offered to b, and a is not told to stop.
+    let length = core.settings.timings(Role::CodeAssistant).lease;
+    core.expire(Instant::now() + length + Duration::from_secs(1));
+    core.pull("b", sb, "c", 1).unwrap();
+    assert!(no_work(&mut b), "no second upstream call while a's may run");
+    assert!(frames_of(&mut a, "cancel").is_empty());
+    assert_eq!(core.parked_chats(), 1);
+    assert!(matches!(claim(&mut core, &tag), Claim::InUse));
+
+    // a was slow, not gone: its chunks and its done on the same session serve the request.
+    let data = serde_json::json!({"choices": [{"delta": {"content": "hi"}}]});
+    core.chunk(
+        "a",
+        sa,
+        crate::protocol::Chunk {
+            lease,
+            seq: 0,
+            data: data.clone(),
+        },
+    )
+    .unwrap();
+    assert_eq!(chunks.try_recv().unwrap(), data);
+    assert_eq!(core.parked_chats(), 0, "live again");
+    core.done(
+        "a",
+        sa,
+        Done {
+            lease,
+            output: WorkOutput::Chat(serde_json::json!({"id": "gen-1"})),
+            latency_ms: 5.0,
+            tokens: 3,
+            cost_usd: None,
+        },
+    )
+    .unwrap();
+    let done = reply.try_recv().unwrap().unwrap();
+    assert!(matches!(&done.items[0].output, ItemOutput::Chat(c) if c["id"] == "gen-1"));
+    assert_eq!(core.counters.late_results, 0);
+    assert!(no_work(&mut b));
+}
+
+#[test]
+fn a_streamed_keyed_chat_lost_before_its_first_chunk_keeps_its_key_for_the_agents_call() {
+    use crate::hub::replies::Claim;
+    let mut core = keyed_core(ReplyLimits::default());
+    let (sa, mut a) = connect_keeping(&mut core, "a", 1, Vec::new());
+    let (shape, tag) = keyed_chat("k");
+    assert!(matches!(claim(&mut core, &tag), Claim::Run));
+    let (request, _reply) = core
+        .submit(Role::CodeAssistant, shape, vec![String::new()])
+        .unwrap();
+    let (chunks_tx, _chunks) = mpsc::unbounded_channel();
+    core.stream_to(request, chunks_tx);
+    next_work(&mut a);
+    core.disconnect("a", sa);
+    assert_eq!(core.parked_chats(), 1);
+    // Its client gives up (nothing streamed yet): the request is cancelled and its hold on
+    // the key dropped. a's call still runs: the retry waits for it, never calls again.
+    core.cancel_request(request);
+    core.replies
+        .abandoned(&crate::hub::replies::ReplyId::of(&tag));
+    assert!(matches!(claim(&mut core, &tag), Claim::Wait(_)));
+    // a comes back still running it, then hands the answer over: the retry gets it, and its
+    // cost counts once.
+    let call = crate::protocol::AnsweringCall {
+        tag: tag.clone(),
+        provider: "c".into(),
+    };
+    let (sa, _a) = connect_keeping(&mut core, "a", 0, vec![call]);
+    assert!(matches!(claim(&mut core, &tag), Claim::Wait(_)));
+    core.kept("a", sa, kept_chat(&tag, "gen-1")).unwrap();
+    assert!(matches!(claim(&mut core, &tag), Claim::Replay(c) if c["id"] == "gen-1"));
+    assert_eq!(core.replies.handed_over, 1);
+    assert_eq!(core.parked_chats(), 0);
+}
+
+#[test]
+fn a_streamed_keyed_chat_cut_by_a_lost_agent_is_answered_whole_to_the_retry() {
+    use crate::hub::replies::Claim;
+    let mut core = keyed_core(ReplyLimits::default());
+    let (sa, mut a) = connect_keeping(&mut core, "a", 1, Vec::new());
+    let (sb, mut b) = connect_keeping(&mut core, "b", 0, Vec::new());
+    let (shape, tag) = keyed_chat("k");
+    assert!(matches!(claim(&mut core, &tag), Claim::Run));
+    let (request, mut reply) = core
+        .submit(Role::CodeAssistant, shape, vec![String::new()])
+        .unwrap();
+    let (chunks_tx, _chunks) = mpsc::unbounded_channel();
+    core.stream_to(request, chunks_tx);
+    let lease = next_work(&mut a)["lease"].as_u64().unwrap();
+    core.chunk(
+        "a",
+        sa,
+        crate::protocol::Chunk {
+            lease,
+            seq: 0,
+            data: serde_json::json!({}),
+        },
+    )
+    .unwrap();
+    // The agent is lost after the first chunk: the stream is cut (part of it is out), but
+    // the agent's call runs on and the key waits for it.
+    core.disconnect("a", sa);
+    assert!(matches!(
+        reply.try_recv().unwrap(),
+        Err(RequestFailure::StreamCut { chunks: 1, .. })
+    ));
+    core.replies
+        .abandoned(&crate::hub::replies::ReplyId::of(&tag));
+    assert!(matches!(claim(&mut core, &tag), Claim::Wait(_)));
+    core.pull("b", sb, "c", 1).unwrap();
+    assert!(no_work(&mut b));
+    let (sa, _a) = connect_keeping(&mut core, "a", 0, Vec::new());
+    core.kept("a", sa, kept_chat(&tag, "gen-1")).unwrap();
+    assert!(matches!(claim(&mut core, &tag), Claim::Replay(c) if c["id"] == "gen-1"));
+    assert_eq!(core.replies.handed_over, 1);
+}
+
+#[test]
+fn a_call_an_agent_reported_running_is_still_waited_for_when_the_agent_blinks() {
+    use crate::hub::replies::Claim;
+    let mut core = keyed_core(ReplyLimits::default());
+    let (_, tag) = keyed_chat("k");
+    let call = crate::protocol::AnsweringCall {
+        tag: tag.clone(),
+        provider: "c".into(),
+    };
+    let (sa, _a) = connect_keeping(&mut core, "a", 0, vec![call.clone()]);
+    assert!(matches!(claim(&mut core, &tag), Claim::Wait(_)));
+    // Its socket drops (a blink): the call still runs there, so a retry still waits.
+    core.disconnect("a", sa);
+    assert!(matches!(claim(&mut core, &tag), Claim::Wait(_)));
+    // Back and still running it: waited for up to the call timeout again.
+    let (sa, _a) = connect_keeping(&mut core, "a", 0, vec![call]);
+    let bound = core.settings.heartbeat_interval * 3 + Duration::from_secs(5);
+    let id = crate::hub::replies::ReplyId::of(&tag);
+    let later = Instant::now() + bound + Duration::from_secs(1);
+    assert!(matches!(
+        core.replies.claim(&id, "d", later),
+        Claim::Wait(_)
+    ));
+    // Blinks again and comes back no longer listing it (the call ended meanwhile): its kept
+    // outcome follows the hello, and is waited for.
+    core.disconnect("a", sa);
+    let (sa, _a) = connect_keeping(&mut core, "a", 0, Vec::new());
+    assert!(matches!(claim(&mut core, &tag), Claim::Wait(_)));
+    core.kept("a", sa, kept_chat(&tag, "gen-1")).unwrap();
+    assert!(matches!(claim(&mut core, &tag), Claim::Replay(_)));
+    assert_eq!(core.replies.handed_over, 1);
+    // An agent that does not come back within its bound: its call is not waited for.
+    let (_, t2) = keyed_chat("k2");
+    let call = crate::protocol::AnsweringCall {
+        tag: t2.clone(),
+        provider: "c".into(),
+    };
+    let (sb, _b) = connect_keeping(&mut core, "b", 0, vec![call]);
+    core.disconnect("b", sb);
+    let id2 = crate::hub::replies::ReplyId::of(&t2);
+    assert!(matches!(claim(&mut core, &t2), Claim::Wait(_)));
+    let later = Instant::now() + bound + Duration::from_secs(1);
+    assert!(matches!(core.replies.claim(&id2, "d", later), Claim::Run));
+
+    // A cloud call reported running keeps its permit across the blink: it still runs
+    // upstream, and the hub counts it in flight once.
+    let mut core = keyed_core(ReplyLimits::default());
+    let info = cloud_reranker_configured(&mut core, 1, "kg");
+    let hello = |answering| Hello {
+        providers: vec![info.clone()],
+        keeps_answers: true,
+        answering,
+        config: crate::protocol::HeldConfig {
+            config_revision: Some(1),
+            key_generation: Some("kg".into()),
+        },
+        ..hello_as("cloudy", None)
+    };
+    let call = crate::protocol::AnsweringCall {
+        tag: tag.clone(),
+        provider: info.id.clone(),
+    };
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let session = core.hello(hello(vec![call.clone()]), tx).unwrap();
+    assert_eq!(core.budget.in_flight(), 1);
+    core.disconnect("cloudy", session);
+    assert_eq!(core.budget.in_flight(), 1, "the call still runs upstream");
+    let (tx, _rx) = mpsc::unbounded_channel();
+    core.hello(hello(vec![call]), tx).unwrap();
+    assert_eq!(core.budget.in_flight(), 1, "one permit for the call");
+}
+
+#[test]
+fn a_late_handover_of_an_answer_counted_here_counts_nothing_more_after_its_key_was_pushed_out() {
+    use crate::hub::replies::Claim;
+    let limits = ReplyLimits {
+        keys_per_project: 2,
+        ..ReplyLimits::default()
+    };
+    let mut core = keyed_core(limits);
+    let (sa, mut a) = connect_keeping(&mut core, "a", 1, Vec::new());
+    let (shape, tag) = keyed_chat("k");
+    assert!(matches!(claim(&mut core, &tag), Claim::Run));
+    let (_, mut reply) = core
+        .submit(Role::CodeAssistant, shape, vec![String::new()])
+        .unwrap();
+    let lease = next_work(&mut a)["lease"].as_u64().unwrap();
+    // The done reaches this hub (its cost counts here); the `delivered` to the agent is lost.
+    core.done(
+        "a",
+        sa,
+        Done {
+            lease,
+            output: WorkOutput::Chat(serde_json::json!({"id": "gen-1"})),
+            latency_ms: 5.0,
+            tokens: 3,
+            cost_usd: None,
+        },
+    )
+    .unwrap();
+    reply.try_recv().unwrap().unwrap();
+    assert_eq!(frames_of(&mut a, "delivered").len(), 1);
+    // The project's own later keys push k out of its table.
+    for key in ["x", "y"] {
+        let (_, t) = keyed_chat(key);
+        assert!(matches!(claim(&mut core, &t), Claim::Run));
+        core.replies.answered(
+            &crate::hub::replies::ReplyId::of(&t),
+            "d",
+            serde_json::json!({"id": key}),
+        );
+    }
+    assert_eq!(
+        core.replies.keys_of(crate::hub::projects::DEFAULT_PROJECT),
+        2
+    );
+    // The agent, back, hands k's answer over again: counted here already, never twice.
+    let mut late = kept_chat(&tag, "gen-1");
+    late.backend = Backend::Cloud;
+    late.cost_usd = Some(0.25);
+    core.kept("a", sa, late).unwrap();
+    let u = &core.projects.usage[crate::hub::projects::DEFAULT_PROJECT];
+    assert_eq!((u.cloud_calls, u.day.cloud_usd), (0, 0.0));
+    assert_eq!(core.replies.handed_over, 0);
+    assert_eq!(
+        frames_of(&mut a, "delivered").len(),
+        1,
+        "the agent lets it go"
+    );
+}
+
 #[test]
 fn status_sees_the_queue_per_class_and_project_and_the_waits_of_the_last_minute() {
     let (mut core, sa, mut a, shape) = one_gated_embedder();
