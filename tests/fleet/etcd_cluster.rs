@@ -324,6 +324,10 @@ fn base64_key(key: &str) -> String {
 pub struct Cutter {
     pub url: String,
     budget: std::sync::Arc<std::sync::atomic::AtomicI64>,
+    /// Transactions to pass before the one [`Cutter::delay_after`] holds (`i64::MAX`: none).
+    late: std::sync::Arc<std::sync::atomic::AtomicI64>,
+    /// Lets the held transaction go; told when etcd answered it.
+    release: std::sync::Arc<(tokio::sync::Notify, tokio::sync::Notify)>,
     server: tokio::task::JoinHandle<()>,
 }
 
@@ -333,15 +337,25 @@ impl Cutter {
         use axum::extract::{Request, State};
         use axum::response::IntoResponse;
         use std::sync::atomic::{AtomicI64, Ordering};
-        type Shared = (reqwest::Client, String, std::sync::Arc<AtomicI64>);
+        type Shared = (
+            reqwest::Client,
+            String,
+            std::sync::Arc<AtomicI64>,
+            std::sync::Arc<AtomicI64>,
+            std::sync::Arc<(tokio::sync::Notify, tokio::sync::Notify)>,
+        );
         let budget = std::sync::Arc::new(AtomicI64::new(i64::MAX));
+        let late = std::sync::Arc::new(AtomicI64::new(i64::MAX));
+        let release = std::sync::Arc::new((tokio::sync::Notify::new(), tokio::sync::Notify::new()));
         let shared: Shared = (
             reqwest::Client::new(),
             member_url.to_string(),
             budget.clone(),
+            late.clone(),
+            release.clone(),
         );
         async fn pass(
-            State((http, to, budget)): State<Shared>,
+            State((http, to, budget, late, release)): State<Shared>,
             req: Request,
         ) -> axum::response::Response {
             let path = req.uri().path().to_string();
@@ -349,6 +363,34 @@ impl Cutter {
             let body: Bytes = axum::body::to_bytes(req.into_body(), 16 << 20)
                 .await
                 .unwrap_or_default();
+            let writes = path == "/v3/kv/txn" && body.windows(11).any(|w| w == b"request_put");
+            if writes && late.load(Ordering::SeqCst) < 0 {
+                // A put while one is held: lost too (its retries among them).
+                return (
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    axum::Json(serde_json::json!({"error": "no answer (the test)", "code": 14})),
+                )
+                    .into_response();
+            }
+            if path == "/v3/kv/txn" && late.fetch_sub(1, Ordering::SeqCst) == 0 {
+                // Answered as lost at once; applied only when the test releases it.
+                let (http, to, late) = (http.clone(), to.clone(), late.clone());
+                tokio::spawn(async move {
+                    release.0.notified().await;
+                    let mut r = http.post(format!("{to}{path}")).body(body);
+                    if let Some(a) = auth {
+                        r = r.header("authorization", a);
+                    }
+                    let _ = r.send().await;
+                    late.store(i64::MAX, Ordering::SeqCst);
+                    release.1.notify_one();
+                });
+                return (
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    axum::Json(serde_json::json!({"error": "no answer (the test)", "code": 14})),
+                )
+                    .into_response();
+            }
             let cut = budget.load(Ordering::SeqCst) <= 0
                 || (path == "/v3/kv/txn" && budget.fetch_sub(1, Ordering::SeqCst) <= 0);
             if cut {
@@ -380,8 +422,24 @@ impl Cutter {
         Cutter {
             url,
             budget,
+            late,
+            release,
             server,
         }
+    }
+
+    /// From now on, `n` more transactions pass; the next is answered as lost (no answer from
+    /// etcd) but held, and applied only at [`Cutter::apply_held`]: a write that lands after
+    /// its writer gave up on it. Until then every transaction that puts is lost too (a retry
+    /// of it among them); reads and deletes pass.
+    pub fn delay_after(&self, n: i64) {
+        self.late.store(n, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Applies the held transaction now (returns once etcd answered it).
+    pub async fn apply_held(&self) {
+        self.release.0.notify_one();
+        self.release.1.notified().await;
     }
 
     /// From now on, `n` more transactions pass; every call after them is cut.

@@ -271,6 +271,48 @@ async fn a_save_cut_after_its_first_part_leaves_the_store_as_memory_and_collects
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_switch_that_got_no_answer_deletes_nothing_it_names_even_when_it_lands_late() {
+    use fantom_sidecar::hub::state::HubState;
+    use fantom_sidecar::hub::store::etcd::EtcdStore;
+    use fantom_sidecar::hub::store::etcd::election::{LeaderRecord, Standing, campaign};
+
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = Cluster::start(dir.path()).await;
+    let cutter = crate::etcd_cluster::Cutter::start(&cluster.first_url()).await;
+    let (through, direct) = (client_at(&cutter.url), client_at(&cluster.first_url()));
+    let me = LeaderRecord {
+        url: "http://hub-1".into(),
+        process: "test".into(),
+        since_ms: 0,
+    };
+    let standing = || std::sync::Arc::new(tokio::sync::watch::channel(Standing::Leading).0);
+    let ttl = Duration::from_secs(60);
+    let first = campaign(&through, "/t", &me, ttl, |_, _| {}).await.unwrap();
+    let lease = first.lease;
+    let store = EtcdStore::new(through.clone(), "/t", first, standing());
+    store.load().await.unwrap();
+    let mut before = HubState::fresh();
+    before.config_revision = 1;
+    store.save(&before).await.unwrap();
+
+    // A new config: its part's chunk is written (one transaction), then the root switch gets
+    // no answer, and the read-back still sees the old root: the write has not landed yet.
+    let mut after = before.clone();
+    after.config_revision = 2;
+    cutter.delay_after(1);
+    let lost = store.save(&after).await;
+    assert!(lost.is_err(), "the admin hears of it: {lost:?}");
+    // The write lands after its writer gave up on it: the root names the new chunk.
+    cutter.apply_held().await;
+
+    // The next leader reads a whole state: the chunk the late root names was never deleted.
+    direct.revoke(lease).await.unwrap();
+    let second = campaign(&direct, "/t", &me, ttl, |_, _| {}).await.unwrap();
+    let next = EtcdStore::new(direct.clone(), "/t", second, standing());
+    assert_eq!(next.load().await.unwrap(), after);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_an_older_hub_wrote_is_moved_to_the_whole_save_layout_by_the_next_leader() {
     use fantom_sidecar::hub::state::HubState;
     use fantom_sidecar::hub::store::etcd::EtcdStore;

@@ -42,6 +42,8 @@ pub(super) struct ItemQueue {
     interactive: usize,
     /// The estimated tokens of every item's text.
     tokens: usize,
+    /// Requests the last frame looked at.
+    walked: usize,
 }
 
 fn is_interactive(item: &Item) -> bool {
@@ -74,33 +76,21 @@ impl ItemQueue {
         self.len += 1;
     }
 
-    /// Drops the requests `alive` says are gone, with their items.
-    fn drop_dead(&mut self, alive: &dyn Fn(RequestId) -> bool) {
-        let (requests, len, interactive, tokens) = (
-            &mut self.requests,
-            &mut self.len,
-            &mut self.interactive,
-            &mut self.tokens,
-        );
-        self.ring.retain(|id| {
-            if alive(*id) {
-                return true;
-            }
-            if let Some(flow) = requests.remove(id) {
-                *len -= flow.items.len();
-                *interactive -= flow.items.iter().filter(|i| is_interactive(i)).count();
-                *tokens = tokens.saturating_sub(
-                    flow.items
-                        .iter()
-                        .map(|i| estimate_tokens(&i.text))
-                        .sum::<usize>(),
-                );
-            }
-            false
-        });
+    /// Drops request `id` with its items (its client is gone).
+    fn drop_request(&mut self, id: RequestId) {
+        if let Some(flow) = self.requests.remove(&id) {
+            self.len -= flow.items.len();
+            self.interactive -= flow.items.iter().filter(|i| is_interactive(i)).count();
+            self.tokens = self.tokens.saturating_sub(
+                flow.items
+                    .iter()
+                    .map(|i| estimate_tokens(&i.text))
+                    .sum::<usize>(),
+            );
+        }
     }
 
-    /// Takes the head item of request `id`; the request leaves when it empties.
+    /// Takes the head item of request `id`.
     fn pop(&mut self, id: RequestId) -> Option<Item> {
         let flow = self.requests.get_mut(&id)?;
         let item = flow.items.pop_front()?;
@@ -108,6 +98,55 @@ impl ItemQueue {
         self.interactive -= usize::from(is_interactive(&item));
         self.tokens = self.tokens.saturating_sub(estimate_tokens(&item.text));
         Some(item)
+    }
+
+    fn is_empty_request(&self, id: RequestId) -> bool {
+        self.requests.get(&id).is_none_or(|f| f.items.is_empty())
+    }
+
+    /// The first [`SCAN_LIMIT`] requests of the round, taken off the ring, those `alive` says
+    /// are gone dropped with their items: what one frame looks at. [`ItemQueue::put_back`]
+    /// returns them.
+    fn window(&mut self, alive: &dyn Fn(RequestId) -> bool) -> Vec<RequestId> {
+        let n = self.ring.len().min(SCAN_LIMIT);
+        let mut window: Vec<RequestId> = self.ring.drain(..n).collect();
+        window.retain(|id| {
+            let keep = alive(*id);
+            if !keep {
+                self.drop_request(*id);
+            }
+            keep
+        });
+        self.walked = window.len();
+        window
+    }
+
+    /// Returns a window to the ring: from `resume` on at the front (in order), the ones before
+    /// it at the back (they had their turn); requests that emptied leave (they bank no
+    /// deficit).
+    fn put_back(&mut self, mut window: Vec<RequestId>, resume: usize) {
+        let behind: Vec<RequestId> = window.drain(..resume.min(window.len())).collect();
+        for id in window.into_iter().rev() {
+            if self.is_empty_request(id) {
+                self.requests.remove(&id);
+            } else {
+                self.ring.push_front(id);
+            }
+        }
+        for id in behind {
+            if self.is_empty_request(id) {
+                self.requests.remove(&id);
+            } else {
+                self.ring.push_back(id);
+            }
+        }
+    }
+
+    /// How many requests the last frame looked at (at most [`SCAN_LIMIT`], whatever the
+    /// queue holds).
+    #[cfg(test)]
+    pub(super) fn walked(&self) -> usize {
+        self.walked
     }
 
     /// Forgets requests that emptied (they bank no deficit).
@@ -172,53 +211,80 @@ impl Backlog for ItemQueue {
     }
 
     /// The first request in round order whose head item fits the offer leads the frame (looking
-    /// at most [`SCAN_LIMIT`] requests); then, from it on in round order, each request whose
-    /// head is of the lead's shape takes items while its deficit lasts and they fit the
-    /// offer and the puller's limits (the first item always goes, however long). A solo item
-    /// and a chat go alone; items that failed locally go only with each other.
+    /// at most [`SCAN_LIMIT`] requests: the window one frame walks, whatever the requests'
+    /// shapes); then, from it on in round order, each request of the window whose head is of
+    /// the lead's shape takes items while its deficit lasts and they fit the offer and the
+    /// puller's limits (the first item always goes, however long). After the first round only
+    /// those requests are visited again. A solo item and a chat go alone; items that failed
+    /// locally go only with each other.
     fn take(&mut self, offer: &mut Offer<'_>) -> Option<(Vec<Item>, usize)> {
-        self.drop_dead(offer.alive);
-        let scan = self.ring.len().min(SCAN_LIMIT);
-        let lead = (0..scan).find(|&p| {
+        let window = self.window(offer.alive);
+        let lead = window.iter().position(|id| {
             self.requests
-                .get(&self.ring[p])
+                .get(id)
                 .and_then(|f| f.items.front())
                 .is_some_and(|i| offer.only.is_none_or(|c| i.caller.class == c) && (offer.fits)(i))
-        })?;
-        let lead_id = self.ring[lead];
-        let first = self.requests.get(&lead_id)?.items.front()?;
+        });
+        let Some(lead) = lead else {
+            self.put_back(window, 0);
+            return None;
+        };
+        let lead_id = window[lead];
+        let Some(first) = self.requests.get(&lead_id).and_then(|f| f.items.front()) else {
+            self.put_back(window, 0);
+            return None;
+        };
         // A chat is one completion: two equal bodies from two clients are two answers.
         if first.solo || matches!(*first.shape, Shape::Chat { .. }) {
-            let item = self.pop(lead_id)?;
+            let Some(item) = self.pop(lead_id) else {
+                self.put_back(window, 0);
+                return None;
+            };
             let tokens = item.shape.shared_tokens() + estimate_tokens(&item.text);
             if let Some(flow) = self.requests.get_mut(&lead_id) {
                 flow.deficit = flow.deficit.saturating_sub(tokens as i64);
             }
             // It had its turn: the round goes on behind it.
-            self.ring.remove(lead);
-            self.ring.push_back(lead_id);
-            self.forget_empty();
+            let mut window = window;
+            window.remove(lead);
+            self.put_back(window, 0);
+            if self.is_empty_request(lead_id) {
+                self.requests.remove(&lead_id);
+            } else {
+                self.ring.push_back(lead_id);
+            }
             return Some((vec![item], tokens));
         }
         let (shape, retry, only) = (first.shape.clone(), first.failed_locally, offer.only);
         let mut tokens = shape.shared_tokens();
         let mut batch: Vec<Item> = Vec::new();
-        let n = self.ring.len();
+        let n = window.len();
+        // The window's requests whose head may join, in round order from the lead: the only
+        // ones the rounds after the first visit again.
+        let mut joining: Vec<usize> = (0..n)
+            .map(|step| (lead + step) % n)
+            .filter(|&pos| {
+                self.requests
+                    .get(&window[pos])
+                    .and_then(|f| f.items.front())
+                    .is_some_and(|i| joins(i, &shape, retry, only))
+            })
+            .collect();
         // Where the next frame starts: the request after the last that took an item, or that
         // request itself while its deficit lasts.
         let mut resume = lead;
         let full = |batch: &Vec<Item>, tokens: usize| {
             batch.len() >= offer.limits.max_items || tokens >= offer.limits.max_tokens
         };
-        // Rounds over the requests from the lead on. A request of the lead's shape whose
-        // deficit is spent waits for the round's end to earn its quantum; when none took
-        // anything in a round, the waiting earn at once the rounds the first of them needs.
+        // Rounds over the joining requests. One whose deficit is spent waits for the round's
+        // end to earn its quantum; when none took anything in a round, the waiting earn at
+        // once the rounds the first of them needs.
         'rounds: loop {
             let mut took_any = false;
             let mut waiting: Vec<RequestId> = Vec::new();
-            for step in 0..n {
-                let pos = (lead + step) % n;
-                let id = self.ring[pos];
+            let mut still: Vec<usize> = Vec::with_capacity(joining.len());
+            for &pos in &joining {
+                let id = window[pos];
                 let Some(flow) = self.requests.get_mut(&id) else {
                     continue;
                 };
@@ -229,6 +295,7 @@ impl Backlog for ItemQueue {
                 {
                     continue;
                 }
+                still.push(pos);
                 if flow.deficit <= 0 {
                     waiting.push(id);
                     continue;
@@ -268,6 +335,7 @@ impl Backlog for ItemQueue {
                     break 'rounds;
                 }
             }
+            joining = still;
             if waiting.is_empty() {
                 // Every request that could join took what fits, or none could.
                 if !took_any {
@@ -298,10 +366,10 @@ impl Backlog for ItemQueue {
             }
         }
         if batch.is_empty() {
+            self.put_back(window, 0);
             return None;
         }
-        self.ring.rotate_left(resume);
-        self.forget_empty();
+        self.put_back(window, resume);
         Some((batch, tokens))
     }
 
@@ -326,5 +394,72 @@ impl Backlog for ItemQueue {
         self.tokens = self.tokens.saturating_sub(tokens);
         self.forget_empty();
         dropped
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hub::queue::Caller;
+
+    fn item(request: RequestId, dimensions: Option<usize>) -> Item {
+        Item {
+            request,
+            index: 0,
+            text: format!("text of request {request}"),
+            shape: Arc::new(Shape::Embed {
+                dimensions,
+                is_query: false,
+                instruction: None,
+            }),
+            caller: Arc::new(Caller::default_project(WorkClass::Batch)),
+            attempts: 0,
+            solo: false,
+            failed_locally: false,
+        }
+    }
+
+    fn take(q: &mut ItemQueue) -> Vec<Item> {
+        let mut fits = |_: &Item| true;
+        let mut offer = Offer {
+            limits: BatchLimits {
+                max_items: 64,
+                max_tokens: 1 << 20,
+            },
+            alive: &|_| true,
+            fits: &mut fits,
+            only: None,
+        };
+        q.take(&mut offer).map_or_else(Vec::new, |(items, _)| items)
+    }
+
+    #[test]
+    fn one_frame_walks_a_bounded_window_whatever_the_mix_of_shapes() {
+        // 10 000 requests, each of its own width but every 1 000th, which share one shape.
+        let mut q = ItemQueue::default();
+        let n = 10_000;
+        for r in 0..n {
+            let dims = (r % 1_000 != 0).then_some(r as usize + 1);
+            q.push_back(item(r, dims));
+        }
+        let first = take(&mut q);
+        assert!(q.walked() <= SCAN_LIMIT, "{}", q.walked());
+        // The lead's shape within the window joins; the rest waits for its own turn.
+        let joined: Vec<RequestId> = first.iter().map(|i| i.request).collect();
+        assert_eq!(joined, [0, 1_000, 2_000, 3_000, 4_000]);
+        // Every item is served in the end, each frame walking at most the window.
+        let mut served = first.len();
+        let mut frames = 1;
+        while !q.ring.is_empty() {
+            let frame = take(&mut q);
+            assert!(!frame.is_empty(), "a frame at every offer");
+            assert!(q.walked() <= SCAN_LIMIT);
+            served += frame.len();
+            frames += 1;
+        }
+        assert_eq!(served, n as usize);
+        assert_eq!(q.len, 0);
+        assert!(q.requests.is_empty(), "emptied requests leave");
+        assert!(frames <= n as usize);
     }
 }

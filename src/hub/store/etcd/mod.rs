@@ -342,8 +342,9 @@ impl EtcdStore {
     }
 
     /// The one write that makes `next` the stored state (deleting layout-1 names, if any);
-    /// then the chunks only the old root named go. On failure the chunks `written` by this
-    /// save go instead, and the old root stands.
+    /// then the chunks only the old root named go. On a refusal the chunks `written` by this
+    /// save go instead, and the old root stands; on no answer nothing is deleted (the write
+    /// may land yet) and the root is read again before the next save.
     async fn switch_root(
         &self,
         stored: &mut Stored,
@@ -372,13 +373,21 @@ impl EtcdStore {
         let outcome = match self.guarded(Some(&cas), &ops).await {
             Err(StateError::Etcd(e)) => {
                 // No answer: whether it applied is read back now, so the caller's answer is
-                // the truth about the store.
+                // the truth about the store. Not applied yet is not never: a write etcd took
+                // may land after this read, so the chunks it names are never deleted here
+                // (the next leader's load collects them if no root ever names them).
                 match self.client.get(&key).await {
                     Ok(Some(kv)) if kv.value == value => Ok(kv.mod_revision),
-                    Ok(_) => Err(StateError::Etcd(e)),
-                    Err(read) => {
+                    read => {
                         stored.in_doubt = true;
-                        tracing::warn!(error = %read, "a root write got no answer and cannot be read back; it is read again before the next save");
+                        match read {
+                            Err(read) => {
+                                tracing::warn!(error = %read, "a root write got no answer and cannot be read back; it is read again before the next save")
+                            }
+                            Ok(_) => {
+                                tracing::warn!(error = %e, "a root write got no answer and has not landed; its chunks are kept (it may land yet) and the root is read again before the next save")
+                            }
+                        }
                         return Err(StateError::Etcd(e));
                     }
                 }
