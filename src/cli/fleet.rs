@@ -899,6 +899,15 @@ pub async fn serve(cmd: ServeCommand) -> anyhow::Result<()> {
     let notifier = Notifier::from_env();
     let _watchdog = notifier.spawn_watchdog();
     let hub_cfg = cmd.hub.resolve(None)?;
+    if hub_cfg.tls_cert.is_some() || hub_cfg.tls_key.is_some() {
+        // The file's keys are never dropped without a word: refused, saying how to get TLS.
+        anyhow::bail!(
+            "serve runs the hub and its agent in one process over plain loopback and serves no \
+             TLS, but the config file sets tls_cert/tls_key: run `fantom-sidecar hub --config \
+             <file>` (which serves TLS) with `fantom-sidecar agent`, or remove tls_cert and \
+             tls_key from the file and put serve behind a TLS-terminating proxy"
+        );
+    }
     let store = open_store(&hub_cfg, cmd.hub.set_aside_unreadable_state)?;
     notifier.status("loading models");
     let mut models = Vec::new();

@@ -99,3 +99,31 @@ async fn an_unreadable_field_names_itself_and_is_set_aside_only_when_the_operato
     let log = std::fs::read_to_string(&hub.proc.log).unwrap();
     assert!(log.contains("copied aside"), "never silently: {log}");
 }
+
+#[test]
+fn serve_refuses_a_config_file_that_asks_for_tls_rather_than_serve_plain_http() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("hub.toml");
+    std::fs::write(
+        &config,
+        "tls_cert = \"/etc/ssl/hub.pem\"\ntls_key = \"/etc/ssl/hub.key\"\n",
+    )
+    .unwrap();
+    let state = dir.path().join("state");
+    let args: Vec<String> = [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--state-dir",
+        &state.display().to_string(),
+        "--config",
+        &config.display().to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    let (status, stderr) = run_to_exit(&args, &dir.path().join("serve.log"));
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("serves no TLS"), "{stderr}");
+    assert!(stderr.contains("fantom-sidecar hub --config"), "{stderr}");
+    assert!(!stderr.contains("\"listening\""), "never listened: {stderr}");
+}
