@@ -81,12 +81,34 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    for cap in CAPS {
-        latency::runtime().block_on(run(cap));
+    // `cargo bench --bench budget_fleet -- <name>` runs the shapes whose name contains it.
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let shapes = [
+        ("cap10", CAPS[0], Start::Settled),
+        ("cap20", CAPS[1], Start::Settled),
+        ("cap10-whole-run", CAPS[0], Start::AtPush),
+    ];
+    for (name, cap, start) in shapes {
+        if filter.is_empty() || filter.iter().any(|f| name.contains(f.as_str())) {
+            latency::runtime().block_on(run(cap, start));
+        }
     }
 }
 
-async fn run(cap: usize) {
+/// When the clients start.
+#[derive(Clone, Copy, PartialEq)]
+enum Start {
+    /// Once every agent serves the route and the budget knows the account (its ceiling).
+    Settled,
+    /// As soon as the push is answered: the whole run, the routes reaching the agents and the
+    /// account's discovery included, as an operator's first minute goes.
+    AtPush,
+}
+
+async fn run(cap: usize, start: Start) {
     let up = Upstream::start(UpstreamConfig {
         key: KEY.into(),
         endpoints: vec![Endpoint {
@@ -170,7 +192,11 @@ async fn run(cap: usize) {
         .await
         .expect("push");
     assert!(r.status().is_success(), "{}", r.status());
+    let pushed = Instant::now();
     until("every agent's cloud route", async || {
+        if start == Start::AtPush {
+            return true;
+        }
         let s = status().await;
         let routes = s["agents"]
             .as_array()
@@ -213,10 +239,14 @@ async fn run(cap: usize) {
                     let body = json!({"model": "code-assistant",
                         "messages": [{"role": "user", "content": format!("client {c}")}]});
                     let r = http.post(&url).json(&body).send().await.expect("sent");
-                    if !r.status().is_success() {
+                    let ok = r.status().is_success();
+                    let answer = r.bytes().await.unwrap_or_default();
+                    if !ok {
+                        if failed == 0 {
+                            eprintln!("  a failed chat: {}", String::from_utf8_lossy(&answer));
+                        }
                         failed += 1;
                     }
-                    let _ = r.bytes().await;
                 }
                 failed
             })
@@ -235,10 +265,20 @@ async fn run(cap: usize) {
     let possible = cap.min(CEILING) as f64 * took.as_secs_f64() / mean_s;
     let served = up.state.served();
     let (throttled, calls) = (up.state.throttled_429(), up.state.requests());
+    let from = match start {
+        Start::Settled => "once the budget knew the account",
+        Start::AtPush => "from the push (the whole run)",
+    };
     println!(
-        "budget_fleet: {CHATS} chats from {CLIENTS} clients through 3 agent processes, upstream cap {cap} at {}-{} ms:",
+        "budget_fleet: {CHATS} chats from {CLIENTS} clients through 3 agent processes, upstream cap {cap} at {}-{} ms, {from}:",
         LATENCY_MS.0, LATENCY_MS.1
     );
+    if start == Start::AtPush {
+        println!(
+            "  the clients started {:.0} ms after the push was answered",
+            started.duration_since(pushed).as_secs_f64() * 1000.0
+        );
+    }
     println!(
         "  {:.1} s, {served} answered ({failed} failed): goodput {:.3} of the cap; {throttled} upstream 429s in {calls} calls ({:.2} %)",
         took.as_secs_f64(),

@@ -362,8 +362,10 @@ async fn session(
                     }
                     Ok(HubFrame::Config(cfg)) => {
                         let ack = agent.apply_config(cfg);
-                        send(&AgentFrame::ConfigAck(ack));
+                        // The providers the config built first, then the ack: the hub never
+                        // sees the config held with its routes' providers not there yet.
                         announce(&mut providers, agent.providers(), drain_deadline.is_some(), &mut grants, &send);
+                        send(&AgentFrame::ConfigAck(ack));
                     }
                     Ok(HubFrame::Discover) => {
                         let (agent, tx) = (agent.clone(), tx.clone());

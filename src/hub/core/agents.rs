@@ -227,7 +227,7 @@ impl Core {
             .collect();
         let now = Instant::now();
         for id in lost {
-            if let Some(lease) = self.leases.remove(&id) {
+            if let Some(lease) = self.remove_lease(id) {
                 self.counters.leases_lost += 1;
                 // A keyed chat its agent finishes and hands over: waited for (holding its
                 // permit), not sent again.

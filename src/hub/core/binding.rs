@@ -309,6 +309,18 @@ impl Core {
                 ),
             );
         }
+        let on_the_way = self.config_on_the_way(role);
+        if on_the_way > 0 && policy::allows(policy, Backend::Cloud) {
+            // A push's config is on its way to agents that build cloud providers from it (a
+            // route just pushed): the first requests after the push wait for them.
+            why.soon = true;
+            why.note(
+                UnservableCode::NoProvider,
+                format!(
+                    "the config with role {role}'s cloud route is on its way to {on_the_way} agent(s)"
+                ),
+            );
+        }
         let soon = why.soon;
         let fallback = if connected {
             format!("nothing can serve role '{role}'")

@@ -17,7 +17,7 @@ use crate::cloud::route::CloudRoute;
 use crate::config::push::CloudSettings;
 use crate::hub::registry::Stale;
 use crate::protocol::{self, Backend, ConfigFrame, ConfigPayload, HeldConfig, HubFrame};
-use crate::roles::Policy;
+use crate::roles::{Policy, Role};
 use crate::secret::Secret;
 
 /// The config the hub holds: its revision (0 before any push) and its key's generation.
@@ -153,6 +153,19 @@ impl Core {
             .filter(|(_, a)| a.held.key_generation != self.config.key_generation)
             .map(|(id, _)| id.clone())
             .collect()
+    }
+
+    /// Agents the current config (with a cloud route for `role` and a key) was sent to and
+    /// that have not answered it yet: their cloud providers for it may be a round trip away.
+    pub(super) fn config_on_the_way(&self, role: Role) -> usize {
+        if self.config.key_generation.is_none() || !self.cloud.allowed_models.contains_key(&role)
+        {
+            return 0;
+        }
+        self.agents
+            .values()
+            .filter(|a| a.config_awaiting_ack)
+            .count()
     }
 
     /// Whether `agent` holds the hub's current key (account discovery asks only those).

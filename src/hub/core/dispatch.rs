@@ -429,6 +429,7 @@ impl Core {
             lease_id,
             Lease {
                 project: caller.project.clone(),
+                flow: caller.clone(),
                 class,
                 agent: agent_id.to_string(),
                 session,

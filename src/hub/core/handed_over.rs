@@ -266,7 +266,7 @@ impl Core {
         lease.deadline = now + lease_for;
         // Lost again, it is parked again.
         self.replies.call_ended(&tag, agent);
-        self.leases.insert(id, lease);
+        self.restore_lease(id, lease);
         true
     }
 

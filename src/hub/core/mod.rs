@@ -362,6 +362,8 @@ impl Pending {
 struct Lease {
     /// The project whose items it carries (a work frame holds one project's items).
     project: Arc<str>,
+    /// The queue flow it was taken from (its project and sub-project): told when it lands.
+    flow: Arc<crate::hub::projects::Caller>,
     /// The class of its items.
     class: crate::protocol::WorkClass,
     agent: String,

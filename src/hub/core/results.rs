@@ -39,11 +39,28 @@ pub(super) fn failure_name(class: FailureClass) -> &'static str {
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(300);
 
 impl Core {
+    /// Takes lease `id` out of the live leases; its queue flow hears that its frame landed.
+    pub(super) fn remove_lease(&mut self, id: u64) -> Option<Lease> {
+        let lease = self.leases.remove(&id)?;
+        if let Some(q) = self.queues.get_mut(&lease.role) {
+            q.landed(&lease.flow);
+        }
+        Some(lease)
+    }
+
+    /// Puts a lease taken out back among the live ones (a parked lease resumed).
+    pub(super) fn restore_lease(&mut self, id: u64, lease: Lease) {
+        if let Some(q) = self.queues.get_mut(&lease.role) {
+            q.resumed(&lease.flow);
+        }
+        self.leases.insert(id, lease);
+    }
+
     /// Takes the lease `id` if it is live and belongs to this session, or parked from this
     /// session (a keyed chat whose lease expired while its call ran); `None`: a late result.
     fn take_lease(&mut self, agent: &str, session: u64, id: u64) -> Option<Lease> {
         match self.leases.get(&id) {
-            Some(l) if l.agent == agent && l.session == session => self.leases.remove(&id),
+            Some(l) if l.agent == agent && l.session == session => self.remove_lease(id),
             _ => {
                 let parked = self.unpark(agent, session, id);
                 if parked.is_none() {
@@ -628,7 +645,7 @@ impl Core {
     fn take_back(&mut self, ids: Vec<u64>, reason: &str) -> Vec<(u64, Lease)> {
         let mut out = Vec::with_capacity(ids.len());
         for id in ids {
-            let Some(lease) = self.leases.remove(&id) else {
+            let Some(lease) = self.remove_lease(id) else {
                 continue;
             };
             if let Some(a) = self
@@ -699,7 +716,7 @@ impl Core {
             }
         }
         for id in keyed {
-            let Some(lease) = self.leases.remove(&id) else {
+            let Some(lease) = self.remove_lease(id) else {
                 continue;
             };
             let (agent, provider) = (lease.agent.clone(), lease.provider.clone());
@@ -710,7 +727,7 @@ impl Core {
                 }
                 // Not a call its agent finishes on its own: taken back as any other.
                 Some(lease) => {
-                    self.leases.insert(id, lease);
+                    self.restore_lease(id, lease);
                     expired.push(id);
                 }
             }

@@ -1007,6 +1007,43 @@ fn a_stale_route_waits_for_its_config_only_until_the_agent_answers() {
     assert_eq!(u.code, UnservableCode::ConfigStale, "{}", u.message);
 }
 
+#[test]
+fn a_request_right_after_a_push_waits_for_the_cloud_providers_the_config_builds() {
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    // An agent with no provider yet (a cloud-only host before its first push).
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let hello = Hello {
+        providers: Vec::new(),
+        ..hello_as("cloud", None)
+    };
+    let session = core.hello(hello, tx).unwrap();
+    let admitted = core.admit(Role::Reranker, &rerank_shape());
+    assert!(
+        matches!(admitted, Err(SubmitError::Unservable(_))),
+        "nothing pushed, nothing on its way: refused at once: {admitted:?}"
+    );
+    // A push routes the role to the cloud: the config is on its way to the agent, which will
+    // build the provider from it; a request now waits rather than fail `no_provider`.
+    let info = cloud_reranker_configured(&mut core, 3, "kg-3");
+    assert_eq!(core.broadcast_config("cfg-3", None), ["cloud"]);
+    let soon = core.admit(Role::Reranker, &rerank_shape());
+    assert!(matches!(soon, Err(SubmitError::NotYet(_))), "{soon:?}");
+    // The agent announces the provider, then acknowledges the config: it serves.
+    core.set_providers("cloud", session, vec![info]).unwrap();
+    let ack = crate::protocol::ConfigAck {
+        id: "cfg-3".into(),
+        applied: true,
+        reason: None,
+        roles: Default::default(),
+        config: crate::protocol::HeldConfig {
+            config_revision: Some(3),
+            key_generation: Some("kg-3".into()),
+        },
+    };
+    core.config_ack("cloud", session, ack).unwrap();
+    assert!(core.admit(Role::Reranker, &rerank_shape()).is_ok());
+}
+
 /// The scorer-check probe waiting on `rx`: its id.
 fn scorer_probe(rx: &mut mpsc::UnboundedReceiver<Outgoing>) -> String {
     while let Ok(out) = rx.try_recv() {

@@ -234,6 +234,21 @@ impl RoleQueue {
         }
     }
 
+    /// A frame of `caller`'s flow landed (its lease ended: answered, failed, expired, taken
+    /// back or parked): the flow is idle once nothing of it waits and nothing is out.
+    pub fn landed(&mut self, caller: &Caller) {
+        self.projects.landed(&caller.project, |project| {
+            project.landed(&caller.sub_project, |_| {});
+        });
+    }
+
+    /// A frame of `caller`'s flow is out again (a parked lease resumed).
+    pub fn resumed(&mut self, caller: &Caller) {
+        self.projects.resumed(&caller.project, |project| {
+            project.resumed(&caller.sub_project, |_| {});
+        });
+    }
+
     /// Drops every waiting item of a request (it was cancelled).
     pub fn remove_request(&mut self, id: RequestId) {
         self.sweep(&mut |i: &Item| i.request == id);
@@ -498,11 +513,20 @@ mod tests {
         max_tokens: 1 << 20,
     };
 
-    /// Items taken per project over `frames` frames.
+    /// Takes a frame for `limits` and lands it at once (its lease answered).
+    fn take_landed(q: &mut RoleQueue, limits: BatchLimits) -> Vec<Item> {
+        let b = q.take_batch(limits, |_| true, |_| true);
+        if let Some(first) = b.first() {
+            q.landed(&first.caller);
+        }
+        b
+    }
+
+    /// Items taken per project over `frames` frames, each landed at once.
     fn served(q: &mut RoleQueue, frames: usize) -> BTreeMap<String, usize> {
         let mut out = BTreeMap::new();
         for _ in 0..frames {
-            let b = q.take_batch(FRAME, |_| true, |_| true);
+            let b = take_landed(q, FRAME);
             let first = b.first().expect("work waits");
             assert!(
                 b.iter().all(|i| i.caller == first.caller),
@@ -863,7 +887,7 @@ mod tests {
             if !q.waiting_by_project().contains_key("a") {
                 q.push_back(sized(of(&a, 2 + r, &s, 1), 5));
             }
-            let batch = q.take_batch(FRAME, |_| true, |_| true);
+            let batch = take_landed(&mut q, FRAME);
             let cost: usize = batch.iter().map(|i| estimate_tokens(&i.text)).sum();
             *tokens
                 .entry(batch[0].caller.project.to_string())
@@ -871,5 +895,33 @@ mod tests {
         }
         let b_share = tokens["b"] as f64 / (tokens["a"] + tokens["b"]) as f64;
         assert!(b_share >= 0.45, "{tokens:?}");
+    }
+
+    #[test]
+    fn a_project_whose_work_is_all_out_keeps_its_turn_until_it_lands() {
+        let s = embed_shape(None);
+        let (a, b) = (
+            caller("a", None, WorkClass::Batch, 1),
+            caller("b", None, WorkClass::Batch, 1),
+        );
+        let mut q = RoleQueue::new(1 << 20);
+        q.push_back(sized(of(&a, 1, &s, 16), 40)); // two frames, then a waits for them
+        q.push_back(sized(of(&b, 2, &s, 100_000), 40));
+        // a's two frames and b's first go out, in turn; a has nothing left waiting.
+        let out: Vec<Vec<Item>> = (0..3)
+            .map(|_| q.take_batch(FRAME, |_| true, |_| true))
+            .collect();
+        assert_eq!(out.iter().filter(|f| f[0].caller == a).count(), 2);
+        // While a's frames are out, b takes everything (work-conserving).
+        let got = served(&mut q, 8);
+        assert_eq!(got.get("a"), None);
+        // One of a's frames lands and its client sends more while the other is still out: a
+        // was never idle, so it has its turn back, the frames b took beyond its share in the
+        // meantime counted.
+        q.landed(&a);
+        q.push_back(sized(of(&a, 3, &s, 100_000), 40));
+        q.landed(&a);
+        let got = served(&mut q, 10);
+        assert!(got["a"] >= 7 * FRAME.max_items, "{got:?}");
     }
 }

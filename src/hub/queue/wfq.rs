@@ -47,6 +47,12 @@ const SCALE: VirtualTime = 1 << 16;
 /// the clock: at most one frame early).
 const REMEMBERED: usize = 4096;
 
+/// A flow that ran dry and is back before this many frames were taken keeps its place: its
+/// last frames are still being answered when its client sends the next request, so it was
+/// never idle (without this, the frames others take in that gap would be its loss each time).
+/// What it can be owed is bounded by those frames.
+const RETURN_FRAMES: u64 = 4;
+
 /// Where `tokens` served to a flow of `weight` move its start tag.
 fn span(tokens: usize, weight: u32) -> VirtualTime {
     (tokens as VirtualTime).saturating_mul(SCALE) / VirtualTime::from(weight.max(1))
@@ -73,6 +79,10 @@ struct Flow<F> {
     start: VirtualTime,
     /// When it became backlogged (of two equal tags, the earlier goes first).
     joined: u64,
+    /// Frames of it still out (taken, not yet landed): a flow with nothing waiting but work
+    /// in flight is not idle (a client waits for those answers before it sends more), so it
+    /// keeps its tag and holds the clock back until they land.
+    in_flight: u32,
     inner: F,
 }
 
@@ -91,7 +101,11 @@ pub(super) struct Wfq<K, F> {
     /// The virtual clock: the least start tag of the backlogged flows (kept while none is).
     clock: VirtualTime,
     /// Finish tags of flows that emptied while ahead of the clock.
-    finished: BTreeMap<K, VirtualTime>,
+    /// Finish tags of flows that left, and when (in frames taken): remembered while ahead of
+    /// the clock, or for [`RETURN_FRAMES`] frames.
+    finished: BTreeMap<K, (VirtualTime, u64)>,
+    /// Frames taken so far.
+    taken: u64,
     /// Flows that became backlogged so far.
     joins: u64,
 }
@@ -102,6 +116,7 @@ impl<K, F> Default for Wfq<K, F> {
             flows: BTreeMap::new(),
             clock: 0,
             finished: BTreeMap::new(),
+            taken: 0,
             joins: 0,
         }
     }
@@ -114,12 +129,15 @@ impl<K: Ord + Clone, F: Backlog> Wfq<K, F> {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.flows.is_empty()
+        self.flows.values().all(|f| f.inner.len() == 0)
     }
 
     /// The flows holding work, with their waiting items.
     pub fn backlog(&self) -> impl Iterator<Item = (&K, &F)> {
-        self.flows.iter().map(|(k, f)| (k, &f.inner))
+        self.flows
+            .iter()
+            .filter(|(_, f)| f.inner.len() > 0)
+            .map(|(k, f)| (k, &f.inner))
     }
 
     /// Adds work to flow `key` (backlogged from now on, starting at the clock or at its own
@@ -127,6 +145,7 @@ impl<K: Ord + Clone, F: Backlog> Wfq<K, F> {
     pub fn push(&mut self, key: &K, weight: u32, add: impl FnOnce(&mut F)) {
         let weight = weight.max(1);
         if let Some(flow) = self.flows.get_mut(key) {
+            // Backlogged, or only waiting for its work in flight: it keeps its tag.
             flow.weight = weight;
             add(&mut flow.inner);
             return;
@@ -136,10 +155,13 @@ impl<K: Ord + Clone, F: Backlog> Wfq<K, F> {
         if inner.len() == 0 {
             return;
         }
-        let start = self
-            .finished
-            .remove(key)
-            .map_or(self.clock, |finish| finish.max(self.clock));
+        let start = match self.finished.remove(key) {
+            // Back within a few frames of running dry (a client that sends its next request
+            // when the last is answered): its place kept, as if it had never left.
+            Some((finish, at)) if self.taken.saturating_sub(at) <= RETURN_FRAMES => finish,
+            Some((finish, _)) => finish.max(self.clock),
+            None => self.clock,
+        };
         self.joins += 1;
         self.flows.insert(
             key.clone(),
@@ -147,6 +169,7 @@ impl<K: Ord + Clone, F: Backlog> Wfq<K, F> {
                 weight,
                 start,
                 joined: self.joins,
+                in_flight: 0,
                 inner,
             },
         );
@@ -159,7 +182,7 @@ impl<K: Ord + Clone, F: Backlog> Wfq<K, F> {
         let mut order: Vec<((VirtualTime, VirtualTime, u64), &K)> = self
             .flows
             .iter()
-            .filter(|&(_, f)| wanted(f))
+            .filter(|&(_, f)| f.inner.len() > 0 && wanted(f))
             .map(|(k, f)| ((f.finish(limits), f.start, f.joined), k))
             .collect();
         order.sort_unstable_by_key(|(rank, _)| *rank);
@@ -186,8 +209,8 @@ impl<K: Ord + Clone, F: Backlog> Wfq<K, F> {
                 return Some((items, tokens));
             }
             if flow.inner.len() == 0 {
-                // Only dead items were left: the flow is gone.
-                self.leave(&key);
+                // Only dead items were left: nothing waits in it now.
+                self.leave_if_idle(&key);
             } else {
                 passed.push(key);
             }
@@ -216,7 +239,7 @@ impl<K: Ord + Clone, F: Backlog> Wfq<K, F> {
                 return Some((items, tokens));
             }
             if flow.inner.len() == 0 {
-                self.leave(&key);
+                self.leave_if_idle(&key);
             }
         }
         self.settle();
@@ -234,45 +257,83 @@ impl<K: Ord + Clone, F: Backlog> Wfq<K, F> {
             }
         }
         for key in emptied {
-            self.leave(&key);
+            self.leave_if_idle(&key);
         }
         self.settle();
         dropped
     }
 
-    /// Charges a frame's tokens to flow `key`; it leaves when it emptied.
+    /// Charges a frame's tokens to flow `key`: the frame is in flight until [`Wfq::landed`].
     fn charge(&mut self, key: &K, tokens: usize) {
         if let Some(flow) = self.flows.get_mut(key) {
             flow.start = flow.start.saturating_add(span(tokens, flow.weight));
-            if flow.inner.len() == 0 {
-                self.leave(key);
-            }
+            flow.in_flight = flow.in_flight.saturating_add(1);
+        }
+        self.taken = self.taken.saturating_add(1);
+        self.settle();
+    }
+
+    /// A frame of flow `key` landed (answered, failed, taken back); `inner` hears of it too
+    /// (a project's sub-project). A flow with nothing waiting and nothing in flight leaves.
+    pub fn landed(&mut self, key: &K, inner: impl FnOnce(&mut F)) {
+        if let Some(flow) = self.flows.get_mut(key) {
+            flow.in_flight = flow.in_flight.saturating_sub(1);
+            inner(&mut flow.inner);
+            self.leave_if_idle(key);
         }
         self.settle();
     }
 
+    /// A frame of flow `key` went out again (a lease parked and resumed): in flight once more,
+    /// if the flow is still known (else nothing waits for it).
+    pub fn resumed(&mut self, key: &K, inner: impl FnOnce(&mut F)) {
+        if let Some(flow) = self.flows.get_mut(key) {
+            flow.in_flight = flow.in_flight.saturating_add(1);
+            inner(&mut flow.inner);
+        }
+    }
+
+    /// Flow `key` leaves when nothing of it waits and nothing is in flight.
+    fn leave_if_idle(&mut self, key: &K) {
+        if self
+            .flows
+            .get(key)
+            .is_some_and(|f| f.inner.len() == 0 && f.in_flight == 0)
+        {
+            self.leave(key);
+        }
+    }
+
     /// Flow `key` is no longer backlogged; its finish tag is remembered while it is ahead of
-    /// the clock.
+    /// the clock (it owes that), and for [`RETURN_FRAMES`] frames either way.
     fn leave(&mut self, key: &K) {
         let Some(flow) = self.flows.remove(key) else {
             return;
         };
-        if flow.start <= self.clock {
-            return;
-        }
         if self.finished.len() >= REMEMBERED {
-            let clock = self.clock;
-            self.finished.retain(|_, finish| *finish > clock);
+            let (clock, taken) = (self.clock, self.taken);
+            self.finished.retain(|_, (finish, at)| {
+                *finish > clock || taken.saturating_sub(*at) <= RETURN_FRAMES
+            });
         }
         if self.finished.len() < REMEMBERED {
-            self.finished.insert(key.clone(), flow.start);
+            self.finished
+                .insert(key.clone(), (flow.start, self.taken));
         }
     }
 
-    /// The clock moves up to the least start tag of the backlogged flows; with none left, no
-    /// flow is owed or owes anything.
+    /// The clock moves up to the least start tag of the flows (backlogged, or waiting for
+    /// their work in flight) and of those that ran dry in the last [`RETURN_FRAMES`] frames
+    /// (they may be back at once: the gap is no one's share); with none of either, no flow is
+    /// owed or owes anything.
     fn settle(&mut self) {
-        match self.flows.values().map(|f| f.start).min() {
+        let taken = self.taken;
+        let recent = self
+            .finished
+            .values()
+            .filter(|(_, at)| taken.saturating_sub(*at) <= RETURN_FRAMES)
+            .map(|(finish, _)| *finish);
+        match self.flows.values().map(|f| f.start).chain(recent).min() {
             Some(least) => self.clock = self.clock.max(least),
             None => self.finished.clear(),
         }
@@ -293,6 +354,7 @@ impl<K: Ord + Clone, F: Backlog> Backlog for Wfq<K, F> {
     fn next_tokens(&self, limits: BatchLimits) -> usize {
         self.flows
             .values()
+            .filter(|f| f.inner.len() > 0)
             .min_by_key(|f| (f.finish(limits), f.start, f.joined))
             .map_or(0, |f| f.inner.next_tokens(limits))
     }
