@@ -125,5 +125,8 @@ fn serve_refuses_a_config_file_that_asks_for_tls_rather_than_serve_plain_http() 
     assert_eq!(status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("serves no TLS"), "{stderr}");
     assert!(stderr.contains("fantom-sidecar hub --config"), "{stderr}");
-    assert!(!stderr.contains("\"listening\""), "never listened: {stderr}");
+    assert!(
+        !stderr.contains("\"listening\""),
+        "never listened: {stderr}"
+    );
 }

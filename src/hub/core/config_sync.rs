@@ -158,8 +158,7 @@ impl Core {
     /// Agents the current config (with a cloud route for `role` and a key) was sent to and
     /// that have not answered it yet: their cloud providers for it may be a round trip away.
     pub(super) fn config_on_the_way(&self, role: Role) -> usize {
-        if self.config.key_generation.is_none() || !self.cloud.allowed_models.contains_key(&role)
-        {
+        if self.config.key_generation.is_none() || !self.cloud.allowed_models.contains_key(&role) {
             return 0;
         }
         self.agents

@@ -317,8 +317,7 @@ impl<K: Ord + Clone, F: Backlog> Wfq<K, F> {
             });
         }
         if self.finished.len() < REMEMBERED {
-            self.finished
-                .insert(key.clone(), (flow.start, self.taken));
+            self.finished.insert(key.clone(), (flow.start, self.taken));
         }
     }
 
