@@ -11,10 +11,14 @@
 //! first. Frames are sized by the puller, not cut to a share (cutting a frame would cost the
 //! engine its batch); a large frame only moves its flow's start tag further on.
 //!
-//! The clock is the least start tag of the backlogged flows. A flow that becomes backlogged
-//! starts at the clock, or at its own finish tag when it emptied a moment ago and that tag is
-//! still ahead of the clock: a flow that went idle banks nothing, one that empties and comes
-//! straight back still owes what it took. So a request of a project that was idle goes with
+//! A flow stays a flow while it has work waiting or frames in flight: a closed-loop client
+//! whose whole request is out is not idle, it waits for those answers before it sends more. The
+//! clock is the least start tag of those flows and of the flows that left in the last
+//! [`RETURN_FRAMES`] frames (they may be back at once: the gap is no one's share). A flow that
+//! becomes backlogged starts at the clock, or at its own finish tag when it left a moment ago
+//! and that tag is still ahead of the clock or it left within [`RETURN_FRAMES`] frames: a flow
+//! that went idle banks nothing, one that empties and comes straight back still owes what it
+//! took, and keeps its place. So a request of a project that was idle goes with
 //! the next frame, however many projects flood: each of them is at or past the clock and its
 //! next frame finishes later than a small one starting there. A flow whose waiting work the
 //! offered provider cannot take (bound to another space or scorer, cloud work under `backup`,
@@ -100,7 +104,6 @@ pub(super) struct Wfq<K, F> {
     flows: BTreeMap<K, Flow<F>>,
     /// The virtual clock: the least start tag of the backlogged flows (kept while none is).
     clock: VirtualTime,
-    /// Finish tags of flows that emptied while ahead of the clock.
     /// Finish tags of flows that left, and when (in frames taken): remembered while ahead of
     /// the clock, or for [`RETURN_FRAMES`] frames.
     finished: BTreeMap<K, (VirtualTime, u64)>,
