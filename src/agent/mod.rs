@@ -366,10 +366,20 @@ impl Agent {
             return refusals;
         };
         let mut next: Vec<Arc<dyn Provider>> = Vec::new();
-        for (role, allowed) in &held.settings.allowed_models {
-            if held.settings.policy(*role) == crate::roles::Policy::Local {
-                continue;
-            }
+        // The role's own route where its policy lets the cloud serve; then the routes the
+        // hub's other live spaces of a role need (a migration's next space, the previous
+        // one), whatever the role's policy.
+        let own = held
+            .settings
+            .allowed_models
+            .iter()
+            .filter(|(role, _)| held.settings.policy(**role) != crate::roles::Policy::Local);
+        let spaces = held
+            .settings
+            .space_routes
+            .iter()
+            .flat_map(|(role, routes)| routes.iter().map(move |r| (role, r)));
+        for (role, allowed) in own.chain(spaces) {
             let route = match CloudRoute::from_allowed(*role, allowed) {
                 Ok(route) => route,
                 Err(e) => {
@@ -379,6 +389,9 @@ impl Agent {
             };
             let provider =
                 CloudProvider::new(route, client.clone(), self.opts.cloud.pipeline_depth);
+            if next.iter().any(|p| p.info().id == provider.info().id) {
+                continue; // one route, one provider (a space's route may be the role's own)
+            }
             // A new key means new clients; otherwise an unchanged route keeps its provider.
             let kept = held
                 .providers

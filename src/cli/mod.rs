@@ -7,6 +7,7 @@ mod gate;
 mod hub_etcd;
 mod input;
 mod kernel_check;
+mod migration;
 mod models;
 mod oneshot;
 mod progress;
@@ -76,6 +77,10 @@ enum Command {
     /// The hub's projects: keys, weights and limits (through its admin API).
     #[command(subcommand)]
     Projects(projects::ProjectsCommand),
+    /// Move an embedding role to another encoder without breaking its index: open a
+    /// migration, cut over, close (through the hub's admin API).
+    #[command(subcommand)]
+    Migration(migration::MigrationCommand),
     /// Run our CUDA kernels on a device against their CPU bodies (exit 1 on a mismatch).
     KernelCheck(kernel_check::KernelCheckArgs),
     /// Shell completions on stdout, generated from this command line: e.g.
@@ -287,6 +292,7 @@ pub fn main() -> ExitCode {
             Command::Agent(cmd) => fleet::agent(cmd).await,
             Command::Serve(cmd) => fleet::serve(*cmd).await,
             Command::Projects(cmd) => projects::run(cmd).await,
+            Command::Migration(cmd) => migration::run(cmd).await,
             Command::MigrateState(args) => hub_etcd::migrate(*args).await,
             Command::Completions { .. } | Command::Man => Ok(()),
         };

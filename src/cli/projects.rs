@@ -16,7 +16,7 @@ use crate::secret::Secret;
 pub struct HubAccess {
     /// The hub's base URL.
     #[arg(long, env = "FANTOM_HUB_URL", default_value = "http://127.0.0.1:8090")]
-    hub: String,
+    pub(super) hub: String,
     /// The admin token's file [default: admin.token in the hub's state dir].
     #[arg(long, env = "FANTOM_ADMIN_TOKEN_FILE")]
     admin_token_file: Option<PathBuf>,
@@ -175,7 +175,7 @@ pub async fn run(cmd: ProjectsCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn admin_token(access: &HubAccess) -> anyhow::Result<Secret> {
+pub(super) fn admin_token(access: &HubAccess) -> anyhow::Result<Secret> {
     let path = match &access.admin_token_file {
         Some(p) => p.clone(),
         None => access
@@ -192,7 +192,7 @@ fn admin_token(access: &HubAccess) -> anyhow::Result<Secret> {
     })
 }
 
-async fn call(
+pub(super) async fn call(
     hub: &str,
     token: &Secret,
     method: &str,

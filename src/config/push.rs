@@ -34,6 +34,11 @@ pub struct OpenRouterPush {
     /// ([`seed_defaults`]). Nothing else ever maps a model nobody chose.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub use_defaults: Option<bool>,
+    /// The hub's own (never a client's push): cloud routes its embedding roles' other live
+    /// spaces need (a migration's next space, the previous one), built beside the role's own
+    /// whatever its policy. Only in the whole config a hub sends its agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub space_routes: Option<BTreeMap<String, Vec<AllowedModel>>>,
     /// Write-only. Declared last: the frame encoder keeps it out of a frame's head.
     #[serde(
         default,
@@ -93,6 +98,10 @@ pub struct CloudSettings {
     pub policies: BTreeMap<Role, Policy>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub domain: Option<String>,
+    /// Cloud routes an embedding role's other live spaces need (set by the hub's migrations,
+    /// never by a push): agents build them beside the role's own route, whatever its policy.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub space_routes: BTreeMap<Role, Vec<AllowedModel>>,
 }
 
 impl CloudSettings {
@@ -122,6 +131,12 @@ impl CloudSettings {
             ),
             domain: self.domain.clone(),
             use_defaults: None,
+            space_routes: (!self.space_routes.is_empty()).then(|| {
+                self.space_routes
+                    .iter()
+                    .map(|(role, routes)| (role.to_string(), routes.clone()))
+                    .collect()
+            }),
             api_key: key,
         }
     }
@@ -135,11 +150,22 @@ pub fn replace_holding(
     whole: &OpenRouterPush,
 ) -> Result<(CloudSettings, MergeReport), PushRefused> {
     let mut next = CloudSettings::default();
+    // The hub's routes for its other live spaces: kept for embedding roles this build knows.
+    let space_routes: BTreeMap<Role, Vec<AllowedModel>> = whole
+        .space_routes
+        .iter()
+        .flatten()
+        .filter_map(|(name, routes)| {
+            let role = name.parse::<Role>().ok().filter(|r| r.is_embedding())?;
+            Some((role, routes.clone()))
+        })
+        .collect();
     let empty = whole.api_key.is_none()
         && whole.allowed_models.as_ref().is_none_or(BTreeMap::is_empty)
         && whole.mode_by_role.as_ref().is_none_or(BTreeMap::is_empty)
         && whole.domain.is_none();
     if empty {
+        next.space_routes = space_routes;
         let report = MergeReport {
             roles: BTreeMap::new(),
             key_included: false,
@@ -147,6 +173,7 @@ pub fn replace_holding(
         return Ok((next, report));
     }
     let report = merge_holding(&mut next, true, held_key, whole)?;
+    next.space_routes = space_routes;
     Ok((next, report))
 }
 
@@ -201,6 +228,10 @@ pub enum PushRefused {
         "{0} looks like an API key: keys go in apiKey only (the value is neither kept nor shown); nothing was applied"
     )]
     KeyInField(&'static str),
+    #[error(
+        "spaceRoutes is the hub's own (the cloud routes of its migrations): a push cannot set it; open a migration with POST /admin/migrations; nothing was applied"
+    )]
+    SpaceRoutes,
 }
 
 /// Merges `push` onto `held`. `holds_key`: whether the holder already has a key (the hub: a
@@ -210,6 +241,9 @@ pub fn merge(
     holds_key: bool,
     push: &OpenRouterPush,
 ) -> Result<MergeReport, PushRefused> {
+    if push.space_routes.is_some() {
+        return Err(PushRefused::SpaceRoutes);
+    }
     merge_holding(held, holds_key, None, push)
 }
 

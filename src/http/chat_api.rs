@@ -84,6 +84,7 @@ pub async fn completions(
     request: Result<Json<Value>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let client = client_auth(&hub, &headers)?;
+    client.unpinned("chat")?;
     let caller = client.caller(WorkClass::Interactive);
     let key = idempotency_key(&headers)?;
     let Json(body) = request.map_err(|e| {

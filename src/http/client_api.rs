@@ -19,6 +19,7 @@ use super::auth;
 use super::error::ApiError;
 use crate::hub::Hub;
 use crate::hub::core::{Completed, ItemOutput, ScorerRef, SpaceRef};
+use crate::hub::gate::SpacePin;
 use crate::hub::projects::Caller;
 use crate::hub::queue::Shape;
 use crate::hub::registry::ProviderRef;
@@ -46,6 +47,8 @@ impl Usage {
 pub(super) struct Client {
     caller: Caller,
     priority: Option<WorkClass>,
+    /// The space its embedding request is pinned to (`X-Fantom-Space`).
+    space: Option<SpacePin>,
 }
 
 impl Client {
@@ -55,6 +58,16 @@ impl Client {
         let mut caller = self.caller.clone();
         caller.class = self.priority.unwrap_or(class);
         caller
+    }
+
+    /// Refuses a pin on a request that has no vector space (a rerank, a chat).
+    pub fn unpinned(&self, what: &str) -> Result<(), ApiError> {
+        match self.space {
+            Some(_) => Err(ApiError::bad_request(format!(
+                "X-Fantom-Space pins embedding requests to a vector space; a {what} has none: send it without the header"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// The caller of an embedding request (a query is interactive).
@@ -71,6 +84,15 @@ impl Client {
 pub const PROJECT_HEADER: &str = "x-fantommcp-project";
 /// The client's class for its request: `interactive` or `batch`.
 pub const PRIORITY_HEADER: &str = "x-priority";
+/// The space an embedding request must be served in: `<id>` or `<id>@<generation>`.
+pub const SPACE_HEADER: &str = "x-fantom-space";
+
+/// A space pin from a header or a body field; the error never echoes what was sent.
+fn pin_of(raw: &str, field: &str) -> Result<SpacePin, ApiError> {
+    SpacePin::parse(raw).map_err(|why| {
+        ApiError::bad_request(format!("{field}: {why} (the value sent was not kept)"))
+    })
+}
 
 /// Identifies the client: a project key, the client token (`default`), or no token where
 /// the hub requires neither. An unknown key is refused (401), never taken as `default`; no
@@ -86,6 +108,15 @@ pub(super) fn client_auth(hub: &Hub, headers: &HeaderMap) -> Result<Client, ApiE
         Some(_) => {
             return Err(ApiError::bad_request(
                 "X-Priority is 'interactive' or 'batch' (the value sent was not kept)",
+            ));
+        }
+    };
+    let space = match headers.get(SPACE_HEADER).map(|v| v.to_str()) {
+        None => None,
+        Some(Ok(v)) => Some(pin_of(v, "X-Fantom-Space")?),
+        Some(Err(_)) => {
+            return Err(ApiError::bad_request(
+                "X-Fantom-Space: a space pin is printable ASCII (the value sent was not kept)",
             ));
         }
     };
@@ -120,7 +151,11 @@ pub(super) fn client_auth(hub: &Hub, headers: &HeaderMap) -> Result<Client, ApiE
     if let Some(sub) = &caller.sub_project {
         span.record("sub_project", &**sub);
     }
-    Ok(Client { caller, priority })
+    Ok(Client {
+        caller,
+        priority,
+        space,
+    })
 }
 
 /// The JSON body, or a 400 that shows what was wrong (secrets redacted).
@@ -289,6 +324,8 @@ pub(super) struct EmbedCall {
     pub dimensions: Option<usize>,
     pub is_query: bool,
     pub instruction: Option<String>,
+    /// The body's `space` (OpenAI's and Cohere's bodies), as sent.
+    pub space: Option<String>,
 }
 
 pub(super) struct Embedding {
@@ -310,13 +347,28 @@ pub(super) async fn embed(hub: &Hub, call: EmbedCall) -> Result<Embedded, ApiErr
     if call.dimensions == Some(0) {
         return Err(ApiError::bad_request("dimensions must be at least 1"));
     }
+    // Pinned by the header or the body: both may be sent, naming one space.
+    let pin = match (call.client.space.clone(), call.space.as_deref()) {
+        (header, None) => header,
+        (None, Some(body)) => Some(pin_of(body, "space")?),
+        (Some(header), Some(body)) => {
+            if pin_of(body, "space")? != header {
+                return Err(ApiError::bad_request(
+                    "X-Fantom-Space and the body's space name different spaces: send one",
+                ));
+            }
+            Some(header)
+        }
+    };
     let caller = call.client.embedding(call.is_query);
     let shape = Shape::Embed {
         dimensions: call.dimensions,
         is_query: call.is_query,
         instruction: call.instruction,
     };
-    let done = hub.run(caller, call.role, shape, call.texts).await?;
+    let done = hub
+        .run_in(caller, call.role, shape, call.texts, pin)
+        .await?;
     let timing = Timing::of(&done, started);
     let vectors = done
         .items
@@ -372,6 +424,7 @@ pub(super) async fn rerank(
     instruction: Option<String>,
 ) -> Result<Reranked, ApiError> {
     let started = Instant::now();
+    client.unpinned("rerank")?;
     if query.is_empty() {
         return Err(ApiError::bad_request("query is an empty string"));
     }

@@ -63,6 +63,10 @@ pub struct EmbedRequest {
     /// Matryoshka width (the first `output_dimension` entries, re-normalised).
     #[serde(default, deserialize_with = "super::whole_number::optional")]
     pub output_dimension: Option<usize>,
+    /// Ours: the space the vectors must come from, `<id>` or `<id>@<generation>` (as
+    /// `X-Fantom-Space`): one of the role's live spaces, else 409.
+    #[serde(default)]
+    pub space: Option<String>,
 }
 
 fn input_types() -> utoipa::openapi::Object {
@@ -169,6 +173,7 @@ async fn run_embed(
             dimensions: req.output_dimension,
             is_query,
             instruction: None,
+            space: req.space,
         },
     )
     .await?;

@@ -176,7 +176,8 @@ impl From<HubError> for ApiError {
             | HubError::Failed(RequestFailure::Unservable(u)) => {
                 return Self::unservable(u.clone());
             }
-            HubError::Submit(SubmitError::DimensionsTooLarge { .. }) => StatusCode::BAD_REQUEST,
+            HubError::Submit(SubmitError::DimensionsTooLarge { .. })
+            | HubError::Submit(SubmitError::PinNotEmbedding(_)) => StatusCode::BAD_REQUEST,
             HubError::Submit(
                 SubmitError::QueueFull { .. }
                 | SubmitError::HeldBytesFull { .. }
@@ -217,10 +218,11 @@ impl From<HubError> for ApiError {
 
 impl ApiError {
     /// Nothing can serve the request: 409 when its vector space changed under it (sending it
-    /// again serves it in the new one), else 503; `Retry-After` when waiting can help.
+    /// again serves it in the new one) or it is pinned to a space its role does not serve,
+    /// else 503; `Retry-After` when waiting can help.
     fn unservable(u: Unservable) -> Self {
         let status = match u.code {
-            UnservableCode::SpaceChanged => StatusCode::CONFLICT,
+            UnservableCode::SpaceChanged | UnservableCode::SpaceNotServed => StatusCode::CONFLICT,
             _ => StatusCode::SERVICE_UNAVAILABLE,
         };
         let mut err = Self::new(status, u.code.as_str(), u.to_string());

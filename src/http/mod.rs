@@ -1,10 +1,10 @@
 //! The HTTP front doors of the hub: the client APIs in the shapes of the clients people use
 //! ([`openai_api`], [`cohere_api`], [`tei_api`], [`ollama_api`], chat in [`chat_api`], what
-//! they share in [`client_api`]), the admin API ([`admin_api`], projects in [`projects_api`]),
-//! health, readiness and metrics
-//! ([`ops`]), the request ids and route latencies around them all ([`request_id`]), and the
-//! agents' WebSocket endpoint; the API document and its browser ([`openapi`]: `/openapi.json`,
-//! `/docs`, built from the same list as the router). The agent's own small health/metrics server is in
+//! they share in [`client_api`]), the admin API ([`admin_api`], projects in [`projects_api`],
+//! migrations in [`migrations_api`]), health, readiness and metrics ([`ops`]), the request
+//! ids and route latencies around them all ([`request_id`]), and the agents' WebSocket
+//! endpoint; the API document and its browser ([`openapi`]: `/openapi.json`, `/docs`, built
+//! from the same list as the router). The agent's own small health/metrics server is in
 //! [`crate::agent::http`]. Each family's routes answer errors in its own shape
 //! ([`error::ErrorShape`]); everything else in OpenAI's.
 
@@ -18,6 +18,7 @@ pub mod console;
 mod embedding_types;
 pub mod error;
 pub mod event_stream;
+pub mod migrations_api;
 pub mod ollama_api;
 pub mod openai_api;
 pub mod openapi;
@@ -128,6 +129,8 @@ pub fn api_router() -> OpenApiRouter<Hub> {
         .routes(routes!(projects_api::list, projects_api::create))
         .routes(routes!(projects_api::update, projects_api::remove))
         .routes(routes!(projects_api::rotate))
+        .routes(routes!(migrations_api::list, migrations_api::open))
+        .routes(routes!(migrations_api::step))
         // the operator's console
         .routes(routes!(console::page))
         .routes(routes!(console::script))

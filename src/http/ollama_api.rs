@@ -114,6 +114,7 @@ async fn run(hub: &Hub, headers: &HeaderMap, body: &[u8]) -> Result<Response, Ap
             dimensions: req.dimensions,
             is_query: false,
             instruction: None,
+            space: None,
         },
     )
     .await?;

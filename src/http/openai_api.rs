@@ -57,6 +57,11 @@ pub struct EmbeddingsRequest {
     #[serde(default)]
     #[schema(schema_with = quantized_types)]
     pub embedding_types: Option<Vec<String>>,
+    /// Ours (send it with the SDK's `extra_body`): the space the vectors must come from,
+    /// `<id>` or `<id>@<generation>` (as `X-Fantom-Space`): one of the role's live spaces
+    /// (current, a migration's next, the previous one), else 409.
+    #[serde(default)]
+    pub space: Option<String>,
 }
 
 fn quantized_types() -> utoipa::openapi::schema::Array {
@@ -160,6 +165,7 @@ pub async fn embeddings(
             dimensions: req.dimensions,
             is_query,
             instruction: req.instruction,
+            space: req.space,
         },
     )
     .await?;

@@ -321,10 +321,10 @@ const ADMIN_STATUSES: &[(u16, &str, bool)] = &[
         false,
     ),
     (401, "The admin token is missing or wrong", false),
-    (404, "No such project", false),
+    (404, "No such project, role or migration step", false),
     (
         409,
-        "The request conflicts with the state (a name taken, a push refused)",
+        "The request conflicts with the state (a name taken, a push refused, a migration step that cannot apply now)",
         false,
     ),
     (

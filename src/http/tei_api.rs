@@ -218,6 +218,7 @@ async fn run_embed(hub: &Hub, client: Client, req: EmbedRequest) -> Result<Respo
             dimensions: req.dimensions,
             is_query,
             instruction: None,
+            space: None,
         },
     )
     .await?;
@@ -276,6 +277,7 @@ async fn run_similarity(
             dimensions: None,
             is_query,
             instruction: None,
+            space: None,
         },
     )
     .await?;

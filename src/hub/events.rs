@@ -25,6 +25,9 @@ pub enum EventKind {
     Refused,
     /// An operator asked for verdicts to be judged again (`POST /admin/gate/verify`).
     Verify,
+    /// A migration of an embedding role opened, cut over, closed its previous space or was
+    /// aborted (`/admin/migrations`).
+    Migration,
     /// A throttle (a 429) halved the budget's limit and started a cooldown.
     Cooldown,
     /// A 429 ended the start: the limit went to one under the wall it found, with no cooldown.

@@ -261,6 +261,49 @@ impl Hub {
                 })
             }),
         )?;
+        // One series per space and project, of what `value` reads.
+        let per_project = |value: fn(&super::gate::ProjectRows) -> u64| {
+            gate.spaces.iter().flat_map(move |s| {
+                s.projects.iter().map(move |(p, n)| {
+                    let labels = vec![("space", s.id.clone()), ("project", p.clone())];
+                    (labels, value(n) as f64)
+                })
+            })
+        };
+        f.counter(
+            "fantom_hub_space_project_rows_total",
+            "Vectors returned per space and project.",
+            per_project(|n| n.rows),
+        )?;
+        f.counter(
+            "fantom_hub_space_project_tokens_total",
+            "Tokens embedded per space and project.",
+            per_project(|n| n.tokens),
+        )?;
+        f.gauge(
+            "fantom_hub_space_live",
+            "Each embedding role's live spaces (1 each): current, next (a migration's), previous.",
+            gate.spaces.iter().filter_map(|s| {
+                let live = match s.live? {
+                    super::gate::Live::Current => "current",
+                    super::gate::Live::Next => "next",
+                    super::gate::Live::Previous => "previous",
+                };
+                let labels = vec![
+                    ("role", s.role.to_string()),
+                    ("space", s.id.clone()),
+                    ("live", live.to_string()),
+                ];
+                Some((labels, 1.0))
+            }),
+        )?;
+        f.gauge(
+            "fantom_hub_space_passing_providers",
+            "Providers whose gate verdict for a space passes.",
+            gate.spaces
+                .iter()
+                .map(|s| (vec![("space", s.id.clone())], s.passing.len() as f64)),
+        )?;
         f.gauge(
             "fantom_hub_scorer_check",
             "Local rerankers by the scorer check's state (1 each): the scorer they claim and the one they serve as.",

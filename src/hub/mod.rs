@@ -17,6 +17,7 @@ mod handover;
 pub mod history;
 pub mod measured;
 pub mod metrics;
+pub mod migration;
 pub mod peer_http;
 pub mod policy;
 pub mod project_admin;
@@ -114,6 +115,7 @@ impl HubError {
             HubError::Submit(SubmitError::Unservable(u) | SubmitError::NotYet(u))
             | HubError::Failed(RequestFailure::Unservable(u)) => u.code.as_str(),
             HubError::Submit(SubmitError::DimensionsTooLarge { .. }) => "dimensions_too_large",
+            HubError::Submit(SubmitError::PinNotEmbedding(_)) => "pin_not_embedding",
             HubError::Submit(SubmitError::QueueFull { .. } | SubmitError::HeldBytesFull { .. }) => {
                 "queue_full"
             }
@@ -246,6 +248,7 @@ impl Hub {
             opts.gate,
             state.spaces.clone(),
         );
+        core.gate.restore_live(state.role_spaces.clone());
         core.projects = projects::Projects::new(state.projects.clone(), &state.project_usage);
         core.fence = opts.store.fence();
         core.epoch = opts.store.ha_view().epoch;
@@ -321,7 +324,20 @@ impl Hub {
         shape: Shape,
         texts: Vec<String>,
     ) -> Result<Completed, HubError> {
-        self.accept(caller, role, shape, texts, None)
+        self.run_in(caller, role, shape, texts, None).await
+    }
+
+    /// As [`Hub::run`], for an embedding request `pin`ned to one of its role's live spaces
+    /// (`None`: the current one).
+    pub async fn run_in(
+        &self,
+        caller: projects::Caller,
+        role: Role,
+        shape: Shape,
+        texts: Vec<String>,
+        pin: Option<gate::SpacePin>,
+    ) -> Result<Completed, HubError> {
+        self.accept(caller, role, shape, texts, None, pin)
             .await?
             .outcome()
             .await
@@ -338,7 +354,9 @@ impl Hub {
         texts: Vec<String>,
     ) -> Result<Streaming, HubError> {
         let (tx, chunks) = tokio::sync::mpsc::unbounded_channel();
-        let running = self.accept(caller, role, shape, texts, Some(tx)).await?;
+        let running = self
+            .accept(caller, role, shape, texts, Some(tx), None)
+            .await?;
         Ok(Streaming {
             chunks,
             outcome: Box::pin(running.outcome()),
@@ -354,9 +372,10 @@ impl Hub {
         shape: Shape,
         texts: Vec<String>,
         stream: Option<core::ChunkTx>,
+        pin: Option<gate::SpacePin>,
     ) -> Result<Running, HubError> {
         let accepted = self
-            .admit_and_queue(caller, role, shape, texts, stream)
+            .admit_and_queue(caller, role, shape, texts, stream, pin)
             .await;
         if let Err(e) = &accepted {
             self.core().count_refused(role, e.code());
@@ -371,6 +390,7 @@ impl Hub {
         shape: Shape,
         texts: Vec<String>,
         stream: Option<core::ChunkTx>,
+        pin: Option<gate::SpacePin>,
     ) -> Result<Running, HubError> {
         let (wait, mut changes) = {
             let core = self.core();
@@ -386,7 +406,7 @@ impl Hub {
                 let mut core = self.core();
                 core.check_allowance(&caller, role)
                     .map_err(SubmitError::Project)?;
-                match core.admit(role, &shape) {
+                match core.admit_in(role, &shape, pin.as_ref()) {
                     Ok(binding) => {
                         let timeout = core.settings.timings(role).request_timeout;
                         let (id, reply) = core.enqueue(
@@ -496,6 +516,16 @@ impl Hub {
         })
     }
 
+    /// Whether this hub may write its state now (a leader on etcd past its renewal deadline
+    /// may not: the fence says why).
+    fn writable(&self) -> Result<(), StateError> {
+        self.inner
+            .store
+            .fence()
+            .check(Instant::now())
+            .map_err(|fenced| StateError::Fenced(fenced.0))
+    }
+
     fn lock_state(&self) -> MutexGuard<'_, HubState> {
         self.inner
             .state
@@ -519,7 +549,8 @@ impl Hub {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Persists the vector spaces (a new one was fingerprinted, or one retired). They are taken
+    /// Persists the vector spaces and the roles' live spaces (a new one was fingerprinted, one
+    /// retired, a role's first space adopted, a migration's next space named). They are taken
     /// from the gate once the write lock is held, so a scale stored meanwhile
     /// ([`Hub::int8_scale`]) is never written over by an older copy.
     async fn save_spaces(&self) {
@@ -530,7 +561,11 @@ impl Hub {
         }
         let _writing = self.inner.state_writes.lock().await;
         let mut next = self.state();
-        next.spaces = self.core().gate.spaces().clone();
+        {
+            let core = self.core();
+            next.spaces = core.gate.spaces().clone();
+            next.role_spaces = core.gate.live().clone();
+        }
         match self.persist(next).await {
             Ok(next) => *self.lock_state() = next,
             Err(e) => {

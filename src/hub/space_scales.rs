@@ -8,8 +8,6 @@
 //! from etcd) answers 503 for a space that holds no rule yet, rather than hand out codes a
 //! later leader might make differently.
 
-use std::time::Instant;
-
 use super::core::SpaceRef;
 use super::state::StateError;
 use super::{Hub, to_the_end};
@@ -108,11 +106,7 @@ impl Hub {
             }
             (scale, spaces)
         };
-        self.inner
-            .store
-            .fence()
-            .check(Instant::now())
-            .map_err(|fenced| StateError::Fenced(fenced.0))?;
+        self.writable()?;
         let mut next = self.state();
         next.spaces = spaces;
         let next = self.persist(next).await?;

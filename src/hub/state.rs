@@ -43,6 +43,10 @@ pub struct HubState {
     /// Vector spaces with their fingerprints (the gate's reference probe vectors).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub spaces: std::collections::BTreeMap<String, crate::hub::gate::Space>,
+    /// Each embedding role's live spaces: its current one (changed only by an operator's
+    /// cutover), and around a migration its next and previous ones.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub role_spaces: std::collections::BTreeMap<crate::roles::Role, crate::hub::gate::RoleSpaces>,
     /// Projects: settings and key digests (never a key).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub projects: std::collections::BTreeMap<String, crate::hub::projects::ProjectRecord>,

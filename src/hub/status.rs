@@ -32,6 +32,9 @@ pub struct StatusView {
     pub budget: BudgetView,
     /// The compatibility gate: spaces, verdicts with their evidence (DESIGN §6).
     pub gate: super::gate::GateView,
+    /// Each embedding role's live spaces (current, and around a migration next and previous)
+    /// with who passes each and what each served.
+    pub migrations: Vec<super::migration::MigrationView>,
     /// The scorer check: which scorer each local reranker serves as, after the probe pairs.
     pub scorers: Vec<super::scorer_check::ScorerCheckView>,
     /// Each project: settings and accounting (never a key).
@@ -252,10 +255,15 @@ impl Hub {
             })
             .collect();
         let events = super::events::merged([core.gate.events(), core.budget.events()]);
+        let migrations = [Role::Embedding, Role::CodeEmbedding]
+            .into_iter()
+            .filter_map(|r| core.migration_view(r))
+            .collect();
         StatusView {
             projects,
             ha,
             events,
+            migrations,
             uptime_s: self.uptime().as_secs(),
             agents,
             sockets: core.sockets().clone(),

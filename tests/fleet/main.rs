@@ -31,6 +31,7 @@ mod leases;
 mod liveness;
 mod local_servers;
 mod masters;
+mod migration;
 mod model_servers;
 mod otlp_receiver;
 mod projects;

@@ -178,7 +178,7 @@ function renderRoles(status) {
     el("tbody", {}, rows))));
 }
 
-const GATE_EVENTS = ["suspended", "refused", "verify"];
+const GATE_EVENTS = ["suspended", "refused", "verify", "migration"];
 const BUDGET_EVENTS = ["cooldown", "wall", "stopped", "resumed", "override"];
 
 // Events of `kinds`, newest first, as a table with their times.
@@ -194,7 +194,7 @@ function eventTable(status, kinds, label) {
 function renderSpaces(status) {
   const gate = status.gate || {};
   const spaces = (gate.spaces || []).map((s) => [
-    s.id, s.generation, s.model, s.dims, s.current ? "current" : "retired",
+    s.id, s.generation, s.model, s.dims, s.live || "stored, not served",
     Object.entries(s.rows || {}).map(([p, n]) => p + ": " + n).join(", "),
   ]);
   const verdicts = (gate.verdicts || []).map((v) => {
@@ -210,6 +210,8 @@ function renderSpaces(status) {
   const scorers = (status.scorers || []).map((s) => [s.provider || "", s.scorer || s.claimed || "", s.state + (s.error ? ": " + s.error : "")]);
   $("spaces").replaceChildren(
     table(["Space", "Generation", "Model", "Dims", "State", "Rows by provider"], spaces),
+    el("h3", {}, "Migrations"),
+    renderMigrations(status),
     el("h3", {}, "Verdicts"),
     table(["Provider", "Space", "Verdict", "Lowest cosine", "Checks", "Judged", "Caught by"], verdicts),
     el("h3", {}, "Scorers"),
@@ -217,6 +219,39 @@ function renderSpaces(status) {
     el("h3", {}, "Suspensions, refusals and verifies"),
     el("div", { id: "gate-events" }, eventTable(status, GATE_EVENTS, "Gate events")));
 }
+
+// Each embedding role's live spaces, with the steps that apply (each asks to confirm).
+function renderMigrations(status) {
+  const roles = status.migrations || [];
+  if (!roles.length) return el("p", { class: "muted" }, "No embedding role has a space yet.");
+  return el("div", { id: "migrations" }, roles.map((m) => {
+    const row = (s) => [
+      s.live, s.id || "(named when its founder connects)", s.policy,
+      s.passing.length ? s.passing.join(", ") : word(false, "", "none"),
+      s.rows, s.tokens,
+      Object.entries(s.rows_by_project || {}).map(([p, n]) => p + ": " + n).join(", "),
+    ];
+    const rows = [m.current, m.next, m.previous].filter(Boolean).map(row);
+    const actions = el("p", {});
+    if (m.next) {
+      actions.append(el("button", { type: "button", "data-migration": "cutover", "data-role": m.role }, "Cut over to the next space"));
+      actions.append(el("button", { type: "button", "data-migration": "abort", "data-role": m.role }, "Abort the migration"));
+    }
+    if (m.previous) {
+      actions.append(el("button", { type: "button", "data-migration": "close", "data-role": m.role }, "Close the previous space"));
+    }
+    return el("div", {},
+      el("h4", {}, "Role " + m.role + (m.next ? ": migrating" : "")),
+      table(["Space", "Id", "Policy", "Passing providers", "Rows", "Tokens", "Rows by project"], rows, "Spaces of " + m.role),
+      actions);
+  }));
+}
+
+const MIGRATION_CONFIRM = {
+  cutover: "Cut over? Unpinned requests are served in the next space from now on; the current space stays served to pinned requests until you close it.",
+  abort: "Abort the migration? Requests pinned to the next space are refused from now on.",
+  close: "Close the previous space? Requests pinned to it are refused from now on.",
+};
 
 function renderBudget(status) {
   const b = status.budget || {};
@@ -507,6 +542,18 @@ document.addEventListener("DOMContentLoaded", () => {
       projectsShown = "";
       refreshSoon();
     } catch (e) { $("projects-result").textContent = "Not saved: " + e.message; }
+  });
+  $("spaces").addEventListener("click", async (ev) => {
+    const target = ev.target;
+    if (!(target instanceof HTMLButtonElement)) return;
+    const step = target.getAttribute("data-migration");
+    const role = target.getAttribute("data-role");
+    if (!step || !role || !confirm("Role " + role + ": " + MIGRATION_CONFIRM[step])) return;
+    try {
+      const done = await api("/admin/migrations/" + encodeURIComponent(role) + "/" + step, { method: "POST" });
+      $("migration-result").textContent = done.event;
+      refreshSoon();
+    } catch (e) { $("migration-result").textContent = "Not done: " + e.message; }
   });
   $("copy-key").addEventListener("click", async () => {
     const field = $("key-value");

@@ -83,6 +83,9 @@ pub enum UnservableCode {
     NoEndpoint,
     /// The role's vector space changed and no provider passes the request's any more.
     SpaceChanged,
+    /// The request is pinned to a space its role does not serve (not its current, next or
+    /// previous space, or a retired generation of one).
+    SpaceNotServed,
     /// The only providers hold an older config (a route or a key the hub replaced).
     ConfigStale,
     /// The only providers produced output wrong in itself (NaN or infinity): out of service
@@ -102,6 +105,7 @@ impl UnservableCode {
             UnservableCode::CloudRefused => "cloud_refused",
             UnservableCode::NoEndpoint => "no_endpoint",
             UnservableCode::SpaceChanged => "space_changed",
+            UnservableCode::SpaceNotServed => "space_not_served",
             UnservableCode::ConfigStale => "config_stale",
             UnservableCode::Defective => "provider_defective",
         }
@@ -110,7 +114,7 @@ impl UnservableCode {
     /// When several reasons hold, the one a client is told is the first in this order.
     fn rank(self) -> u8 {
         match self {
-            UnservableCode::SpaceChanged => 0,
+            UnservableCode::SpaceChanged | UnservableCode::SpaceNotServed => 0,
             UnservableCode::CloudStopped => 1,
             UnservableCode::CloudRefused => 2,
             UnservableCode::StoreUnreachable => 3,
@@ -200,7 +204,7 @@ impl Reasons {
 impl Core {
     /// Whether `binding` of `role` can be served, and if not, why.
     pub(super) fn outlook(&self, role: Role, binding: &Binding, now: Instant) -> Outlook {
-        let policy = self.cloud.policy(role);
+        let policy = self.policy_for(role, binding);
         let mut why = Reasons {
             role,
             notes: Vec::new(),
@@ -260,7 +264,7 @@ impl Core {
                         format!("{name}: being probed by the gate"),
                     );
                 }
-                Standing::Unjudged if self.gate.current_id(role) == Some(space.id.as_str()) => {
+                Standing::Unjudged if self.gate.which(role, &space.id).is_some() => {
                     // The gate's next round asks it.
                     why.soon = true;
                     why.note(
@@ -334,6 +338,17 @@ impl Core {
             }
         };
         let mut u = why.into_unservable(fallback);
+        // The role's current space has no provider that passes it: it stays the role's
+        // space (only an operator changes that), and the way to another encoder is said.
+        if let Binding::Space(space) = binding
+            && u.code == UnservableCode::GateRefused
+            && self.gate.which(role, &space.id) == Some(crate::hub::gate::Live::Current)
+        {
+            u.message.push_str(&format!(
+                ". The role's space stays {} until an operator changes it: serve it with a provider that passes, or move the role to another encoder with a migration (POST /admin/migrations, or `fantom-sidecar migration open`) and re-embed into the new space",
+                space.id
+            ));
+        }
         if soon {
             if u.retry_after_s.is_none() {
                 u.retry_after_s = Some(1);
@@ -469,11 +484,11 @@ impl Core {
                 continue;
             };
             match &binding {
-                Binding::Space(space) if self.gate.current_id(role) != Some(space.id.as_str()) => {
+                Binding::Space(space) if self.gate.which(role, &space.id).is_none() => {
                     let now_current = self.gate.current_id(role).unwrap_or("none yet");
                     let message = format!(
-                        "the vector space of role '{role}' changed from {} to {now_current} while this request waited, and no provider passes {} any more ({}); send the request again to have it served in the new space",
-                        space.id, space.id, reason.message
+                        "the vector space {} is no longer served by role '{role}' (an operator's cutover, close or abort; its current space is {now_current}), and no provider passes it any more ({}); send the request again to have it served in the current space",
+                        space.id, reason.message
                     );
                     self.fail_request(
                         id,

@@ -14,7 +14,7 @@
 
 use super::Core;
 use crate::cloud::route::CloudRoute;
-use crate::config::push::CloudSettings;
+use crate::config::push::{AllowedModel, CloudSettings};
 use crate::hub::registry::Stale;
 use crate::protocol::{self, Backend, ConfigFrame, ConfigPayload, HeldConfig, HubFrame};
 use crate::roles::{Policy, Role};
@@ -192,6 +192,22 @@ fn stale_reason(
         return Some(
             "its agent does not hold the hub's current key (it was away when the key was pushed): push the key again to serve from it".into(),
         );
+    }
+    let same = |allowed: &AllowedModel| {
+        CloudRoute::from_allowed(role, allowed).is_ok_and(|route| {
+            route.model() == info.model
+                && route.upstream() == info.upstream
+                && route.dims() == info.dims
+        })
+    };
+    // A route one of the role's other live spaces needs (a migration's next space, the
+    // previous one) serves whatever the role's policy: its space's policy decides.
+    if cloud
+        .space_routes
+        .get(&role)
+        .is_some_and(|routes| routes.iter().any(same))
+    {
+        return None;
     }
     if cloud.policy(role) == Policy::Local {
         return Some(format!("policy local keeps role {role} on local providers"));

@@ -45,7 +45,10 @@ impl Core {
 
     /// Forms work for providers of `role` that have credits, while the queue has items.
     pub(super) fn dispatch(&mut self, role: Role) {
+        // The role's policy, and those of its other live spaces (a migration's next, the
+        // previous one): each item is held to its own space's in `offer`.
         let policy = self.cloud.policy(role);
+        let backends = self.backends_of(role);
         // Offered this round with nothing that fits them: not asked again (the queue only
         // shrinks, and a binding only narrows who may take an item).
         let mut passed: Vec<(String, String)> = Vec::new();
@@ -60,7 +63,7 @@ impl Core {
             if self.queues.get(&role).is_none_or(|q| q.is_empty()) {
                 return;
             }
-            let Some((agent, pid)) = self.best_pick(role, policy, now, &passed) else {
+            let Some((agent, pid)) = self.best_pick(role, backends, now, &passed) else {
                 return;
             };
             if let Offer::Nothing = self.offer(role, policy, &agent, &pid, now) {
@@ -75,7 +78,7 @@ impl Core {
     fn best_pick(
         &mut self,
         role: Role,
-        policy: Policy,
+        backends: Backends,
         now: Instant,
         passed: &[(String, String)],
     ) -> Option<(String, String)> {
@@ -87,10 +90,7 @@ impl Core {
                 if p.role() != role || p.credits == 0 || !p.is_available(now) {
                     continue;
                 }
-                if !policy::allows(policy, p.info.backend)
-                    || p.refused.is_some()
-                    || p.stale.is_some()
-                {
+                if !backends.allow(p.info.backend) || p.refused.is_some() || p.stale.is_some() {
                     continue;
                 }
                 let rank = k.wrapping_sub(self.turn) % 1024;
@@ -215,6 +215,15 @@ impl Core {
                 other => other.admits(entry, gate),
             };
             if !admits {
+                return false;
+            }
+            // Who may serve it: its space's policy (a migration's next or the previous space
+            // has its own), else the role's.
+            let policy = match &req.binding {
+                Binding::Space(s) => gate.space_policy(role, &s.id).unwrap_or(policy),
+                _ => policy,
+            };
+            if !policy::allows(policy, entry.info.backend) {
                 return false;
             }
             let admitted = match (policy, entry.info.backend) {
@@ -448,6 +457,33 @@ impl Core {
         );
     }
 
+    /// Which backends any of `role`'s policies (the role's, its other live spaces') lets serve
+    /// it.
+    pub(super) fn backends_of(&self, role: Role) -> Backends {
+        let mut policies = vec![self.cloud.policy(role)];
+        if let Some(l) = self.gate.live().get(&role) {
+            policies.extend(l.next.as_ref().map(|m| m.policy));
+            policies.extend(l.previous.as_ref().map(|p| p.policy));
+        }
+        let any = |b| policies.iter().any(|p| policy::allows(*p, b));
+        Backends {
+            local: any(Backend::Local),
+            cloud: any(Backend::Cloud),
+        }
+    }
+
+    /// Who may serve items of `binding`: its space's own policy (a migration's next space,
+    /// the previous one), else the role's.
+    pub(super) fn policy_for(&self, role: Role, binding: &Binding) -> Policy {
+        match binding {
+            Binding::Space(s) => self
+                .gate
+                .space_policy(role, &s.id)
+                .unwrap_or_else(|| self.cloud.policy(role)),
+            _ => self.cloud.policy(role),
+        }
+    }
+
     /// The verdict and space an embedding lease is granted under: its requests' space.
     fn lease_space(
         &self,
@@ -459,6 +495,22 @@ impl Core {
         match &req.binding {
             Binding::Space(s) => Some((gate::verdict_key(c, &s.id), s.clone())),
             _ => None,
+        }
+    }
+}
+
+/// Which backends may serve a role in at least one of its live spaces.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Backends {
+    pub local: bool,
+    pub cloud: bool,
+}
+
+impl Backends {
+    pub fn allow(self, backend: Backend) -> bool {
+        match backend {
+            Backend::Local => self.local,
+            Backend::Cloud => self.cloud,
         }
     }
 }

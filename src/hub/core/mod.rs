@@ -43,7 +43,7 @@ use self::binding::Outlook;
 pub use self::binding::{Binding, Unservable, UnservableCode};
 pub use self::config_sync::ConfigRevision;
 use super::budget::{Budget, BudgetSettings};
-use super::gate::{Candidate, Gate, GateSettings, Space};
+use super::gate::{Candidate, Gate, GateSettings, Live, Space, SpacePin};
 use super::projects::{AdmitRefusal, Caller, Projects};
 use super::queue::{Item, RequestId, RoleQueue, Shape};
 pub use super::registry::ScorerRef;
@@ -210,6 +210,10 @@ pub enum SubmitError {
     /// waits a little and asks again, then answers [`SubmitError::Unservable`]).
     #[error(transparent)]
     NotYet(Unservable),
+    #[error(
+        "role '{0}' has no vector spaces: X-Fantom-Space (or a body's space) pins embedding requests only"
+    )]
+    PinNotEmbedding(Role),
     #[error("dimensions {dimensions} is wider than the space {space} ({width} dims)")]
     DimensionsTooLarge {
         dimensions: usize,
@@ -577,10 +581,26 @@ impl Core {
 
     /// What a request of `role` would be bound to, if something can serve it now.
     pub fn admit(&mut self, role: Role, shape: &Shape) -> Result<Binding, SubmitError> {
+        self.admit_in(role, shape, None)
+    }
+
+    /// As [`Core::admit`], for a request `pin`ned to one of the role's live spaces.
+    pub fn admit_in(
+        &mut self,
+        role: Role,
+        shape: &Shape,
+        pin: Option<&SpacePin>,
+    ) -> Result<Binding, SubmitError> {
         let now = Instant::now();
+        if pin.is_some() && role.op() != Op::Embed {
+            return Err(SubmitError::PinNotEmbedding(role));
+        }
         let binding = match role.op() {
             Op::Embed => {
-                let space = self.admitted_space(role, now)?;
+                let space = match pin {
+                    Some(pin) => self.pinned_space(role, pin)?,
+                    None => self.admitted_space(role, now)?,
+                };
                 if let Shape::Embed {
                     dimensions: Some(d),
                     ..
@@ -782,6 +802,69 @@ impl Core {
         self.held_bytes
     }
 
+    /// The live space of `role` a pinned request names, or why it cannot be served there.
+    fn pinned_space(&self, role: Role, pin: &SpacePin) -> Result<Arc<SpaceRef>, SubmitError> {
+        let live = self.gate.live().get(&role);
+        let Some(which) = live.and_then(|l| l.which(&pin.id)) else {
+            let served = live.map_or_else(
+                || "none yet".to_string(),
+                |l| {
+                    let mut named = format!("current {}", l.current);
+                    match l.next.as_ref().map(|m| (&m.space, &m.founder)) {
+                        Some((Some(next), _)) => named.push_str(&format!(", next {next}")),
+                        Some((None, founder)) => named.push_str(&format!(
+                            ", next (founded by {}, not named yet)",
+                            crate::hub::gate::describe(founder)
+                        )),
+                        None => {}
+                    }
+                    if let Some(p) = &l.previous {
+                        named.push_str(&format!(", previous {}", p.space));
+                    }
+                    named
+                },
+            );
+            return Err(SubmitError::Unservable(Unservable {
+                code: UnservableCode::SpaceNotServed,
+                message: format!(
+                    "the request is pinned to a space role '{role}' does not serve (its spaces: {served}); pin one of those, or send it unpinned to be served in the current space"
+                ),
+                retry_after_s: None,
+            }));
+        };
+        let Some(space) = self.gate.space(&pin.id) else {
+            // Named, its fingerprint on its way (a migration's next, a retired space again).
+            return Err(SubmitError::NotYet(Unservable {
+                code: UnservableCode::Probing,
+                message: format!(
+                    "the {} space {} of role '{role}' is being fingerprinted by its reference",
+                    live_name(which),
+                    pin.id
+                ),
+                retry_after_s: Some(1),
+            }));
+        };
+        if let Some(generation) = pin.generation
+            && generation != space.generation
+        {
+            return Err(SubmitError::Unservable(Unservable {
+                code: UnservableCode::SpaceNotServed,
+                message: format!(
+                    "the request is pinned to a generation of {} that was retired (the space's generation is {}): rows of a retired generation are re-embedded, never compared with the new one; pin {}@{} or send it unpinned",
+                    pin.id, space.generation, pin.id, space.generation
+                ),
+                retry_after_s: None,
+            }));
+        }
+        Ok(Arc::new(SpaceRef {
+            id: space.id(),
+            generation: space.generation,
+            role: space.role,
+            model: space.model.clone(),
+            dims: space.dims,
+        }))
+    }
+
     /// The space an embedding request of `role` is admitted under: the role's current one.
     fn admitted_space(&self, role: Role, now: Instant) -> Result<Arc<SpaceRef>, SubmitError> {
         if let Some(space) = self
@@ -951,7 +1034,8 @@ impl Core {
         ((depth / items_per_s).ceil() as u64).clamp(1, 60)
     }
 
-    fn providers(&self) -> impl Iterator<Item = &ProviderEntry> {
+    /// Every connected provider.
+    pub fn providers(&self) -> impl Iterator<Item = &ProviderEntry> {
         self.agents.values().flat_map(|a| a.providers.values())
     }
 
@@ -1073,3 +1157,12 @@ impl Core {
 
 #[cfg(test)]
 mod tests;
+
+/// How a live space is named in messages.
+fn live_name(which: Live) -> &'static str {
+    match which {
+        Live::Current => "current",
+        Live::Next => "next",
+        Live::Previous => "previous",
+    }
+}

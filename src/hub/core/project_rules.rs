@@ -170,7 +170,7 @@ impl Core {
     /// Whether only the cloud could serve items of `binding` for `role` (the policy allows
     /// nothing else, or no local provider of the binding is connected).
     pub(super) fn cloud_only(&self, role: Role, binding: &Binding) -> bool {
-        let policy = self.cloud.policy(role);
+        let policy = self.policy_for(role, binding);
         if policy == Policy::Local {
             return false;
         }
@@ -184,11 +184,12 @@ impl Core {
     }
 
     /// Who may take a cloud permit now: the projects with work waiting in a role the cloud
-    /// may serve, and the budget's permits.
+    /// may serve (in any of its live spaces), and the budget's permits.
     pub(super) fn cloud_share(&self) -> CloudShare {
         let mut waiting: BTreeMap<Arc<str>, u32> = BTreeMap::new();
         for (role, queue) in &self.queues {
-            if !policy::allows(self.cloud.policy(*role), Backend::Cloud) {
+            // The role's policy or one of its other live spaces' lets the cloud serve.
+            if !self.backends_of(*role).cloud {
                 continue;
             }
             for project in queue.waiting_by_project().into_keys() {

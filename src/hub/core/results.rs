@@ -249,6 +249,8 @@ impl Core {
         let space = lease.gate.as_ref().map(|(_, s)| s.clone());
         if let Some(s) = &space {
             self.gate.count_rows(&s.id, &reference.provider, n);
+            self.gate
+                .count_project_rows(&s.id, &lease.project, n, tokens);
         }
         let served_counter = self.counters.items_served.entry(lease.role).or_default();
         *served_counter = served_counter.saturating_add(n);

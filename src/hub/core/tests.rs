@@ -252,7 +252,7 @@ fn answer_probes(
 }
 
 #[test]
-fn a_request_whose_space_is_replaced_and_unserved_fails_with_space_changed() {
+fn losing_the_reference_host_never_makes_another_model_the_roles_space() {
     let mut core = Core::new(HubSettings::default(), CloudSettings::default());
     let (sa, mut a) = connect(&mut core, "a", provider("e", Role::Embedding, "ma", 8), 1);
     answer_probes(&mut core, "a", sa, &mut a, 0);
@@ -277,17 +277,20 @@ fn a_request_whose_space_is_replaced_and_unserved_fails_with_space_changed() {
     let (_, mut reply) = core
         .submit(Role::Embedding, shape, vec!["x".into(), "y".into()])
         .unwrap();
-    // The reference leaves with the lease; another model founds the role's new space.
+    // The reference leaves with the lease; a host of another model is judged against the
+    // role's space, refused, and never promoted.
     core.disconnect("a", sa);
     let (sb, mut b) = connect(&mut core, "b", provider("e", Role::Embedding, "mb", 8), 1);
     let frames = answer_probes(&mut core, "b", sb, &mut b, 1);
     assert_eq!(
         core.gate.current_id(Role::Embedding),
-        Some("embedding:mb:2")
+        Some("embedding:ma:2"),
+        "the space is the operator's, not whoever is connected"
     );
+    assert!(core.gate.space("embedding:mb:2").is_none(), "no new space");
     assert!(
         frames.iter().all(|f| f["type"] != "work"),
-        "b never serves the old space"
+        "b never serves the role's space"
     );
     assert!(
         reply.try_recv().is_err(),
@@ -297,12 +300,151 @@ fn a_request_whose_space_is_replaced_and_unserved_fails_with_space_changed() {
     let Err(RequestFailure::Unservable(u)) = reply.try_recv().unwrap() else {
         panic!("the request fails");
     };
-    assert_eq!(u.code, UnservableCode::SpaceChanged);
+    assert_eq!(u.code, UnservableCode::GateRefused);
+    for said in ["embedding:ma:2", "refused", "migration"] {
+        assert!(u.message.contains(said), "{said}: {}", u.message);
+    }
+    // A new request is refused at once, naming the space and the way to another encoder.
+    let shape = Shape::Embed {
+        dimensions: None,
+        is_query: false,
+        instruction: None,
+    };
+    let Err(SubmitError::Unservable(u)) = core.submit(Role::Embedding, shape, vec!["x".into()])
+    else {
+        panic!("refused at once");
+    };
     assert!(
-        u.message.contains("from embedding:ma:2 to embedding:mb:2"),
+        u.message.contains("POST /admin/migrations"),
         "{}",
         u.message
     );
+}
+
+/// Serves the next work frame on `rx` with unit vectors along `axis`; the lease's texts.
+fn serve_embeddings(
+    core: &mut Core,
+    agent: &str,
+    session: u64,
+    rx: &mut mpsc::UnboundedReceiver<Outgoing>,
+    axis: usize,
+) -> usize {
+    let work = next_work(rx);
+    let n = sent_texts(&work).len();
+    let mut unit = vec![0.0f32; 2];
+    unit[axis] = 1.0;
+    core.done(
+        agent,
+        session,
+        Done {
+            lease: work["lease"].as_u64().unwrap(),
+            output: WorkOutput::Embeddings(vec![unit; n]),
+            latency_ms: 1.0,
+            tokens: n as u64,
+            cost_usd: None,
+        },
+    )
+    .unwrap();
+    core.pull(agent, session, "e", 1).unwrap();
+    n
+}
+
+#[test]
+fn a_migration_serves_pinned_requests_in_the_next_space_and_a_cutover_swaps_them() {
+    use crate::hub::gate::{Founder, SpacePin, Step};
+    let e = Role::Embedding;
+    let mut core = Core::new(HubSettings::default(), CloudSettings::default());
+    let (sa, mut a) = connect(&mut core, "a", provider("e", e, "ma", 8), 1);
+    answer_probes(&mut core, "a", sa, &mut a, 0);
+    let (sb, mut b) = connect(&mut core, "b", provider("e", e, "mb", 8), 1);
+    answer_probes(&mut core, "b", sb, &mut b, 1);
+    let open = Step::Open {
+        founder: Founder::Local {
+            model: "mb".into(),
+            dims: None,
+        },
+        policy: Policy::Local,
+    };
+    let now = core.role_now(e);
+    core.gate.migrated(e, &open, &now).unwrap();
+    core.gate_tick(Instant::now());
+    // b fingerprints the next space; a is judged against it (and refused).
+    answer_probes(&mut core, "b", sb, &mut b, 1);
+    answer_probes(&mut core, "a", sa, &mut a, 0);
+    core.gate_tick(Instant::now());
+    answer_probes(&mut core, "b", sb, &mut b, 1);
+    answer_probes(&mut core, "a", sa, &mut a, 0);
+    assert_eq!(core.passing_next(e), ["b/e"]);
+    let shape = || Shape::Embed {
+        dimensions: None,
+        is_query: false,
+        instruction: None,
+    };
+    let pin = |id: &str| SpacePin::parse(id).unwrap();
+    let ask = |core: &mut Core, pinned: Option<SpacePin>| {
+        let binding = core.admit_in(e, &shape(), pinned.as_ref())?;
+        core.enqueue(
+            Caller::default_project(crate::protocol::WorkClass::Batch),
+            e,
+            binding,
+            shape(),
+            vec!["t".into()],
+            Origin::default(),
+        )
+    };
+    let space_of = |reply: &mut oneshot::Receiver<Result<Completed, RequestFailure>>| {
+        let done = reply.try_recv().unwrap().unwrap();
+        done.items[0].space.as_ref().unwrap().id.clone()
+    };
+    // Unpinned: the current space, served by a; pinned to next: b.
+    let (_, mut r) = ask(&mut core, None).unwrap();
+    serve_embeddings(&mut core, "a", sa, &mut a, 0);
+    assert_eq!(space_of(&mut r), "embedding:ma:2");
+    let (_, mut r) = ask(&mut core, Some(pin("embedding:mb:2"))).unwrap();
+    serve_embeddings(&mut core, "b", sb, &mut b, 1);
+    assert_eq!(space_of(&mut r), "embedding:mb:2");
+    // A pin to a space the role does not serve, or to a retired generation: 409 at once.
+    for bad in ["embedding:mc:2", "embedding:ma:3", "embedding:ma:2@1"] {
+        let Err(SubmitError::Unservable(u)) = ask(&mut core, Some(pin(bad))) else {
+            panic!("{bad} is refused");
+        };
+        assert_eq!(u.code, UnservableCode::SpaceNotServed, "{bad}");
+    }
+    let Err(SubmitError::Unservable(u)) = ask(&mut core, Some(pin("embedding:mc:2"))) else {
+        unreachable!()
+    };
+    assert!(
+        u.message
+            .contains("current embedding:ma:2, next embedding:mb:2"),
+        "{}",
+        u.message
+    );
+    assert!(matches!(
+        core.admit_in(Role::Reranker, &shape(), Some(&pin("embedding:ma:2"))),
+        Err(SubmitError::PinNotEmbedding(Role::Reranker))
+    ));
+    // Cutover: next is current, the old space previous (still served when pinned).
+    let now = core.role_now(e);
+    let applied = core.gate.migrated(e, &Step::Cutover, &now).unwrap();
+    assert!(applied.cut.is_some());
+    let (_, mut r) = ask(&mut core, None).unwrap();
+    serve_embeddings(&mut core, "b", sb, &mut b, 1);
+    assert_eq!(space_of(&mut r), "embedding:mb:2");
+    let (_, mut r) = ask(&mut core, Some(pin("embedding:ma:2"))).unwrap();
+    serve_embeddings(&mut core, "a", sa, &mut a, 0);
+    assert_eq!(space_of(&mut r), "embedding:ma:2");
+    // Progress per space and project.
+    let view = core.migration_view(e).unwrap();
+    assert_eq!(view.current.id.as_deref(), Some("embedding:mb:2"));
+    assert_eq!(view.current.rows_by_project["default"], 2);
+    assert_eq!(view.previous.as_ref().unwrap().rows_by_provider["a/e"], 2);
+    // Close: the previous space is no longer served.
+    let now = core.role_now(e);
+    core.gate.migrated(e, &Step::Close, &now).unwrap();
+    let Err(SubmitError::Unservable(u)) = ask(&mut core, Some(pin("embedding:ma:2"))) else {
+        panic!("closed");
+    };
+    assert_eq!(u.code, UnservableCode::SpaceNotServed);
 }
 
 #[test]

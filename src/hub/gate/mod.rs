@@ -20,13 +20,18 @@
 //! This module decides; [`crate::hub::core`] sends the probes it asks for and asks it before
 //! every embedding lease.
 
+mod live;
 pub mod measure;
 mod reported;
 mod stored;
 mod view;
 
+pub use self::live::{
+    Applied, CutOver, Founder, Live, Migration, MigrationRefused, Previous, RoleNow, RoleSpaces,
+    SpacePin, Step, describe,
+};
 pub use self::stored::StoredVerdict;
-pub use self::view::{GateView, SpaceView};
+pub use self::view::{GateView, ProjectRows, SpaceView};
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -292,6 +297,16 @@ struct Pending {
     sent: Instant,
 }
 
+/// What founding a space came to.
+enum Founding {
+    /// Its fingerprint is stored.
+    Found(String),
+    /// Its fingerprint is on the way (or asked now).
+    Fingerprinting(String),
+    /// No reference can answer now.
+    Nothing,
+}
+
 /// A probe the hub should send now.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ProbeRequest {
@@ -305,13 +320,16 @@ pub struct ProbeRequest {
 pub struct Gate {
     pub settings: GateSettings,
     spaces: BTreeMap<String, Space>,
-    /// Each embedding role's current space.
-    current: BTreeMap<Role, String>,
+    /// Each embedding role's live spaces: current, and around a migration next and previous
+    /// (persisted: the current one changes only by an operator's cutover).
+    live: BTreeMap<Role, RoleSpaces>,
     verdicts: BTreeMap<String, VerdictEntry>,
     pending: HashMap<String, Pending>,
     next_probe: u64,
     dirty: bool,
     rows: BTreeMap<(String, String), u64>,
+    /// Rows and tokens served per (space, project).
+    project_rows: BTreeMap<(String, String), (u64, u64)>,
     /// Each role's configured table width, as of the last tick.
     widths: BTreeMap<Role, usize>,
     /// The generation each retired space id had: its next founding is a later one.
@@ -367,12 +385,13 @@ impl Gate {
         Self {
             settings,
             spaces,
-            current: BTreeMap::new(),
+            live: BTreeMap::new(),
             verdicts: BTreeMap::new(),
             pending: HashMap::new(),
             next_probe: 1,
             dirty: false,
             rows: BTreeMap::new(),
+            project_rows: BTreeMap::new(),
             widths: BTreeMap::new(),
             retired: BTreeMap::new(),
             fingerprint_waits: BTreeSet::new(),
@@ -434,114 +453,209 @@ impl Gate {
                 Some(w) => self.widths.insert(role, w),
                 None => self.widths.remove(&role),
             };
-            let references = self.references(policy(role), &cands);
-            // The space: the first usable reference's model and width.
-            let mut space = None;
-            let mut fingerprinting = false;
-            for r in &references {
-                let w = configured.or(r.dims);
-                let Some(w) = w else { continue };
-                let sid = self.reference_space(r, w);
-                if self.spaces.contains_key(&sid) {
-                    space = Some(sid);
-                    break;
-                }
-                // One fingerprint per space at a time, whoever it was asked of.
-                if self
-                    .pending
-                    .values()
-                    .any(|p| p.purpose == Purpose::Fingerprint && p.space == sid)
-                {
-                    fingerprinting = true;
-                    break;
-                }
-                // Fingerprint with this reference, unless it cannot answer now.
-                let key = verdict_key(r, &sid);
-                match self
-                    .verdicts
-                    .get(&key)
-                    .map(|e| (&e.verdict, e.next_check, e.probe.is_some()))
-                {
-                    Some((_, _, true)) => {
-                        fingerprinting = true; // its probe is out: wait for it
-                        break;
+            // The current space: the operator's (or the one the role's first reference
+            // founded); never another one because of who is connected now.
+            let current = match self.live.get(&role).map(|l| l.current.clone()) {
+                Some(cur) => {
+                    if !self.spaces.contains_key(&cur) {
+                        // Retired, or its fingerprint answers an older probe set: fingerprinted
+                        // again by a reference that answers for this very id.
+                        let refs = self.refounders(&cands);
+                        let w = live::id_dims(&cur);
+                        let _ = self.found(now, &refs, w, &|sid| sid == cur, &mut out);
                     }
-                    Some((Verdict::Refused { .. }, _, _)) => continue,
-                    Some((Verdict::ProbeFailed { .. }, Some(at), _)) if at > now => continue,
-                    _ => {}
+                    Some(cur)
                 }
-                if let Some(reason) = refused_unprobed(r, w) {
-                    self.record(r, &sid, Verdict::Refused { reason }, None, "-".into(), None);
-                    continue;
+                None => {
+                    let references = self.references(policy(role), &cands);
+                    match self.found(now, &references, configured, &|_| true, &mut out) {
+                        Founding::Found(sid) => Some(sid),
+                        Founding::Fingerprinting(_) => None,
+                        // No reference can answer now (the GPUs are down under `backup`, say):
+                        // the role's newest stored space, as wide as the table.
+                        Founding::Nothing => self.fallback_space(role, configured),
+                    }
+                    .inspect(|sid| {
+                        tracing::info!(role = %role, space = %sid, "the role's vector space");
+                        self.live.insert(role, RoleSpaces::new(sid.clone()));
+                        self.dirty = true;
+                    })
                 }
-                out.push(self.send(now, r, &sid, Purpose::Fingerprint, Some(w), "-".into()));
-                fingerprinting = true;
-                break;
-            }
-            // No reference can answer now (the GPUs are down under `backup`, say): candidates
-            // are still judged against the role's space, whose fingerprint is stored.
-            let space = match space {
-                None if !fingerprinting => self.fallback_space(role, configured),
-                found => found,
             };
-            // A space of another width than the table's never serves new requests.
-            if let (Some(w), Some(cur)) = (configured, self.current.get(&role))
-                && self.spaces.get(cur).is_none_or(|s| s.dims != w)
-            {
-                tracing::warn!(role = %role, space = %cur, width = w, "the role's space is not as wide as its table: it serves no new request");
-                self.current.remove(&role);
-            }
-            let Some(sid) = space else {
-                if !fingerprinting && self.current.remove(&role).is_some() {
-                    tracing::warn!(role = %role, "no reference can found the role's space: it has none");
-                }
+            if current.is_none() {
                 continue;
-            };
-            if self.current.get(&role) != Some(&sid) {
-                tracing::info!(role = %role, space = %sid, "the role's vector space");
-                self.current.insert(role, sid.clone());
             }
-            let Some(s) = self.spaces.get(&sid) else {
-                continue;
-            };
-            let (w, encoder) = (s.dims, s.encoder.clone());
-            for c in cands {
-                let key = verdict_key(c, &sid);
-                let entry = self.verdicts.get(&key);
-                let due = match entry {
-                    None => Some(Purpose::Verify),
-                    Some(e) if e.probe.is_some() => None,
-                    Some(e) => match &e.verdict {
-                        Verdict::Pass if e.next_check.is_some_and(|t| t <= now) => {
-                            Some(Purpose::Sentinel)
-                        }
-                        Verdict::ProbeFailed { .. } if e.next_check.is_none_or(|t| t <= now) => {
-                            Some(Purpose::Verify)
-                        }
-                        Verdict::Probing => Some(Purpose::Verify),
-                        _ => None,
-                    },
-                };
-                if due == Some(Purpose::Verify)
-                    && let Some(reason) = refused_unprobed(c, w)
-                {
-                    tracing::warn!(provider = %c.provider, space = %sid, reason = %reason, "gate: refused");
-                    self.record(
-                        c,
-                        &sid,
-                        Verdict::Refused { reason },
-                        None,
-                        encoder.clone(),
-                        None,
-                    );
-                    continue;
-                }
-                if let Some(purpose) = due {
-                    out.push(self.send(now, c, &sid, purpose, Some(w), encoder.clone()));
-                }
+            self.found_next(now, role, &cands, &mut out);
+            let live: Vec<String> = self
+                .live
+                .get(&role)
+                .map(|l| l.ids().map(str::to_string).collect())
+                .unwrap_or_default();
+            for sid in live {
+                self.judge_all(now, &sid, &cands, &mut out);
             }
         }
         out
+    }
+
+    /// Probes due for every candidate against `sid` (a live space), when it is founded.
+    fn judge_all(
+        &mut self,
+        now: Instant,
+        sid: &str,
+        cands: &[&Candidate],
+        out: &mut Vec<ProbeRequest>,
+    ) {
+        let Some(s) = self.spaces.get(sid) else {
+            return;
+        };
+        let (w, encoder) = (s.dims, s.encoder.clone());
+        for c in cands.iter().copied() {
+            let key = verdict_key(c, sid);
+            let entry = self.verdicts.get(&key);
+            let due = match entry {
+                None => Some(Purpose::Verify),
+                Some(e) if e.probe.is_some() => None,
+                Some(e) => match &e.verdict {
+                    Verdict::Pass if e.next_check.is_some_and(|t| t <= now) => {
+                        Some(Purpose::Sentinel)
+                    }
+                    Verdict::ProbeFailed { .. } if e.next_check.is_none_or(|t| t <= now) => {
+                        Some(Purpose::Verify)
+                    }
+                    Verdict::Probing => Some(Purpose::Verify),
+                    _ => None,
+                },
+            };
+            if due == Some(Purpose::Verify)
+                && let Some(reason) = refused_unprobed(c, w)
+            {
+                tracing::warn!(provider = %c.provider, space = %sid, reason = %reason, "gate: refused");
+                self.record(
+                    c,
+                    sid,
+                    Verdict::Refused { reason },
+                    None,
+                    encoder.clone(),
+                    None,
+                );
+                continue;
+            }
+            if let Some(purpose) = due {
+                out.push(self.send(now, c, sid, purpose, Some(w), encoder.clone()));
+            }
+        }
+    }
+
+    /// Candidates that may fingerprint a space again under its own id: cloud routes, and
+    /// healthy local providers (a fronted server only when named the reference).
+    fn refounders<'a>(&self, cands: &[&'a Candidate]) -> Vec<&'a Candidate> {
+        cands
+            .iter()
+            .copied()
+            .filter(|c| match c.backend {
+                Backend::Cloud => true,
+                Backend::Local => {
+                    c.healthy
+                        && (!c.fronted
+                            || self.settings.reference.as_deref() == Some(c.provider.as_str()))
+                }
+            })
+            .collect()
+    }
+
+    /// The first of `refs` that founds a space `accept` takes: found already, its fingerprint
+    /// on the way, or asked now.
+    fn found(
+        &mut self,
+        now: Instant,
+        refs: &[&Candidate],
+        width: Option<usize>,
+        accept: &dyn Fn(&str) -> bool,
+        out: &mut Vec<ProbeRequest>,
+    ) -> Founding {
+        for r in refs {
+            let Some(w) = width.or(r.dims) else { continue };
+            let sid = self.reference_space(r, w);
+            if !accept(&sid) {
+                continue;
+            }
+            if self.spaces.contains_key(&sid) {
+                return Founding::Found(sid);
+            }
+            // One fingerprint per space at a time, whoever it was asked of.
+            if self
+                .pending
+                .values()
+                .any(|p| p.purpose == Purpose::Fingerprint && p.space == sid)
+            {
+                return Founding::Fingerprinting(sid);
+            }
+            // Fingerprint with this reference, unless it cannot answer now.
+            let key = verdict_key(r, &sid);
+            match self
+                .verdicts
+                .get(&key)
+                .map(|e| (&e.verdict, e.next_check, e.probe.is_some()))
+            {
+                Some((_, _, true)) => return Founding::Fingerprinting(sid),
+                Some((Verdict::Refused { .. }, _, _)) => continue,
+                Some((Verdict::ProbeFailed { .. }, Some(at), _)) if at > now => continue,
+                _ => {}
+            }
+            if let Some(reason) = refused_unprobed(r, w) {
+                self.record(r, &sid, Verdict::Refused { reason }, None, "-".into(), None);
+                continue;
+            }
+            out.push(self.send(now, r, &sid, Purpose::Fingerprint, Some(w), "-".into()));
+            return Founding::Fingerprinting(sid);
+        }
+        Founding::Nothing
+    }
+
+    /// A migration's next space: founded by its founder (its id named as soon as the founder
+    /// is connected), never the current or previous space.
+    fn found_next(
+        &mut self,
+        now: Instant,
+        role: Role,
+        cands: &[&Candidate],
+        out: &mut Vec<ProbeRequest>,
+    ) {
+        let Some(l) = self.live.get(&role) else {
+            return;
+        };
+        let Some(m) = &l.next else {
+            return;
+        };
+        if m.space
+            .as_ref()
+            .is_some_and(|s| self.spaces.contains_key(s))
+        {
+            return;
+        }
+        let (founder, want) = (m.founder.clone(), m.space.clone());
+        let taken: Vec<String> = std::iter::once(l.current.clone())
+            .chain(l.previous.as_ref().map(|p| p.space.clone()))
+            .collect();
+        let refs: Vec<&Candidate> = cands
+            .iter()
+            .copied()
+            .filter(|c| founder.founds(c) && (c.backend == Backend::Cloud || c.healthy))
+            .collect();
+        let accept =
+            |sid: &str| want.as_deref().is_none_or(|w| w == sid) && !taken.iter().any(|t| t == sid);
+        let named = match self.found(now, &refs, founder.dims(), &accept, out) {
+            Founding::Found(sid) | Founding::Fingerprinting(sid) => sid,
+            Founding::Nothing => return,
+        };
+        if let Some(m) = self.live.get_mut(&role).and_then(|l| l.next.as_mut())
+            && m.space.as_deref() != Some(named.as_str())
+        {
+            tracing::info!(role = %role, space = %named, "a migration's next space is named by its founder");
+            m.space = Some(named);
+            self.dirty = true;
+        }
     }
 
     /// The space a reference answers for at width `w`: its model's; for an unpinned folder
@@ -567,7 +681,7 @@ impl Gate {
     /// table (`width`) when one is configured.
     fn fallback_space(&self, role: Role, width: Option<usize>) -> Option<String> {
         let fits = |s: &Space| width.is_none_or(|w| s.dims == w);
-        if let Some(sid) = self.current.get(&role)
+        if let Some(sid) = self.live.get(&role).map(|l| &l.current)
             && self.spaces.get(sid).is_some_and(fits)
         {
             return Some(sid.clone());
@@ -827,10 +941,15 @@ impl Gate {
                 entry.checked_at_ms = Some(now_ms());
                 entry.checks += 1;
                 entry.next_check = Some(now + self.settings.sentinel);
-                // The table's width may have changed while the probe was out: a space of
-                // another width is stored, but never the role's current one.
-                if self.widths.get(&s.role).is_none_or(|w| *w == s.dims) {
-                    self.current.insert(s.role, s.id());
+                // A role's first space is its current one (later foundings are the current
+                // space again after a retire, or a migration's next). The table's width may
+                // have changed while the probe was out: a space of another width is stored,
+                // but never the role's current one.
+                if !self.live.contains_key(&s.role)
+                    && self.widths.get(&s.role).is_none_or(|w| *w == s.dims)
+                {
+                    tracing::info!(role = %s.role, space = %s.id(), "the role's vector space");
+                    self.live.insert(s.role, RoleSpaces::new(s.id()));
                 }
                 self.spaces.insert(s.id(), s);
                 self.dirty = true;
@@ -1009,7 +1128,7 @@ impl Gate {
 
     /// The id of the role's current space (the one new requests are admitted under).
     pub fn current_id(&self, role: Role) -> Option<&str> {
-        self.current.get(&role).map(String::as_str)
+        self.live.get(&role).map(|l| l.current.as_str())
     }
 
     /// Whether the role's space is being founded now (a reference's fingerprint probe is out,
@@ -1065,7 +1184,7 @@ impl Gate {
 
     /// The space a provider may serve now (its verdict for its role's space passed).
     pub fn serving_space(&self, c: &Candidate) -> Option<&str> {
-        let sid = self.current.get(&c.role)?;
+        let sid = &self.live.get(&c.role)?.current;
         let e = self.verdicts.get(&verdict_key(c, sid))?;
         (e.verdict == Verdict::Pass).then_some(sid.as_str())
     }
@@ -1231,6 +1350,104 @@ impl Gate {
             .or_default() += rows;
     }
 
+    /// Rows and tokens a project was served from a space (a migration's progress).
+    pub fn count_project_rows(&mut self, space: &str, project: &str, rows: u64, tokens: u64) {
+        let counted = self
+            .project_rows
+            .entry((space.to_string(), project.to_string()))
+            .or_default();
+        counted.0 = counted.0.saturating_add(rows);
+        counted.1 = counted.1.saturating_add(tokens);
+    }
+
+    /// Rows served from `space`, per provider.
+    pub fn rows_of(&self, space: &str) -> BTreeMap<String, u64> {
+        self.rows
+            .iter()
+            .filter(|((sid, _), _)| sid == space)
+            .map(|((_, p), n)| (p.clone(), *n))
+            .collect()
+    }
+
+    /// Rows and tokens served from `space`, per project.
+    pub fn project_rows(&self, space: &str) -> BTreeMap<String, (u64, u64)> {
+        self.project_rows
+            .iter()
+            .filter(|((sid, _), _)| sid == space)
+            .map(|((_, p), n)| (p.clone(), *n))
+            .collect()
+    }
+
+    // ---- live spaces and migrations ----------------------------------------------------
+
+    /// Each embedding role's live spaces (persisted with the state).
+    pub fn live(&self) -> &BTreeMap<Role, RoleSpaces> {
+        &self.live
+    }
+
+    /// Restores the live spaces a store loaded.
+    pub fn restore_live(&mut self, live: BTreeMap<Role, RoleSpaces>) {
+        self.live = live;
+    }
+
+    /// Which of `role`'s live spaces `space` is.
+    pub fn which(&self, role: Role, space: &str) -> Option<Live> {
+        self.live.get(&role)?.which(space)
+    }
+
+    /// Who may serve requests bound to `space`: a migration's policy for its next space, the
+    /// old policy for the previous one; `None` for the current space (the role's policy).
+    pub fn space_policy(&self, role: Role, space: &str) -> Option<Policy> {
+        let l = self.live.get(&role)?;
+        match l.which(space)? {
+            Live::Current => None,
+            Live::Next => l.next.as_ref().map(|m| m.policy),
+            Live::Previous => l.previous.as_ref().map(|p| p.policy),
+        }
+    }
+
+    /// What `step` would make of the live spaces (checked; nothing changes here): the hub
+    /// persists the result, then applies the same step with [`Gate::migrated`].
+    pub fn migrate(
+        &self,
+        role: Role,
+        step: &Step,
+        now: &RoleNow,
+    ) -> Result<(BTreeMap<Role, RoleSpaces>, Applied), MigrationRefused> {
+        let mut live = self.live.clone();
+        let founded = |id: &str| self.spaces.contains_key(id);
+        let applied = live::apply(&mut live, &founded, role, step, now, now_ms())?;
+        Ok((live, applied))
+    }
+
+    /// Applies `step` (persisted already) to the live spaces, with its event.
+    pub fn migrated(
+        &mut self,
+        role: Role,
+        step: &Step,
+        now: &RoleNow,
+    ) -> Result<Applied, MigrationRefused> {
+        let spaces = &self.spaces;
+        let founded = |id: &str| spaces.contains_key(id);
+        let applied = live::apply(&mut self.live, &founded, role, step, now, now_ms())?;
+        tracing::info!(role = %role, event = %applied.event, "migration");
+        self.events.push(
+            EventKind::Migration,
+            role.to_string(),
+            applied.event.clone(),
+        );
+        Ok(applied)
+    }
+
+    /// The cloud routes every role's live spaces need beside the roles' own.
+    pub fn space_routes(&self) -> BTreeMap<Role, Vec<crate::config::push::AllowedModel>> {
+        self.live
+            .iter()
+            .map(|(role, l)| (*role, l.routes()))
+            .filter(|(_, routes)| !routes.is_empty())
+            .collect()
+    }
+
     pub fn space(&self, id: &str) -> Option<&Space> {
         self.spaces.get(id)
     }
@@ -1250,7 +1467,13 @@ impl Gate {
         // Its verdicts go, probes out included: an answer that comes later is ignored.
         self.verdicts.retain(|_, e| e.space != space);
         self.pending.retain(|_, p| p.space != space);
-        self.current.retain(|_, sid| sid != space);
+        // A retired current or next space is fingerprinted again under its id; a previous one
+        // has no founder left: it is closed.
+        for l in self.live.values_mut() {
+            if l.previous.as_ref().is_some_and(|p| p.space == space) {
+                l.previous = None;
+            }
+        }
         self.dirty = true;
         tracing::warn!(space, "space retired: it is fingerprinted again");
         true

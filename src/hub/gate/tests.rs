@@ -359,34 +359,87 @@ mod policy_switch_tests {
     use super::basics::{cand, vectors};
 
     #[test]
-    fn the_current_space_follows_the_policys_reference() {
+    fn the_current_space_changes_only_by_a_cutover() {
         let (mut g, t) = (
             Gate::new(GateSettings::default(), BTreeMap::new()),
             Instant::now(),
         );
-        let cands = [
-            cand("cloud-a/cloud:embedding:1", Backend::Cloud, "cloud-m"),
-            cand("gpu/embedding", Backend::Local, "m"),
-        ];
+        let cloud = cand("cloud-a/cloud:embedding:1", Backend::Cloud, "cloud-m");
+        let gpu = cand("gpu/embedding", Backend::Local, "m");
+        let cands = [cloud.clone(), gpu.clone()];
         let p = g.tick(t, &cands, |_| Policy::Local, |_| Some(3));
         assert_eq!(p.len(), 1);
         g.on_result(&p[0].probe, Ok(vectors(1.0)), t);
-        let _ = g.tick(t, &cands, |_| Policy::Local, |_| Some(3));
+        assert_eq!(g.current_id(Role::Embedding), Some("embedding:m:3"));
+        // A move to `cloud`: the cloud route is judged against the role's space (and refused),
+        // never made the anchor of a new one.
         let p = g.tick(t, &cands, |_| Policy::Cloud, |_| Some(3));
-        let fp = p
-            .iter()
-            .find(|r| r.provider.starts_with("cloud-a"))
-            .unwrap()
-            .probe
-            .clone();
-        g.on_result(&fp, Ok(vectors(0.5)), t);
-        assert_eq!(g.serving_space(&cands[0]), Some("embedding:cloud-m:3"));
-        let _ = g.tick(t, &cands, |_| Policy::Aggregate, |_| Some(3));
-        assert_eq!(
-            g.serving_space(&cands[1]),
-            Some("embedding:m:3"),
-            "back to the local space"
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!(p[0].provider, cloud.provider);
+        g.on_result(&p[0].probe, Ok(vectors(0.5)), t);
+        assert_eq!(g.current_id(Role::Embedding), Some("embedding:m:3"));
+        assert!(g.serving_space(&cloud).is_none(), "refused");
+        assert!(g.space("embedding:cloud-m:3").is_none());
+        // The reference host lost: still the role's space.
+        assert!(
+            g.tick(
+                t,
+                std::slice::from_ref(&cloud),
+                |_| Policy::Cloud,
+                |_| Some(3)
+            )
+            .is_empty()
         );
+        assert_eq!(g.current_id(Role::Embedding), Some("embedding:m:3"));
+        // An operator's migration to the cloud route: fingerprinted as the next space.
+        let open = Step::Open {
+            founder: Founder::Cloud {
+                model: "cloud-m".into(),
+                provider: "deepinfra/bf16".into(),
+                dims: 3,
+                quantization: None,
+            },
+            policy: Policy::Cloud,
+        };
+        let now = |passing_next| RoleNow {
+            passing_next,
+            policy: Policy::Local,
+            route: None,
+        };
+        g.migrated(Role::Embedding, &open, &now(0)).unwrap();
+        let p = g.tick(t, &cands, |_| Policy::Local, |_| Some(3));
+        let fp: Vec<_> = p.iter().filter(|r| r.provider == cloud.provider).collect();
+        assert_eq!(fp.len(), 1, "{p:?}");
+        g.on_result(&fp[0].probe, Ok(vectors(0.5)), t);
+        assert_eq!(
+            g.standing(&cloud, "embedding:cloud-m:3"),
+            Standing::Pass,
+            "the anchor of the next space"
+        );
+        assert_eq!(g.current_id(Role::Embedding), Some("embedding:m:3"));
+        assert_eq!(
+            g.which(Role::Embedding, "embedding:cloud-m:3"),
+            Some(Live::Next)
+        );
+        assert_eq!(
+            g.space_policy(Role::Embedding, "embedding:cloud-m:3"),
+            Some(Policy::Cloud)
+        );
+        // Cutover: one step.
+        g.migrated(Role::Embedding, &Step::Cutover, &now(1))
+            .unwrap();
+        assert_eq!(g.current_id(Role::Embedding), Some("embedding:cloud-m:3"));
+        assert_eq!(
+            g.which(Role::Embedding, "embedding:m:3"),
+            Some(Live::Previous)
+        );
+        assert!(g.take_dirty(), "persisted with the spaces");
+        // A restarted gate keeps it.
+        let (spaces, live) = (g.spaces().clone(), g.live().clone());
+        let mut g = Gate::new(GateSettings::default(), spaces);
+        g.restore_live(live);
+        let _ = g.tick(t, &cands, |_| Policy::Local, |_| Some(3));
+        assert_eq!(g.current_id(Role::Embedding), Some("embedding:cloud-m:3"));
     }
 }
 

@@ -16,7 +16,8 @@ impl Gate {
             .values()
             .map(|s| {
                 let id = s.id();
-                let current = self.current.get(&s.role) == Some(&id);
+                let live = self.which(s.role, &id);
+                let current = live == Some(super::Live::Current);
                 let passing: Vec<&VerdictEntry> = self
                     .verdicts
                     .values()
@@ -30,6 +31,13 @@ impl Gate {
                     dims: s.dims,
                     encoder: s.encoder.clone(),
                     current,
+                    live,
+                    passing: passing.iter().map(|e| e.provider.clone()).collect(),
+                    projects: self
+                        .project_rows(&id)
+                        .into_iter()
+                        .map(|(p, (rows, tokens))| (p, ProjectRows { rows, tokens }))
+                        .collect(),
                     created_ms: s.created_ms,
                     generation: s.generation,
                     int8_scales: s.int8_scales.clone(),
@@ -70,6 +78,13 @@ pub struct GateView {
     pub verdicts: Vec<VerdictEntry>,
 }
 
+/// Rows and tokens one project was served from a space.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct ProjectRows {
+    pub rows: u64,
+    pub tokens: u64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct SpaceView {
     pub id: String,
@@ -77,8 +92,16 @@ pub struct SpaceView {
     pub model: String,
     pub dims: usize,
     pub encoder: String,
-    /// The role's space now.
+    /// The role's space now (what unpinned requests are served in).
     pub current: bool,
+    /// Which of the role's live spaces it is (`current`, `next`, `previous`); absent for a
+    /// stored space nothing is served from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub live: Option<super::Live>,
+    /// Providers whose verdict for it passes.
+    pub passing: Vec<String>,
+    /// Rows and tokens served from it, per project.
+    pub projects: BTreeMap<String, ProjectRows>,
     pub created_ms: u64,
     /// Which founding of this id it is (a retired id fingerprinted again is a new one).
     pub generation: u64,
