@@ -599,7 +599,11 @@ async fn aggregate_shares_the_queue_and_a_throttled_cloud_holds_back_only_itself
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_policy_routes_embeddings_reranks_and_chat_as_designed() {
     let dir = tempfile::tempdir().unwrap();
-    let up = upstream(|_| {}).await;
+    // The cloud route serves MiniLM's own vectors: it passes the role's space (founded by the
+    // local MiniLM), so every policy can serve embeddings from it. (A route of another encoder
+    // would be refused: a policy never changes the role's space.)
+    let minilm = crate::gate::minilm_embedder().await;
+    let up = upstream(|cfg| cfg.embedder = Some(minilm)).await;
     let hub = HubProc::start(dir.path(), None, &[], &[], "hub.log");
     let reranker = crate::local_support::fixtures().join("qwen3/tiny-qwen3-reranker");
     let body = format!(

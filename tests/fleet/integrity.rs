@@ -283,7 +283,7 @@ async fn a_rerank_request_whose_scorer_leaves_is_scored_again_whole_by_another()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_width_push_mid_request_never_mixes_spaces_in_one_response() {
+async fn a_cutover_mid_request_never_mixes_spaces_in_one_response() {
     let dir = tempfile::tempdir().unwrap();
     // Scripted vectors: their frames carry no canary.
     let hub = HubProc::start(
@@ -317,17 +317,35 @@ async fn a_width_push_mid_request_never_mixes_spaces_in_one_response() {
     let work = a.recv_kind("work").await;
     a.send(done(&work, vectors(&work, 2))).await;
 
-    // The table becomes 3 wide: b founds the new space while the request is in flight.
+    // The table is pushed 3 wide: the role's space stays (only an operator changes it). The
+    // operator migrates to b's model at 3 dims and cuts over while the request is in flight.
     let (code, body) = hub
         .push(json!({"openrouter": {"apiKey": KEY,
             "allowedModels": {"embedding": {"model": "m", "provider": "p/fp32", "dims": 3}}}}))
         .await;
     assert_eq!(code, 200, "{body}");
+    let (code, body) = hub
+        .post_admin(
+            "/admin/migrations",
+            &json!({"role": "embedding", "founder": {"backend": "local", "model": "model-b", "dims": 3}}),
+        )
+        .await;
+    assert_eq!(code, 200, "{body}");
     b.answer_one_probe().await;
+    eventually("b passes the next space", || async {
+        let all = hub.admin_get("/admin/migrations").await;
+        let passing = all["roles"][0]["next"]["passing"].clone();
+        (passing == json!(["b/embedding"])).then_some(())
+    })
+    .await;
+    let (code, body) = hub
+        .post_admin("/admin/migrations/embedding/cutover", &json!({}))
+        .await;
+    assert_eq!(code, 200, "{body}");
     hub.wait_for_current_space("embedding:model-b:3").await;
     b.send(json!({"type":"pull","provider":"embedding","credits":4}))
         .await;
-    // The rest of the request stays in its admitted space, with a.
+    // The rest of the request stays in its admitted space (previous now), with a.
     for _ in 0..3 {
         a.send(json!({"type":"pull","provider":"embedding","credits":1}))
             .await;
@@ -381,6 +399,15 @@ async fn a_width_no_provider_has_is_refused_at_once_with_the_reason() {
         "openrouter_url = \"{}\"",
         crate::local_support::closed_endpoint()
     );
+    // The table is 256 wide before any model connects (a role's first space is as wide as
+    // its table; once founded, a space stays the role's whatever is pushed); the only model
+    // makes 384: no space can be founded.
+    let (code, body) = hub
+        .push(json!({"openrouter": {"apiKey": KEY,
+            "allowedModels": {"embedding": {"model": "m", "provider": "p/fp32", "dims": 256}},
+            "modeByRole": {"embedding": "local"}}}))
+        .await;
+    assert_eq!(code, 200, "{body}");
     let _gpu = start_agent_with(
         dir.path(),
         &hub.ws_url(),
@@ -390,13 +417,7 @@ async fn a_width_no_provider_has_is_refused_at_once_with_the_reason() {
         &[],
     );
     hub.wait_for_agent("gpu").await;
-    // The table is 256 wide; the only model makes 384: no space can be founded.
-    let (code, body) = hub
-        .push(json!({"openrouter": {"apiKey": KEY,
-            "allowedModels": {"embedding": {"model": "m", "provider": "p/fp32", "dims": 256}},
-            "modeByRole": {"embedding": "local"}}}))
-        .await;
-    assert_eq!(code, 200, "{body}");
+    crate::gate::verdict(&hub, "gpu/embedding", &["refused"]).await;
     let started = Instant::now();
     let (code, body) = hub
         .post(

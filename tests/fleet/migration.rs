@@ -74,6 +74,25 @@ async fn next_passes(hub: &HubProc) {
     .await
 }
 
+/// `POST /admin/migrations/embedding/<what>`: the status and error code.
+async fn step(hub: &HubProc, what: &str) -> String {
+    let path = format!("/admin/migrations/embedding/{what}");
+    let (code, body) = hub.post_admin(&path, &json!({})).await;
+    format!(
+        "{code} {}",
+        body["error"]["code"].as_str().unwrap_or_default()
+    )
+}
+
+/// `POST /admin/migrations`: the status and error code.
+async fn open(hub: &HubProc, body: Value) -> String {
+    let (code, body) = hub.post_admin("/admin/migrations", &body).await;
+    format!(
+        "{code} {}",
+        body["error"]["code"].as_str().unwrap_or_default()
+    )
+}
+
 /// `POST /v1/embeddings` with an optional `X-Fantom-Space`: the status and body.
 async fn embed(hub: &HubProc, texts: &[String], pin: Option<&str>) -> (u16, Value) {
     let mut r = hub.http.post(hub.url("/v1/embeddings")).json(&json!({
@@ -145,60 +164,19 @@ async fn a_migration_rebuilds_the_index_pinned_while_queries_stay_in_the_current
     hub.wait_for_current_space(CURRENT).await;
 
     // Steps that cannot apply are refused with the reason, and change nothing.
-    let (code, body) = hub
-        .post_admin("/admin/migrations/embedding/cutover", &json!({}))
-        .await;
-    assert_eq!(
-        (code, body["error"]["code"].as_str()),
-        (409, Some("no_migration")),
-        "{body}"
-    );
-    let (code, body) = hub
-        .post_admin("/admin/migrations/embedding/close", &json!({}))
-        .await;
-    assert_eq!(
-        (code, body["error"]["code"].as_str()),
-        (409, Some("no_previous")),
-        "{body}"
-    );
-    let (code, body) = hub
-        .post_admin(
-            "/admin/migrations",
-            &json!({"role": "reranker", "founder": cloud_founder()}),
-        )
-        .await;
-    assert_eq!(code, 400, "{body}");
-    let (code, body) = hub
-        .post_admin(
-            "/admin/migrations",
-            &json!({"role": "embedding", "founder": {"backend": "local", "model": "all-minilm-l6-v2", "dims": 384}}),
-        )
-        .await;
-    assert_eq!(
-        (code, body["error"]["code"].as_str()),
-        (409, Some("same_as_current")),
-        "{body}"
-    );
+    assert_eq!(step(&hub, "cutover").await, "409 no_migration");
+    assert_eq!(step(&hub, "close").await, "409 no_previous");
+    let reranker = json!({"role": "reranker", "founder": cloud_founder()});
+    assert_eq!(open(&hub, reranker).await, "400 not_embedding");
+    let same = json!({"role": "embedding",
+        "founder": {"backend": "local", "model": "all-minilm-l6-v2", "dims": 384}});
+    assert_eq!(open(&hub, same).await, "409 same_as_current");
     // A founder nobody serves: open, cutover refused (not founded), abort.
-    let (code, body) = hub
-        .post_admin(
-            "/admin/migrations",
-            &json!({"role": "embedding", "founder": {"backend": "local", "model": "nobody/serves-this"}}),
-        )
-        .await;
-    assert_eq!(code, 200, "{body}");
-    let (code, body) = hub
-        .post_admin("/admin/migrations/embedding/cutover", &json!({}))
-        .await;
-    assert_eq!(
-        (code, body["error"]["code"].as_str()),
-        (409, Some("next_not_founded")),
-        "{body}"
-    );
-    let (code, body) = hub
-        .post_admin("/admin/migrations/embedding/abort", &json!({}))
-        .await;
-    assert_eq!(code, 200, "{body}");
+    let nobody = json!({"role": "embedding",
+        "founder": {"backend": "local", "model": "nobody/serves-this"}});
+    assert_eq!(open(&hub, nobody).await, "200 ");
+    assert_eq!(step(&hub, "cutover").await, "409 next_not_founded");
+    assert_eq!(step(&hub, "abort").await, "200 ");
 
     // The migration: the cloud route is built beside the local model and founds next.
     let (code, body) = hub
@@ -347,14 +325,20 @@ async fn a_migration_rebuilds_the_index_pinned_while_queries_stay_in_the_current
 /// A copy of the MiniLM folder with 1 MiB of its first feed-forward weights negated (an
 /// encoder that is not interchangeable with the original).
 fn negated_minilm(dir: &Path) -> std::path::PathBuf {
-    let to = dir.join("minilm-negated");
-    std::fs::create_dir_all(&to).unwrap();
-    for entry in std::fs::read_dir(minilm_dir()).unwrap() {
-        let entry = entry.unwrap();
-        if entry.file_type().unwrap().is_file() {
-            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    fn copy_dir(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let entry = entry.unwrap();
+            let (from, to) = (entry.path(), to.join(entry.file_name()));
+            if entry.file_type().unwrap().is_dir() {
+                copy_dir(&from, &to);
+            } else {
+                std::fs::copy(&from, &to).unwrap();
+            }
         }
     }
+    let to = dir.join("minilm-negated");
+    copy_dir(&minilm_dir(), &to);
     let path = to.join("model.safetensors");
     let mut bytes = std::fs::read(&path).unwrap();
     let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
@@ -381,7 +365,7 @@ async fn the_reference_host_killed_beside_another_model_leaves_the_space_as_it_w
     hub.wait_for_current_space(CURRENT).await;
     let negated = negated_minilm(dir.path());
     let other_body = format!(
-        "[[models]]\nroles = [\"embedding\"]\nmodel_dir = \"{}\"\ndevice = \"cpu\"\npooling = \"mean\"\n",
+        "[[models]]\nroles = [\"embedding\"]\nmodel_dir = \"{}\"\ndevice = \"cpu\"\n",
         negated.display()
     );
     let _other = start_agent_toml(
@@ -393,6 +377,10 @@ async fn the_reference_host_killed_beside_another_model_leaves_the_space_as_it_w
         &[],
     );
     let refused = crate::gate::verdict(&hub, "other/embedding", &["refused"]).await;
+    eprintln!(
+        "the negated copy: lowest cosine {}",
+        refused["evidence"]["min_cosine"]
+    );
     assert_eq!(refused["space"], CURRENT, "{refused}");
     gpu.kill();
     eventually("the reference host is gone", || async {
@@ -414,7 +402,12 @@ async fn the_reference_host_killed_beside_another_model_leaves_the_space_as_it_w
         "{code}: {said}"
     );
     let s = hub.status().await;
-    let spaces = s["gate"]["spaces"].as_array().unwrap();
+    let spaces: Vec<&Value> = s["gate"]["spaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["role"] == "embedding")
+        .collect();
     assert_eq!(spaces.len(), 1, "no new space: {spaces:?}");
     assert_eq!(spaces[0]["id"], CURRENT);
     assert_eq!(spaces[0]["current"], true);
