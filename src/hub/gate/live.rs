@@ -514,6 +514,74 @@ pub fn describe(f: &Founder) -> String {
     }
 }
 
+impl super::Gate {
+    /// Each embedding role's live spaces (persisted with the state).
+    pub fn live(&self) -> &BTreeMap<Role, RoleSpaces> {
+        &self.live
+    }
+
+    /// Restores the live spaces a store loaded.
+    pub fn restore_live(&mut self, live: BTreeMap<Role, RoleSpaces>) {
+        self.live = live;
+    }
+
+    /// Which of `role`'s live spaces `space` is.
+    pub fn which(&self, role: Role, space: &str) -> Option<Live> {
+        self.live.get(&role)?.which(space)
+    }
+
+    /// Who may serve requests bound to `space`: a migration's policy for its next space, the
+    /// old policy for the previous one; `None` for the current space (the role's policy).
+    pub fn space_policy(&self, role: Role, space: &str) -> Option<Policy> {
+        let l = self.live.get(&role)?;
+        match l.which(space)? {
+            Live::Current => None,
+            Live::Next => l.next.as_ref().map(|m| m.policy),
+            Live::Previous => l.previous.as_ref().map(|p| p.policy),
+        }
+    }
+
+    /// What `step` would make of the live spaces (checked; nothing changes here): the hub
+    /// persists the result, then applies the same step with [`Gate::migrated`].
+    pub fn migrate(
+        &self,
+        role: Role,
+        step: &Step,
+        now: &RoleNow,
+    ) -> Result<(BTreeMap<Role, RoleSpaces>, Applied), MigrationRefused> {
+        let mut live = self.live.clone();
+        let founded = |id: &str| self.spaces.contains_key(id);
+        let applied = apply(&mut live, &founded, role, step, now, crate::hub::now_ms())?;
+        Ok((live, applied))
+    }
+
+    /// Applies `step` (persisted already) to the live spaces, with its event.
+    pub fn migrated(
+        &mut self,
+        role: Role,
+        step: &Step,
+        now: &RoleNow,
+    ) -> Result<Applied, MigrationRefused> {
+        let spaces = &self.spaces;
+        let founded = |id: &str| spaces.contains_key(id);
+        let applied = apply(
+            &mut self.live,
+            &founded,
+            role,
+            step,
+            now,
+            crate::hub::now_ms(),
+        )?;
+        tracing::info!(role = %role, event = %applied.event, "migration");
+        self.events.push(
+            crate::hub::events::EventKind::Migration,
+            role.to_string(),
+            applied.event.clone(),
+        );
+        Ok(applied)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

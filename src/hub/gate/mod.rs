@@ -4,10 +4,12 @@
 //! * A **space** is one role's table: the encoder that built it (the reference), its width,
 //!   and the reference's probe vectors as its **fingerprint** (persisted). A new reference
 //!   model for a role is a new space, never a silent mix.
-//! * The **reference** follows the policy: under `local`, `aggregate` and `backup` the
-//!   configured reference provider, else the first healthy local provider in a stable order;
-//!   under `cloud` the first cloud provider (the anchor), checked on dims and pin only, with the
-//!   next one as the fallback when it cannot answer.
+//! * The **reference** that founds a role's first space follows the policy: under `local`,
+//!   `aggregate` and `backup` the configured reference provider, else the first healthy local
+//!   provider in a stable order; under `cloud` the first cloud provider (the anchor), checked
+//!   on dims and pin only, with the next one as the fallback when it cannot answer
+//!   ([`founding`]). That space is the role's **current** one until an operator cuts over to a
+//!   migration's next space ([`live`]): no reference lost, push or policy change replaces it.
 //! * Every other provider is probed with [`measure::probe_texts`] and judged against the
 //!   fingerprint ([`measure::judge`]). Vector verdicts never expire; probe failures are
 //!   transient and retried with backoff (30 s doubling to 15 min), cleared on reconnect.
@@ -20,12 +22,14 @@
 //! This module decides; [`crate::hub::core`] sends the probes it asks for and asks it before
 //! every embedding lease.
 
+mod founding;
 mod live;
 pub mod measure;
 mod reported;
 mod stored;
 mod view;
 
+use self::founding::Founding;
 pub use self::live::{
     Applied, CutOver, Founder, Live, Migration, MigrationRefused, Previous, RoleNow, RoleSpaces,
     SpacePin, Step, describe,
@@ -297,16 +301,6 @@ struct Pending {
     sent: Instant,
 }
 
-/// What founding a space came to.
-enum Founding {
-    /// Its fingerprint is stored.
-    Found(String),
-    /// Its fingerprint is on the way (or asked now).
-    Fingerprinting(String),
-    /// No reference can answer now.
-    Nothing,
-}
-
 /// A probe the hub should send now.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ProbeRequest {
@@ -403,34 +397,6 @@ impl Gate {
         }
     }
 
-    /// The reference candidates of a role, in the order they are tried.
-    fn references<'a>(&self, policy: Policy, cands: &[&'a Candidate]) -> Vec<&'a Candidate> {
-        if policy == Policy::Cloud {
-            return cands
-                .iter()
-                .copied()
-                .filter(|c| c.backend == Backend::Cloud)
-                .collect();
-        }
-        let locals = cands
-            .iter()
-            .copied()
-            .filter(|c| c.backend == Backend::Local && c.healthy);
-        match &self.settings.reference {
-            Some(named) => locals.filter(|c| &c.provider == named).collect(),
-            // A fronted server's bytes are not ours to pin: it is judged against a space,
-            // never the one that founds it, unless the operator named it.
-            None => locals.filter(|c| !c.fronted).collect(),
-        }
-    }
-
-    /// Whether some candidate could found (or answer for) a role's space under `policy`:
-    /// under `cloud` a cloud provider, else a healthy local one (the named reference, when one
-    /// is configured).
-    pub fn has_reference(&self, policy: Policy, candidates: &[&Candidate]) -> bool {
-        !self.references(policy, candidates).is_empty()
-    }
-
     /// Decides which probes to send now. `width`: the role's configured table width, if any.
     pub fn tick(
         &mut self,
@@ -496,201 +462,6 @@ impl Gate {
             }
         }
         out
-    }
-
-    /// Probes due for every candidate against `sid` (a live space), when it is founded.
-    fn judge_all(
-        &mut self,
-        now: Instant,
-        sid: &str,
-        cands: &[&Candidate],
-        out: &mut Vec<ProbeRequest>,
-    ) {
-        let Some(s) = self.spaces.get(sid) else {
-            return;
-        };
-        let (w, encoder) = (s.dims, s.encoder.clone());
-        for c in cands.iter().copied() {
-            let key = verdict_key(c, sid);
-            let entry = self.verdicts.get(&key);
-            let due = match entry {
-                None => Some(Purpose::Verify),
-                Some(e) if e.probe.is_some() => None,
-                Some(e) => match &e.verdict {
-                    Verdict::Pass if e.next_check.is_some_and(|t| t <= now) => {
-                        Some(Purpose::Sentinel)
-                    }
-                    Verdict::ProbeFailed { .. } if e.next_check.is_none_or(|t| t <= now) => {
-                        Some(Purpose::Verify)
-                    }
-                    Verdict::Probing => Some(Purpose::Verify),
-                    _ => None,
-                },
-            };
-            if due == Some(Purpose::Verify)
-                && let Some(reason) = refused_unprobed(c, w)
-            {
-                tracing::warn!(provider = %c.provider, space = %sid, reason = %reason, "gate: refused");
-                self.record(
-                    c,
-                    sid,
-                    Verdict::Refused { reason },
-                    None,
-                    encoder.clone(),
-                    None,
-                );
-                continue;
-            }
-            if let Some(purpose) = due {
-                out.push(self.send(now, c, sid, purpose, Some(w), encoder.clone()));
-            }
-        }
-    }
-
-    /// Candidates that may fingerprint a space again under its own id: cloud routes, and
-    /// healthy local providers (a fronted server only when named the reference).
-    fn refounders<'a>(&self, cands: &[&'a Candidate]) -> Vec<&'a Candidate> {
-        cands
-            .iter()
-            .copied()
-            .filter(|c| match c.backend {
-                Backend::Cloud => true,
-                Backend::Local => {
-                    c.healthy
-                        && (!c.fronted
-                            || self.settings.reference.as_deref() == Some(c.provider.as_str()))
-                }
-            })
-            .collect()
-    }
-
-    /// The first of `refs` that founds a space `accept` takes: found already, its fingerprint
-    /// on the way, or asked now.
-    fn found(
-        &mut self,
-        now: Instant,
-        refs: &[&Candidate],
-        width: Option<usize>,
-        accept: &dyn Fn(&str) -> bool,
-        out: &mut Vec<ProbeRequest>,
-    ) -> Founding {
-        for r in refs {
-            let Some(w) = width.or(r.dims) else { continue };
-            let sid = self.reference_space(r, w);
-            if !accept(&sid) {
-                continue;
-            }
-            if self.spaces.contains_key(&sid) {
-                return Founding::Found(sid);
-            }
-            // One fingerprint per space at a time, whoever it was asked of.
-            if self
-                .pending
-                .values()
-                .any(|p| p.purpose == Purpose::Fingerprint && p.space == sid)
-            {
-                return Founding::Fingerprinting(sid);
-            }
-            // Fingerprint with this reference, unless it cannot answer now.
-            let key = verdict_key(r, &sid);
-            match self
-                .verdicts
-                .get(&key)
-                .map(|e| (&e.verdict, e.next_check, e.probe.is_some()))
-            {
-                Some((_, _, true)) => return Founding::Fingerprinting(sid),
-                Some((Verdict::Refused { .. }, _, _)) => continue,
-                Some((Verdict::ProbeFailed { .. }, Some(at), _)) if at > now => continue,
-                _ => {}
-            }
-            if let Some(reason) = refused_unprobed(r, w) {
-                self.record(r, &sid, Verdict::Refused { reason }, None, "-".into(), None);
-                continue;
-            }
-            out.push(self.send(now, r, &sid, Purpose::Fingerprint, Some(w), "-".into()));
-            return Founding::Fingerprinting(sid);
-        }
-        Founding::Nothing
-    }
-
-    /// A migration's next space: founded by its founder (its id named as soon as the founder
-    /// is connected), never the current or previous space.
-    fn found_next(
-        &mut self,
-        now: Instant,
-        role: Role,
-        cands: &[&Candidate],
-        out: &mut Vec<ProbeRequest>,
-    ) {
-        let Some(l) = self.live.get(&role) else {
-            return;
-        };
-        let Some(m) = &l.next else {
-            return;
-        };
-        if m.space
-            .as_ref()
-            .is_some_and(|s| self.spaces.contains_key(s))
-        {
-            return;
-        }
-        let (founder, want) = (m.founder.clone(), m.space.clone());
-        let taken: Vec<String> = std::iter::once(l.current.clone())
-            .chain(l.previous.as_ref().map(|p| p.space.clone()))
-            .collect();
-        let refs: Vec<&Candidate> = cands
-            .iter()
-            .copied()
-            .filter(|c| founder.founds(c) && (c.backend == Backend::Cloud || c.healthy))
-            .collect();
-        let accept =
-            |sid: &str| want.as_deref().is_none_or(|w| w == sid) && !taken.iter().any(|t| t == sid);
-        let named = match self.found(now, &refs, founder.dims(), &accept, out) {
-            Founding::Found(sid) | Founding::Fingerprinting(sid) => sid,
-            Founding::Nothing => return,
-        };
-        if let Some(m) = self.live.get_mut(&role).and_then(|l| l.next.as_mut())
-            && m.space.as_deref() != Some(named.as_str())
-        {
-            tracing::info!(role = %role, space = %named, "a migration's next space is named by its founder");
-            m.space = Some(named);
-            self.dirty = true;
-        }
-    }
-
-    /// The space a reference answers for at width `w`: its model's; for an unpinned folder
-    /// (named by its bytes), the role's newest stored space an unpinned folder founded at that
-    /// width, so new bytes in the reference's folder are a new provider judged against the
-    /// stored fingerprint, never a silently new space.
-    fn reference_space(&self, r: &Candidate, w: usize) -> String {
-        let own = space_id(r.role, &r.model, w);
-        if self.spaces.contains_key(&own)
-            || r.backend != Backend::Local
-            || !unpinned_model(&r.model)
-        {
-            return own;
-        }
-        self.spaces
-            .values()
-            .filter(|s| s.role == r.role && s.dims == w && s.unpinned_reference())
-            .max_by_key(|s| s.created_ms)
-            .map_or(own, Space::id)
-    }
-
-    /// The role's current space, else its newest stored one; either only as wide as the
-    /// table (`width`) when one is configured.
-    fn fallback_space(&self, role: Role, width: Option<usize>) -> Option<String> {
-        let fits = |s: &Space| width.is_none_or(|w| s.dims == w);
-        if let Some(sid) = self.live.get(&role).map(|l| &l.current)
-            && self.spaces.get(sid).is_some_and(fits)
-        {
-            return Some(sid.clone());
-        }
-        self.spaces
-            .values()
-            .filter(|s| s.role == role && fits(s))
-            .max_by_key(|s| s.created_ms)
-            .map(Space::id)
     }
 
     fn send(
@@ -1375,76 +1146,6 @@ impl Gate {
             .iter()
             .filter(|((sid, _), _)| sid == space)
             .map(|((_, p), n)| (p.clone(), *n))
-            .collect()
-    }
-
-    // ---- live spaces and migrations ----------------------------------------------------
-
-    /// Each embedding role's live spaces (persisted with the state).
-    pub fn live(&self) -> &BTreeMap<Role, RoleSpaces> {
-        &self.live
-    }
-
-    /// Restores the live spaces a store loaded.
-    pub fn restore_live(&mut self, live: BTreeMap<Role, RoleSpaces>) {
-        self.live = live;
-    }
-
-    /// Which of `role`'s live spaces `space` is.
-    pub fn which(&self, role: Role, space: &str) -> Option<Live> {
-        self.live.get(&role)?.which(space)
-    }
-
-    /// Who may serve requests bound to `space`: a migration's policy for its next space, the
-    /// old policy for the previous one; `None` for the current space (the role's policy).
-    pub fn space_policy(&self, role: Role, space: &str) -> Option<Policy> {
-        let l = self.live.get(&role)?;
-        match l.which(space)? {
-            Live::Current => None,
-            Live::Next => l.next.as_ref().map(|m| m.policy),
-            Live::Previous => l.previous.as_ref().map(|p| p.policy),
-        }
-    }
-
-    /// What `step` would make of the live spaces (checked; nothing changes here): the hub
-    /// persists the result, then applies the same step with [`Gate::migrated`].
-    pub fn migrate(
-        &self,
-        role: Role,
-        step: &Step,
-        now: &RoleNow,
-    ) -> Result<(BTreeMap<Role, RoleSpaces>, Applied), MigrationRefused> {
-        let mut live = self.live.clone();
-        let founded = |id: &str| self.spaces.contains_key(id);
-        let applied = live::apply(&mut live, &founded, role, step, now, now_ms())?;
-        Ok((live, applied))
-    }
-
-    /// Applies `step` (persisted already) to the live spaces, with its event.
-    pub fn migrated(
-        &mut self,
-        role: Role,
-        step: &Step,
-        now: &RoleNow,
-    ) -> Result<Applied, MigrationRefused> {
-        let spaces = &self.spaces;
-        let founded = |id: &str| spaces.contains_key(id);
-        let applied = live::apply(&mut self.live, &founded, role, step, now, now_ms())?;
-        tracing::info!(role = %role, event = %applied.event, "migration");
-        self.events.push(
-            EventKind::Migration,
-            role.to_string(),
-            applied.event.clone(),
-        );
-        Ok(applied)
-    }
-
-    /// The cloud routes every role's live spaces need beside the roles' own.
-    pub fn space_routes(&self) -> BTreeMap<Role, Vec<crate::config::push::AllowedModel>> {
-        self.live
-            .iter()
-            .map(|(role, l)| (*role, l.routes()))
-            .filter(|(_, routes)| !routes.is_empty())
             .collect()
     }
 
