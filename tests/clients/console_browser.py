@@ -272,6 +272,22 @@ def operator(args, admin, check):
             expect(page.locator("#role-embedding .waiting")).to_contain_text("nothing waiting")
         check("roles show their waits and refusals by code", queues)
 
+        def migration():
+            # Opened from the page; its abort asks first, and declined, it stays open.
+            page.select_option("#migration-backend", "local")
+            page.fill("#migration-model", "nobody/serves-this")
+            page.click("#open-migration button[type=submit]")
+            expect(page.locator("#migration-result")).to_contain_text("opened")
+            expect(page.locator("#migrations")).to_contain_text("migrating")
+            page.once("dialog", lambda d: d.dismiss())
+            page.click("button[data-migration='abort'][data-role='embedding']")
+            expect(page.locator("#migrations")).to_contain_text("migrating")
+            page.once("dialog", lambda d: d.accept())
+            page.click("button[data-migration='abort'][data-role='embedding']")
+            expect(page.locator("#migration-result")).to_contain_text("aborted")
+            expect(page.locator("#migrations")).not_to_contain_text("migrating")
+        check("a migration is opened and aborted (after a confirmation) in the page", migration)
+
         def accessible():
             no_serious_violations(page)
         check("axe-core finds no serious or critical violation", accessible)

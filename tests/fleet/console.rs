@@ -172,7 +172,7 @@ async fn an_operator_runs_the_fleet_from_the_console_in_a_real_browser() {
     })
     .await;
     keepalive.abort();
-    assert_all_passed(&lines, &stderr, 15);
+    assert_all_passed(&lines, &stderr, 16);
     assert!(screenshot.exists());
 }
 

@@ -543,6 +543,21 @@ document.addEventListener("DOMContentLoaded", () => {
       refreshSoon();
     } catch (e) { $("projects-result").textContent = "Not saved: " + e.message; }
   });
+  $("open-migration").addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const backend = $("migration-backend").value;
+    const founder = { backend, model: $("migration-model").value.trim() };
+    const dims = $("migration-dims").value;
+    if (dims) founder.dims = Number(dims);
+    if (backend === "cloud") founder.provider = $("migration-provider").value.trim();
+    const body = { role: $("migration-role").value, founder };
+    if ($("migration-policy").value) body.policy = $("migration-policy").value;
+    try {
+      const done = await api("/admin/migrations", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+      $("migration-result").textContent = done.event;
+      refreshSoon();
+    } catch (e) { $("migration-result").textContent = "Not opened: " + e.message; }
+  });
   $("spaces").addEventListener("click", async (ev) => {
     const target = ev.target;
     if (!(target instanceof HTMLButtonElement)) return;
